@@ -1,0 +1,327 @@
+"""The team: agents (one causal LM each) and the factorized team policy.
+
+SAT.md section 2. A team of n agents is one factorized policy
+pi(a|s) = prod_i pi_i(a_i|s); each agent's action is a whole response.
+Two protocols:
+
+- ``independent``: every agent answers the problem alone; the team answer is
+  the majority vote of the agents' extracted answers (ties -> earliest agent).
+- ``chain``: agents speak in turn; agent k sees the problem plus the extracted
+  answers of agents 1..k-1; the last agent's answer is the team answer.
+
+Agent specs (``parse_agents``):
+    "Qwen3-4B x3"            three copies of Qwen/Qwen3-4B
+    "Qwen3-4B x2, Qwen3-8B"  a mixed team
+    "tiny x3"                three tiny Qwen3-shaped models built from a config
+    "tiny-6L"                a tiny model with 6 layers (stronger)
+    "org/model" or a local checkpoint folder (one with config.json)
+
+A tiny agent is a real ``Qwen3ForCausalLM`` with a real (character-level)
+``PreTrainedTokenizerFast`` and chat template: it goes through exactly the same
+code as a downloaded checkpoint, and ``save``/``Agent.load`` round-trip it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tasks import Problem, extract_answer, majority_vote
+
+# Short names users type on the command line -> public Hugging Face ids.
+SHORT_NAMES = {
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-14b": "Qwen/Qwen3-14B",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+}
+PROTOCOLS = ("independent", "chain")
+TINY_PATTERN = re.compile(r"^tiny(?:-(\d+)L)?$", re.IGNORECASE)
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Special tokens of the tiny character tokenizer. The chat template below uses
+# the role markers exactly like a real chat model uses its own.
+TINY_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|unk|>"]
+TINY_CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------
+# Agent specs
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentSpec:
+    """What to load for one team slot. ``kind`` is tiny | hub | local."""
+
+    name: str  # as the user wrote it, e.g. "Qwen3-4B"
+    kind: str
+    source: str  # hub id, folder path, or "tiny"
+    tiny_layers: int = 4
+
+
+def resolve_agent_spec(name: str) -> AgentSpec:
+    """Map one agent name to what it loads; a clear error for anything else."""
+    name = name.strip()
+    m = TINY_PATTERN.match(name)
+    if m:
+        return AgentSpec(name=name, kind="tiny", source="tiny", tiny_layers=int(m.group(1) or 4))
+    if os.path.isdir(name):
+        if not (Path(name) / "config.json").exists():
+            raise ValueError(f"agent folder '{name}' has no config.json: pass a folder written by save_pretrained")
+        return AgentSpec(name=name, kind="local", source=str(Path(name).resolve()))
+    if name.lower() in SHORT_NAMES:
+        return AgentSpec(name=name, kind="hub", source=SHORT_NAMES[name.lower()])
+    if HUB_ID_PATTERN.match(name):
+        return AgentSpec(name=name, kind="hub", source=name)
+    known = ", ".join(v.split("/")[1] for v in SHORT_NAMES.values())
+    raise ValueError(
+        f"unknown agent '{name}': use a short name ({known}), a hub id like Qwen/Qwen3-4B, "
+        "a local checkpoint folder, or tiny / tiny-6L"
+    )
+
+
+def parse_agents(spec: str) -> list[AgentSpec]:
+    """Parse "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", "tiny x3" into one spec per slot."""
+    if not spec or not spec.strip():
+        raise ValueError("empty --agents: give e.g. 'tiny x3' or 'Qwen3-4B x2, Qwen3-8B'")
+    specs: list[AgentSpec] = []
+    for item in spec.split(","):
+        item = item.strip()
+        m = re.fullmatch(r"(\S+)(?:\s*[x\*]\s*(\d+))?", item)
+        if not m:
+            raise ValueError(f"cannot parse agent entry '{item}' in '{spec}': write NAME or NAME xK, entries separated by commas")
+        count = int(m.group(2)) if m.group(2) else 1
+        if count < 1:
+            raise ValueError(f"agent entry '{item}': the count must be at least 1")
+        specs.extend([resolve_agent_spec(m.group(1))] * count)
+    return specs
+
+
+# ---------------------------------------------------------------------------
+# Tiny agents: a Qwen3-shaped model from a config and a character tokenizer
+# ---------------------------------------------------------------------------
+def build_char_tokenizer():
+    """A character-level tokenizer built offline, wrapped like a hub tokenizer.
+
+    BPE with an empty merge list splits text into single characters; the role
+    markers are added tokens so the chat template tokenizes them atomically.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
+    core.decoder = decoders.Fuse()  # join characters without spaces
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        unk_token="<|unk|>",
+        padding_side="left",
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, layers: int = 4, seed: int = 0, hidden: int = 128):
+    """A randomly initialised Qwen3ForCausalLM small enough for two CPU cores."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # same seed -> bit-identical weights
+        model = Qwen3ForCausalLM(config)
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Agent
+# ---------------------------------------------------------------------------
+class Agent:
+    """One team member: a causal LM, its tokenizer, and (only while it is the
+    agent being trained) an optimizer. Frozen agents hold no gradients and no
+    optimizer state: that is SAT's memory advantage."""
+
+    def __init__(self, spec: AgentSpec, model, tokenizer):
+        self.spec = spec
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.freeze()
+
+    # -- loading / saving ---------------------------------------------------
+    @classmethod
+    def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> "Agent":
+        spec = resolve_agent_spec(spec) if isinstance(spec, str) else spec
+        if spec.kind == "tiny":
+            tokenizer = build_char_tokenizer()
+            model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
+        else:
+            model, tokenizer = _load_pretrained(spec.source, dtype)
+        model.to(device=device, dtype=dtype)
+        if tokenizer.pad_token_id is None:  # some chat models ship without a pad token
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        return cls(spec, model, tokenizer)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        (path / "agent.json").write_text(json.dumps({"name": self.spec.name, "kind": self.spec.kind, "source": self.spec.source}))
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Agent":
+        """Load an agent saved by ``save``; its spec keeps the original name."""
+        path = Path(path)
+        meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
+        model, tokenizer = _load_pretrained(str(path), dtype)
+        model.to(device=device, dtype=dtype)
+        tokenizer.padding_side = "left"
+        spec = AgentSpec(name=meta["name"], kind="local", source=str(path))
+        return cls(spec, model, tokenizer)
+
+    # -- training state -----------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def freeze(self) -> None:
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.optimizer = None
+
+    def start_training(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+        """Give this agent gradients and a fresh AdamW; the others stay frozen."""
+        self.model.requires_grad_(True)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        return self.optimizer
+
+    # -- prompting ------------------------------------------------------------
+    def render_prompt(self, messages: list[dict], enable_thinking: bool = False) -> str:
+        """The agent's own chat template; Qwen3's thinking switch is passed
+        through (templates without it ignore the variable)."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+
+    def encode_prompt(self, messages: list[dict], enable_thinking: bool = False) -> list[int]:
+        text = self.render_prompt(messages, enable_thinking)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def vocabulary_signature(self) -> tuple[int, int]:
+        """(size, hash of the token->id map): two agents can share per-token
+        distributions only when these agree."""
+        vocab = self.tokenizer.get_vocab()
+        return len(vocab), hash(tuple(sorted(vocab.items())))
+
+
+def _load_pretrained(source: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as err:  # not cached and no network, or a wrong id
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(
+            f"could not load model '{source}' ({first}); download it first "
+            f"(huggingface-cli download {source}) or pass a local checkpoint folder"
+        ) from err
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------
+# Team
+# ---------------------------------------------------------------------------
+@dataclass
+class TeamConfig:
+    protocol: str = "independent"  # independent | chain
+    enable_thinking: bool = False  # Qwen3's thinking switch, passed to every chat template
+    instruction: str = ""  # appended to every problem, e.g. "put your final answer within \\boxed{}"
+
+
+class Team:
+    """Ordered agents + a protocol. Agent k's prompt is built with agent k's
+    own tokenizer and chat template, so mixed teams just work."""
+
+    def __init__(self, agents: list[Agent], config: TeamConfig | None = None):
+        self.agents = agents
+        self.config = config or TeamConfig()
+        if self.config.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol '{self.config.protocol}': choose one of {', '.join(PROTOCOLS)}")
+        if not agents:
+            raise ValueError("a team needs at least one agent")
+
+    def __len__(self) -> int:
+        return len(self.agents)
+
+    @property
+    def protocol(self) -> str:
+        return self.config.protocol
+
+    def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
+        """The text agent k reads. In the chain protocol it includes the
+        extracted answers of the agents before it (answers, not whole
+        responses: a thinking model's response can be 30k tokens)."""
+        text = problem.problem + self.config.instruction
+        if self.config.protocol == "chain" and previous_answers:
+            lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
+            text = f"{text}\n{lines}\n"
+        return text
+
+    def prompt_ids(self, agent_index: int, problem: Problem, previous_answers: list[str | None]) -> list[int]:
+        agent = self.agents[agent_index]
+        messages = [{"role": "user", "content": self.user_message(problem, previous_answers)}]
+        return agent.encode_prompt(messages, self.config.enable_thinking)
+
+    def team_answer(self, answers: list[str | None]) -> str | None:
+        """Majority vote (independent) or the last agent's answer (chain)."""
+        if self.config.protocol == "independent":
+            return majority_vote(answers)
+        return answers[-1]
+
+    @staticmethod
+    def extract(text: str) -> str | None:
+        return extract_answer(text)
+
+    # -- persistence ------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        for k, agent in enumerate(self.agents):
+            agent.save(path / f"agent_{k}")
+        (path / "team.json").write_text(json.dumps({"protocol": self.config.protocol, "enable_thinking": self.config.enable_thinking,
+                                                    "instruction": self.config.instruction, "agents": [a.spec.name for a in self.agents]}))
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Team":
+        path = Path(path)
+        meta = json.loads((path / "team.json").read_text())
+        agents = [Agent.from_checkpoint(path / f"agent_{k}", device, dtype) for k in range(len(meta["agents"]))]
+        cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"], instruction=meta["instruction"])
+        return cls(agents, cfg)
