@@ -1,0 +1,242 @@
+"""Advantage estimators and sequence-aware importance weights for SAT (SAT.md section 3).
+
+- `masked_sum` / `masked_mean`    reductions over valid (unpadded) entries
+- `group_advantages`              group-relative (R - mean) / (std + eps), clipped
+- `gae`                           token-level GAE(lambda) with truncated (Retrace-style) traces
+- `truncated_log_weights`         log prod min(1, rho_t) over the already-updated agents' tokens
+- `full_log_weights`              log prod rho_t (untruncated, for the bias estimate)
+- `truncation_bias`               zeta: how much truncating the weights moves the surrogate
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x over entries where mask is true (padding may hold nan/inf: it is never read)."""
+    kept = torch.where(mask.bool(), x, torch.zeros_like(x))  # [...]
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over entries where mask is true; 0 where nothing is selected (not nan),
+    so an empty row (e.g. an agent that produced no tokens) drops out of a loss quietly."""
+    total = masked_sum(x, mask, dim)
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return total / count.clamp_min(1).to(total.dtype)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    eps: float = 1e-6,
+    clip: float | None = 5.0,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (SAT.md section 3).
+
+    A group is the G joint trajectories of one prompt; every trajectory in it is compared
+    with its siblings, so no value model is needed.
+
+    std is the *population* std (divide by the group's size / total weight, not size - 1):
+    it is the spread of exactly the empirical distribution whose mean we subtract, it is
+    defined for groups of one (advantage 0) and it has one natural weighted form,
+    sum w (R - m)^2 / sum w; the unbiased sample std has no single weighted analogue and
+    only rescales all advantages of a group by sqrt(G / (G - 1)), which the clip and the
+    learning rate absorb anyway. A group with all equal rewards gets advantage 0 (also
+    with eps = 0).
+
+    Args:
+        rewards: [N] scalar reward per trajectory.
+        group_ids: [N] integer group label per trajectory (any values, any order).
+        eps: added to the std so a zero-spread group does not divide by zero.
+        clip: clamp advantages to [-clip, clip]; None disables clipping.
+        weights: optional [N] non-negative weights for the group mean and std (e.g. the
+            truncated importance weights w(tau)); a group whose weights sum to 0 gets 0.
+    Returns:
+        [N] advantages, same dtype as rewards (float).
+    """
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)}, {tuple(group_ids.shape)}")
+    r = rewards.to(torch.float64) if not rewards.is_floating_point() else rewards  # [N]
+    w = torch.ones_like(r) if weights is None else weights.to(r.dtype)  # [N]
+    if w.shape != r.shape:
+        raise ValueError(f"weights must be [N], got {tuple(w.shape)}")
+    if (w < 0).any():
+        raise ValueError("weights must be non-negative")
+    _, inv = torch.unique(group_ids, return_inverse=True)  # [N] group index in 0..G-1
+    n_groups = int(inv.max().item()) + 1 if inv.numel() else 0
+    w_sum = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inv, w)  # [G]
+    safe = w_sum.clamp_min(torch.finfo(r.dtype).tiny)  # [G]
+    mean = torch.zeros_like(w_sum).index_add_(0, inv, w * r) / safe  # [G]
+    centred = r - mean[inv]  # [N]
+    var = torch.zeros_like(w_sum).index_add_(0, inv, w * centred.pow(2)) / safe  # [G]
+    scale = var.sqrt()[inv] + eps  # [N]
+    # eps = 0 on an all-equal group would be 0 / 0: such a group carries no signal.
+    adv = torch.where(scale > 0, centred / scale.clamp_min(torch.finfo(r.dtype).tiny), torch.zeros_like(r))  # [N]
+    adv = torch.where(w_sum[inv] > 0, adv, torch.zeros_like(adv))  # [N] weightless group: no signal
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)  # [N]
+    return adv
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    traces: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE(lambda) with truncated traces over right-padded sequences.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t               (V_{t+1} = 0 after the last valid token)
+        A_t     = delta_t + gamma * lam * c_{t+1} * A_{t+1}
+                = sum_k (gamma lam)^k (c_{t+1} ... c_{t+k}) delta_{t+k}
+
+    With c = 1 this is GAE(lambda) (Schulman et al., 2016). With c_t = min(1, rho_t) it is
+    the Retrace-style truncation (Munos et al., 2016): the tail of the sum starts with the
+    action a_{t+1}, which was drawn by the behaviour policy, so its off-policy ratio is
+    what decides how much of that tail to trust; capping at 1 keeps the trace product
+    bounded (low variance) at the price of cutting the tail short where the target
+    policy likes a_{t+1} more than the behaviour did. The current token's own ratio is not
+    in A_t: it enters the loss through the PPO ratio.
+
+    Args:
+        rewards: [B, T] per-token rewards (typically the team reward on the last token).
+        values: [B, T] value estimates V(s_t).
+        mask: [B, T] true on valid tokens; each row valid on a prefix (right padding).
+            A position whose successor is invalid is treated as terminal.
+        gamma, lam: discount and GAE lambda.
+        traces: optional [B, T] trace coefficients c_t (e.g. min(1, rho_t)); None = all ones.
+    Returns:
+        (advantages [B, T], returns [B, T] = advantages + values), both 0 on padding.
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards, values, mask must all be [B, T], got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    if traces is not None and traces.shape != rewards.shape:
+        raise ValueError(f"traces must be [B, T], got {tuple(traces.shape)}")
+    valid = mask.bool()  # [B, T]
+    zero = torch.zeros_like(values)  # [B, T]
+    r = torch.where(valid, rewards.to(values.dtype), zero)  # [B, T] padding never leaks in
+    v = torch.where(valid, values, zero)  # [B, T]
+    c = zero + 1 if traces is None else torch.where(valid, traces.to(values.dtype), zero)  # [B, T]
+    _, T = r.shape
+    adv = torch.zeros_like(v)  # [B, T]
+    next_adv = torch.zeros_like(v[:, 0])  # [B]   A_{t+1}, 0 past the end
+    next_value = torch.zeros_like(v[:, 0])  # [B] V_{t+1}, 0 past the end (bootstrap 0)
+    next_trace = torch.zeros_like(v[:, 0])  # [B] c_{t+1} * valid_{t+1}
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]
+        a_t = delta + gamma * lam * next_trace * next_adv  # [B]
+        a_t = torch.where(valid[:, t], a_t, torch.zeros_like(a_t))  # [B]
+        adv[:, t] = a_t
+        # The successor of t - 1 is t: invalid positions carry no value and cut the trace.
+        next_adv = a_t  # [B]
+        next_value = v[:, t]  # [B] already 0 on padding
+        next_trace = torch.where(valid[:, t], c[:, t], torch.zeros_like(a_t))  # [B]
+    returns = torch.where(valid, adv + v, zero)  # [B, T]
+    return adv, returns
+
+
+def _check_log_ratios(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: int | None) -> None:
+    if len(log_ratios) == 0 and batch_size is None:
+        raise ValueError("no earlier agents: pass batch_size to get the all-zero log weights")
+    for log_rho, mask in log_ratios:
+        if log_rho.dim() != 2 or mask.shape != log_rho.shape:
+            raise ValueError(f"each entry must be ([B, T] log rho, [B, T] mask), got {tuple(log_rho.shape)}, {tuple(mask.shape)}")
+
+
+def truncated_log_weights(
+    log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """log w(tau) = log prod_t min(1, rho_t) over the tokens of the already-updated agents.
+
+    For step i of a stage (SAT.md section 3) the list holds, for each agent sigma(1..i-1),
+    its cached per-token log rho_t = log pi_tar(a_t|s_t) - log pi_cur(a_t|s_t) and the mask
+    of its tokens in each joint trajectory (agents may have different lengths T).
+    log min(1, rho) = min(0, log rho), so the product is a sum in log space and never
+    overflows; w <= 1 by construction.
+
+    Args:
+        log_ratios: list of ([B, T_k] log rho, [B, T_k] mask), one per earlier agent.
+        batch_size: B, needed only when the list is empty (the first agent: w = 1).
+    Returns:
+        [B] log weights (<= 0).
+    """
+    _check_log_ratios(log_ratios, batch_size)
+    if len(log_ratios) == 0:
+        return torch.zeros(batch_size, dtype=torch.float32)  # [B]
+    total = 0
+    for log_rho, mask in log_ratios:
+        total = total + masked_sum(log_rho.clamp_max(0.0), mask, dim=1)  # [B]
+    return total
+
+
+def full_log_weights(
+    log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    batch_size: int | None = None,
+) -> torch.Tensor:
+    """log W(tau) = log prod_t rho_t over the already-updated agents' tokens (no truncation).
+
+    Same inputs as `truncated_log_weights`. W is the exact importance weight that makes
+    rollouts of pi_cur unbiased for pi_hat_{i-1}; it is only used to estimate how much the
+    truncation to w costs (`truncation_bias`), never as a training weight (its variance
+    explodes with length).
+    """
+    _check_log_ratios(log_ratios, batch_size)
+    if len(log_ratios) == 0:
+        return torch.zeros(batch_size, dtype=torch.float32)  # [B]
+    total = 0
+    for log_rho, mask in log_ratios:
+        total = total + masked_sum(log_rho, mask, dim=1)  # [B]
+    return total
+
+
+LOG_WEIGHT_CAP = math.log(1e6)
+
+
+def truncation_bias(
+    log_w_full: torch.Tensor,
+    log_w_trunc: torch.Tensor,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    log_cap: float = LOG_WEIGHT_CAP,
+) -> float:
+    """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of SAT.md section 4).
+
+    The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact
+    weight W = prod rho_t; SAT trains with the truncated w = prod min(1, rho_t) instead.
+    Their difference is the bias that truncating the weights introduces into the
+    *surrogate* estimate, and that is all this measures: it says nothing about the error
+    of the advantage estimates A themselves (group baseline noise, value-function error),
+    which are taken as given. Being a sample mean, it is itself an estimate.
+
+    W can be astronomically large (a sum of thousands of log-ratios), so both weights are
+    exponentiated from log space after capping the log at `log_cap` (default log 1e6):
+    beyond that the estimate is dominated by a handful of trajectories anyway, and an
+    inf would make the certificate meaningless. The cap makes the value a (conservative
+    in scale) truncated estimate of the true bias.
+
+    Args:
+        log_w_full: [B] log W from `full_log_weights`.
+        log_w_trunc: [B] log w from `truncated_log_weights`.
+        ratio: [B] the active agent's policy ratio r_j per trajectory.
+        adv: [B] advantages.
+    Returns:
+        zeta >= 0 as a Python float.
+    """
+    if not (log_w_full.shape == log_w_trunc.shape == ratio.shape == adv.shape) or log_w_full.dim() != 1:
+        raise ValueError("truncation_bias expects four [B] tensors of equal shape")
+    if log_w_full.numel() == 0:
+        return 0.0
+    big_w = log_w_full.double().clamp_max(log_cap).exp()  # [B]
+    small_w = log_w_trunc.double().clamp_max(log_cap).exp()  # [B]
+    return abs(((big_w - small_w) * ratio.double() * adv.double()).mean().item())

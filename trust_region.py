@@ -1,0 +1,578 @@
+"""Trust-region machinery for SAT (Sequential Agent Tuning).
+
+Everything that keeps one agent's update inside its KL ball lives here
+(SAT.md sections 3-5):
+
+- `per_state_kl`        exact KL(pi_new(.|s) || pi_cur(.|s)) over the whole vocabulary
+- `kl_penalty`          per-token sampled KL estimators for the loss penalty
+- `quantile`            masked quantile that works past torch.quantile's size limit
+- `QuantileController`  adapts the penalty weight beta from the KL quantile
+- `backtracking_line_search` / `interpolate_parameters`  shrink or reject a step
+- `geometric_mixture_projection`  Stage-0 projection of a plug-in model (section 5)
+- `exponential_tilt_step`         exact KL-constrained improvement step per state
+- `certificate` / `stage_certificate`  the monotonic-improvement bound (section 4)
+
+All functions are plain PyTorch on tensors of shape [rows, vocab]; callers
+flatten (batch, position) into rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Sequence
+
+import torch
+
+
+# ---------------------------------------------------------------------------
+# Exact per-state KL
+# ---------------------------------------------------------------------------
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    # bf16/fp16 logits lose too much in exp/log; float64 callers (tests, toy MDPs) keep float64.
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _kl_rows(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Tensor:
+    """sum_v p_new (log p_new - log p_cur) per row, for normalised log-probs [N, V]."""
+    p_new = logp_new.exp()  # [N, V]
+    # 0 * log 0 = 0: a token the new policy never emits contributes nothing, even if
+    # the current policy gives it zero mass too (which would otherwise read -inf - -inf = nan).
+    terms = torch.where(p_new > 0, p_new * (logp_new - logp_cur), torch.zeros_like(p_new))  # [N, V]
+    return terms.sum(dim=-1)  # [N]
+
+
+def per_state_kl(
+    new_logits: torch.Tensor,
+    cur_logits: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), SAT.md section 3.
+
+    KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
+
+    This is the direction the trust region and the certificate (section 4) use: the
+    *new* policy is the reference measure. Both distributions are available in full at
+    every position of the active agent's tokens, so we sum over the vocabulary instead of
+    using a sampled proxy. Rows are processed `chunk_size` at a time so the float32 copy
+    of a [N, V] block (V ~ 150k for Qwen) never has to exist all at once.
+
+    Args:
+        new_logits, cur_logits: [N, V] logits (or log-probs; log_softmax is idempotent).
+            Any float dtype; bf16/fp16 are upcast to float32, float64 stays float64.
+        temperature: sampling temperature the policies are defined at.
+        chunk_size: rows per chunk.
+    Returns:
+        [N] non-negative KL per row (float32, or float64 for float64 input); +inf where
+        pi_new puts mass on a token pi_cur cannot emit.
+    """
+    if new_logits.shape != cur_logits.shape or new_logits.dim() != 2:
+        raise ValueError(
+            f"per_state_kl expects two [N, V] tensors of equal shape, got {tuple(new_logits.shape)} "
+            f"and {tuple(cur_logits.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dtype = _compute_dtype(new_logits)
+    out = []
+    for start in range(0, new_logits.shape[0], chunk_size):
+        new = new_logits[start : start + chunk_size].to(dtype) / temperature  # [n, V]
+        cur = cur_logits[start : start + chunk_size].to(dtype) / temperature  # [n, V]
+        logp_new = torch.log_softmax(new, dim=-1)  # [n, V]
+        logp_cur = torch.log_softmax(cur, dim=-1)  # [n, V]
+        out.append(_kl_rows(logp_new, logp_cur))  # [n]
+    if not out:
+        return torch.zeros(0, dtype=dtype, device=new_logits.device)  # [0]
+    # Rounding can make an (exactly zero) KL come out as -1e-9; KL is >= 0 by Gibbs.
+    return torch.cat(out).clamp_min(0.0)  # [N]
+
+
+# ---------------------------------------------------------------------------
+# Sampled per-token KL estimators (for the loss penalty)
+# ---------------------------------------------------------------------------
+
+
+def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token sampled KL estimators, for tokens sampled from pi_cur (the behaviour policy).
+
+    Let r = pi_new(a) / pi_cur(a), a ~ pi_cur. These are J. Schulman's estimators
+    ("Approximating KL Divergence", 2020) written for samples from pi_cur:
+
+        k1 = -log r = logp_cur - logp_new      E_cur[k1] = KL(cur || new)   unbiased, can be < 0
+        k2 = (log r)^2 / 2                     E_cur[k2] = KL(cur || new) + O(|new - cur|^3)
+                                               (biased, always >= 0, low variance)
+        k3 = (r - 1) - log r                   E_cur[k3] = KL(cur || new)   unbiased, always >= 0
+
+    Note the direction: with samples from pi_cur the Schulman forms estimate the *reverse*
+    divergence KL(cur || new). (The raw log-ratio logp_new - logp_cur has expectation
+    -KL(cur || new) <= 0 under pi_cur, so it is not usable as a penalty as such.)
+    The trust region's own direction KL(new || cur) needs an importance weight:
+
+        "k3_new" = r log r - (r - 1)           E_cur[.] = KL(new || cur)    unbiased, always >= 0
+
+    (E_cur[r log r] = KL(new || cur) and E_cur[r - 1] = 0; r log r - r + 1 >= 0 for r > 0.)
+    It carries the factor r, so it has higher variance far from pi_cur. The two KLs agree
+    to second order near pi_new = pi_cur, which is where a trust-region step stays; and
+    SAT's accept/reject test uses the exact `per_state_kl`, so the penalty only has to
+    pull in the right direction. Every kind is >= 0 in expectation and zero (with zero
+    gradient) at pi_new = pi_cur, so `beta * masked_mean(kl_penalty(...))` can be added
+    to a loss directly; the gradient flows through logp_new.
+
+    Args:
+        logp_new: [...] log pi_new of the sampled tokens (carries the gradient).
+        logp_cur: [...] log pi_cur of the same tokens (behaviour log-probs, no gradient).
+        kind: "k1", "k2", "k3" or "k3_new".
+    Returns:
+        [...] per-token estimates, same shape as the inputs.
+    """
+    log_r = logp_new - logp_cur  # [...]  log(pi_new / pi_cur)
+    if kind == "k1":
+        return -log_r  # [...]
+    if kind == "k2":
+        return 0.5 * log_r.pow(2)  # [...]
+    if kind == "k3":
+        # expm1 keeps (r - 1) accurate when r is close to 1, i.e. for every early step.
+        return torch.expm1(log_r) - log_r  # [...]
+    if kind == "k3_new":
+        r = log_r.exp()  # [...]
+        r_log_r = torch.where(r > 0, r * log_r, torch.zeros_like(r))  # [...] 0 * log 0 = 0
+        return r_log_r - torch.expm1(log_r)  # [...]
+    raise ValueError(f"unknown KL estimator kind {kind!r}; expected 'k1', 'k2', 'k3' or 'k3_new'")
+
+
+# ---------------------------------------------------------------------------
+# Quantile of a masked tensor
+# ---------------------------------------------------------------------------
+
+
+def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
+    """The q-quantile of the (masked) entries of x, linear interpolation as torch.quantile.
+
+    The trust-region test of SAT.md section 3 compares the (1 - alpha)-quantile of the
+    per-state KL over the active agent's tokens with delta_j. One batch can hold far more
+    than 16M tokens, torch.quantile's input limit, so we select the two order statistics
+    around position q * (n - 1) with kthvalue (linear time, no size limit) and interpolate.
+
+    Args:
+        x: tensor of any shape.
+        q: quantile level in [0, 1].
+        mask: optional bool (or 0/1) tensor of x's shape; only True entries count.
+    Returns:
+        the quantile as a Python float (nan if a selected entry is nan).
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile level must be in [0, 1], got {q}")
+    values = x.reshape(-1)  # [M]
+    if mask is not None:
+        if mask.shape != x.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} != x shape {tuple(x.shape)}")
+        values = values[mask.reshape(-1).bool()]  # [n]
+    n = values.numel()
+    if n == 0:
+        raise ValueError("quantile of an empty selection is undefined")
+    if torch.isnan(values).any():
+        return float("nan")
+    pos = q * (n - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    # kthvalue is 1-indexed; float64 so the interpolation does not lose bf16/fp32 precision.
+    v_lo = values.kthvalue(lo + 1).values.double().item()
+    v_hi = values.kthvalue(hi + 1).values.double().item() if hi != lo else v_lo
+    frac = pos - lo
+    # The same lerp torch.quantile uses; at frac == 0 it returns v_lo exactly, even for inf.
+    return v_lo if frac == 0 else v_lo + frac * (v_hi - v_lo)
+
+
+# ---------------------------------------------------------------------------
+# Adaptive penalty from the KL quantile
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class QuantileController:
+    """Adapts the KL penalty weight beta from the measured KL quantile (SAT.md section 3).
+
+    After each step the caller measures kq = quantile_{`quantile`} over the active agent's
+    states of KL(pi_j(.|s) || pi_j,cur(.|s)) and calls `update(kq)`:
+
+    - kq > delta (a violation; also any non-finite kq): beta <- min(beta_max, max(beta_min,
+      beta * beta_up)). Multiplicative, so repeated violations escalate fast; a beta of 0
+      (penalty off) jumps to beta_min, since 0 * beta_up would never switch it on.
+    - kq < far_inside * delta (the step used little of its budget): beta <- beta * beta_down,
+      and a beta that falls below beta_min is set to 0, so an over-cautious penalty can
+      switch itself off again instead of lingering at a negligible value.
+    - otherwise beta is kept: the step was inside the ball and used it reasonably.
+
+    The hard guarantee comes from the line search, not from beta: beta only makes the
+    optimiser's proposals land inside the ball more often, saving backtracks.
+    """
+
+    delta: float = 0.05
+    quantile: float = 0.99
+    beta: float = 0.0
+    beta_up: float = 2.0
+    beta_down: float = 0.5
+    beta_min: float = 1e-4
+    beta_max: float = 10.0
+    far_inside: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.delta > 0:
+            raise ValueError(f"delta must be > 0, got {self.delta}")
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        if not self.beta_up > 1.0:
+            raise ValueError(f"beta_up must be > 1, got {self.beta_up}")
+        if not 0.0 < self.beta_down < 1.0:
+            raise ValueError(f"beta_down must be in (0, 1), got {self.beta_down}")
+        if not 0.0 <= self.beta_min <= self.beta_max:
+            raise ValueError(f"need 0 <= beta_min <= beta_max, got {self.beta_min}, {self.beta_max}")
+        if not 0.0 <= self.beta <= self.beta_max:
+            raise ValueError(f"beta must be in [0, beta_max], got {self.beta}")
+        if not 0.0 <= self.far_inside < 1.0:
+            raise ValueError(f"far_inside must be in [0, 1), got {self.far_inside}")
+
+    def violates(self, kl_quantile: float) -> bool:
+        """True when the measured KL quantile lies outside the ball (nan/inf count as outside)."""
+        return not math.isfinite(kl_quantile) or kl_quantile > self.delta
+
+    def update(self, kl_quantile: float) -> float:
+        """Adjust beta from one measurement (rules in the class docstring); returns the new beta."""
+        if self.violates(kl_quantile):
+            self.beta = min(self.beta_max, max(self.beta_min, self.beta * self.beta_up))
+        elif kl_quantile < self.far_inside * self.delta:
+            eased = self.beta * self.beta_down
+            self.beta = eased if eased >= self.beta_min else 0.0
+        return self.beta
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        names = {f.name for f in fields(self)}
+        unknown = set(state) - names
+        if unknown:
+            raise KeyError(f"unknown QuantileController keys: {sorted(unknown)}")
+        for name, value in state.items():
+            setattr(self, name, float(value))
+        self.__post_init__()
+
+
+# ---------------------------------------------------------------------------
+# Backtracking line search
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def interpolate_parameters(
+    model_params: Sequence[torch.Tensor],
+    cur_params: Sequence[torch.Tensor],
+    new_params: Sequence[torch.Tensor],
+    frac: float,
+) -> None:
+    """Write cur + frac * (new - cur) into model_params, in place.
+
+    frac = 0 and frac = 1 copy cur / new exactly, so restoring pi_cur is bit-exact
+    (cur + 0 * (new - cur) could differ from cur in the last bit, or be nan if new has inf).
+    """
+    if not (len(model_params) == len(cur_params) == len(new_params)):
+        raise ValueError(
+            f"parameter lists differ in length: {len(model_params)}, {len(cur_params)}, {len(new_params)}"
+        )
+    for p, c, n in zip(model_params, cur_params, new_params):
+        if not (p.shape == c.shape == n.shape):
+            raise ValueError(f"parameter shapes differ: {tuple(p.shape)}, {tuple(c.shape)}, {tuple(n.shape)}")
+        if frac == 0.0:
+            p.copy_(c)
+        elif frac == 1.0:
+            p.copy_(n)
+        else:
+            p.copy_(torch.lerp(c.to(p.dtype), n.to(p.dtype), frac))
+
+
+def backtracking_line_search(
+    apply_step: Callable[[float], None],
+    measure_kl_quantile: Callable[[], float],
+    delta: float,
+    max_backtracks: int = 5,
+    shrink: float = 0.5,
+) -> dict:
+    """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur.
+
+    Tries step fractions 1, shrink, shrink^2, ..., shrink^max_backtracks of the proposed
+    update (SAT.md section 3). `apply_step(frac)` must set the active agent to
+    cur + frac * (new - cur) (see `interpolate_parameters`); `measure_kl_quantile()` returns
+    the KL quantile of whatever is currently in place. The first fraction with
+    kl <= delta is accepted and left in place. If none is, apply_step(0.0) restores pi_cur
+    and the update is rejected: a violating step is never left in place (unlike the
+    released reference code), which is what the per-step guarantee needs. If measuring
+    raises, pi_cur is restored before the exception propagates.
+
+    Returns:
+        {"accepted", "fraction" (0.0 when rejected), "backtracks" (shrinks performed),
+         "kl_quantile" (of the policy left in place; 0.0 after a restore),
+         "history": [{"fraction", "kl_quantile"} per try]}
+    """
+    if not delta >= 0:
+        raise ValueError(f"delta must be >= 0, got {delta}")
+    if max_backtracks < 0:
+        raise ValueError(f"max_backtracks must be >= 0, got {max_backtracks}")
+    if not 0.0 < shrink < 1.0:
+        raise ValueError(f"shrink must be in (0, 1), got {shrink}")
+    history = []
+    frac = 1.0
+    try:
+        for attempt in range(max_backtracks + 1):
+            apply_step(frac)
+            kl = float(measure_kl_quantile())
+            history.append({"fraction": frac, "kl_quantile": kl})
+            if math.isfinite(kl) and kl <= delta:
+                return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl, "history": history}
+            frac *= shrink
+    except BaseException:
+        apply_step(0.0)
+        raise
+    apply_step(0.0)
+    return {"accepted": False, "fraction": 0.0, "backtracks": max_backtracks, "kl_quantile": 0.0, "history": history}
+
+
+# ---------------------------------------------------------------------------
+# Stage-0 projection (plug-and-play) and the exact tilt step
+# ---------------------------------------------------------------------------
+
+
+def _weighted(t: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """t * logp with 0 * (-inf) read as 0 (a zero exponent makes pi^0 = 1 even where pi = 0)."""
+    return torch.where(t == 0, torch.zeros_like(logp), t * logp)  # [N, V]
+
+
+def _geometric_mixture(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Normalised log of pi_pre^t * pi_cur^(1-t) per row; t is [N, 1]."""
+    mixed = _weighted(t, logp_pre) + _weighted(1 - t, logp_cur)  # [N, V]
+    return torch.log_softmax(mixed, dim=-1)  # [N, V]
+
+
+def geometric_mixture_projection(
+    logp_pre: torch.Tensor,
+    logp_cur: torch.Tensor,
+    delta: float,
+    iters: int = 50,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage-0 projection of a plug-in model onto the incumbent's trust region (SAT.md section 5).
+
+    Per state s solves  min_pi KL(pi || pi_pre)  s.t.  KL(pi || pi_cur) <= delta.
+    Stationarity of KL(pi || pi_pre) + lam * KL(pi || pi_cur) gives the geometric mixture
+
+        pi_new ∝ pi_pre^(1/(1+lam)) * pi_cur^(lam/(1+lam)),   lam >= 0,
+
+    with lam = 0 when pi_pre is already inside, else the lam that makes the constraint
+    tight. With t = 1/(1+lam), pi_t ∝ pi_cur * exp(t * (log pi_pre - log pi_cur)) is an
+    exponential family in t and d/dt KL(pi_t || pi_cur) = t * Var_{pi_t}(log pi_pre -
+    log pi_cur) >= 0, so the KL is nondecreasing in t and one batched bisection over all
+    rows finds the largest feasible t. We return the lower (feasible) end of the bracket,
+    so KL(pi_new || pi_cur) <= delta holds for every row.
+
+    Args:
+        logp_pre, logp_cur: [N, V] normalised log-probs over a shared vocabulary.
+        delta: radius delta_0 >= 0.
+        iters: bisection steps (bracket width 2^-iters in t).
+    Returns:
+        (logp_new [N, V] normalised, lam [N]; lam = inf where only t = 0, i.e. pi_cur, fits).
+    """
+    if logp_pre.shape != logp_cur.shape or logp_pre.dim() != 2:
+        raise ValueError(f"expected two [N, V] tensors of equal shape, got {tuple(logp_pre.shape)}, {tuple(logp_cur.shape)}")
+    if not delta >= 0:
+        raise ValueError(f"delta must be >= 0, got {delta}")
+    dtype = _compute_dtype(logp_pre)
+    pre = torch.log_softmax(logp_pre.to(dtype), dim=-1)  # [N, V] renormalise defensively
+    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [N, V]
+    n = pre.shape[0]
+    if delta == 0:
+        # Only pi_cur itself fits. Bisection would creep to t ~ 1e-8, where the KL is
+        # below float rounding and reads as 0, so answer exactly.
+        return cur, torch.full((n,), math.inf, dtype=dtype, device=pre.device)
+
+    def kl_at(t: torch.Tensor) -> torch.Tensor:  # t [N, 1] -> [N]
+        return _kl_rows(_geometric_mixture(pre, cur, t), cur).clamp_min(0.0)
+
+    lo = torch.zeros(n, 1, dtype=dtype, device=pre.device)  # [N, 1] always feasible (pi_cur)
+    hi = torch.ones(n, 1, dtype=dtype, device=pre.device)  # [N, 1]
+    inside = kl_at(hi) <= delta  # [N] pi_pre already in the ball: lam = 0
+    lo = torch.where(inside[:, None], hi, lo)  # [N, 1]
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)  # [N, 1]
+        ok = (kl_at(mid) <= delta)[:, None]  # [N, 1]
+        lo = torch.where(ok, mid, lo)  # [N, 1]
+        hi = torch.where(ok, hi, mid)  # [N, 1]
+    t = lo.squeeze(-1)  # [N]
+    lam = torch.where(t > 0, (1 - t) / t, torch.full_like(t, math.inf))  # [N]
+    return _geometric_mixture(pre, cur, lo), lam
+
+
+def exponential_tilt_step(
+    logp_cur: torch.Tensor,
+    advantages: torch.Tensor,
+    delta: float,
+    iters: int = 60,
+) -> torch.Tensor:
+    """Exact KL-constrained policy improvement per state (the ideal step of SAT.md section 3).
+
+    Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.
+    The Lagrangian solution is the exponential tilt
+
+        pi_eta ∝ pi_cur * exp(eta_s * A(s, .)),   eta_s >= 0,
+
+    and d/deta KL(pi_eta || pi_cur) = eta * Var_{pi_eta}(A) >= 0, so a batched bisection
+    finds the eta_s with KL = delta (we keep the feasible end, so KL <= delta). As
+    eta -> inf the tilt tends to pi_cur restricted to argmax_a A(s, a), with KL
+    -log pi_cur(argmax set); when that is <= delta the constraint never binds and this
+    limit is returned exactly: it reaches max_a A, the best any policy can do. A row with
+    constant advantages is the special case argmax set = everything: no change.
+
+    Args:
+        logp_cur: [S, A] normalised log-probs of the current policy.
+        advantages: [S, A] advantages A(s, a) (any per-row offset is irrelevant).
+        delta: radius >= 0.
+        iters: bisection steps after bracketing.
+    Returns:
+        logp_new: [S, A] normalised log-probs.
+    """
+    if logp_cur.shape != advantages.shape or logp_cur.dim() != 2:
+        raise ValueError(f"expected two [S, A] tensors of equal shape, got {tuple(logp_cur.shape)}, {tuple(advantages.shape)}")
+    if not delta >= 0:
+        raise ValueError(f"delta must be >= 0, got {delta}")
+    dtype = _compute_dtype(logp_cur)
+    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [S, A]
+    support = torch.isfinite(cur)  # [S, A] actions pi_cur can take; others stay at zero
+    adv = torch.where(support, advantages.to(dtype), torch.zeros_like(cur))  # [S, A]
+    neg_inf = torch.full_like(cur, -math.inf)  # [S, A]
+    if delta == 0:
+        return cur  # [S, A] only pi_cur fits (bisection would drift by float rounding)
+
+    # The eta -> inf limit: pi_cur restricted to its best supported actions.
+    top = torch.where(support, adv, neg_inf).amax(dim=-1, keepdim=True)  # [S, 1]
+    best = support & (adv == top)  # [S, A]
+    limit = torch.log_softmax(torch.where(best, cur, neg_inf), dim=-1)  # [S, A]
+    saturated = _kl_rows(limit, cur) <= delta  # [S] the constraint never binds
+
+    # Centre and scale so eta brackets start at a sensible size for every row.
+    centred = adv - torch.where(support, adv, torch.zeros_like(adv)).mean(dim=-1, keepdim=True)  # [S, A]
+    spread = torch.where(support, adv, neg_inf).amax(-1) - torch.where(support, adv, -neg_inf).amin(-1)  # [S]
+    spread = torch.where(spread > 0, spread, torch.ones_like(spread))[:, None]  # [S, 1]
+
+    def tilt(eta: torch.Tensor) -> torch.Tensor:  # eta [S, 1] -> [S, A]
+        return torch.log_softmax(cur + eta * centred / spread, dim=-1)
+
+    def kl_at(eta: torch.Tensor) -> torch.Tensor:  # [S, 1] -> [S]
+        return _kl_rows(tilt(eta), cur).clamp_min(0.0)
+
+    # Bracket: double hi until it violates (finite for every non-saturated row, since the
+    # KL tends to the limit's KL > delta there).
+    lo = torch.zeros_like(spread)  # [S, 1]
+    hi = torch.ones_like(spread)  # [S, 1]
+    for _ in range(80):
+        grow = (~saturated)[:, None] & (kl_at(hi) <= delta)[:, None]  # [S, 1]
+        if not grow.any():
+            break
+        lo = torch.where(grow, hi, lo)  # [S, 1] a feasible eta is a valid lower end
+        hi = torch.where(grow, 2 * hi, hi)  # [S, 1]
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)  # [S, 1]
+        ok = (kl_at(mid) <= delta)[:, None]  # [S, 1]
+        lo = torch.where(ok, mid, lo)  # [S, 1]
+        hi = torch.where(ok, hi, mid)  # [S, 1]
+    return torch.where(saturated[:, None], limit, tilt(lo))  # [S, A]
+
+
+# ---------------------------------------------------------------------------
+# The certificate (SAT.md section 4)
+# ---------------------------------------------------------------------------
+
+CERTIFICATE_TERMS = ("gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound")
+
+
+def certificate(
+    surrogate_advantage: float,
+    kl_max: float,
+    adv_max: float,
+    gamma: float,
+    zeta: float = 0.0,
+    n_samples: int | None = None,
+    n_agents: int = 1,
+    delta_conf: float = 0.05,
+) -> dict:
+    """Lower bound on J(pi_hat_i) - J(pi_hat_{i-1}) for one SAT step (SAT.md section 4).
+
+        J(pi_hat_i) - J(pi_hat_{i-1}) >= L_i - 2 gamma/(1-gamma)^2 * A_max * sqrt(KL_max/2)
+                                         - zeta_i/(1-gamma)  [- sampling term]
+
+    with L_i = E_{s~d^{old}, a~pi_new}[A^{old}(s, a)] / (1-gamma) ("gain"), d^{old} the
+    normalised discounted occupancy of pi_hat_{i-1}, A_max = max |A^{old}|, KL_max =
+    max_s KL(pi_new(.|s) || pi_old(.|s)).
+
+    Why it holds: the performance-difference lemma gives exactly
+    J(new) - J(old) = E_{s~d^{new}, a~pi_new}[A^{old}(s, a)] / (1-gamma). Swapping d^{new}
+    for d^{old} costs at most ||d^{new} - d^{old}||_1 * max_s |E_{pi_new}[A^{old}(s, .)]| /
+    (1-gamma); coupling the two state chains step by step gives ||d^{new} - d^{old}||_1 <=
+    2 gamma/(1-gamma) * max_s TV(pi_new(.|s), pi_old(.|s)), and Pinsker gives TV <= sqrt(KL/2).
+    In SAT only agent sigma(i)'s factor of the product policy changes, and for
+    p_j x q vs p_j' x q the KL (and the TV) equals that of the changed factor, so KL_max
+    is the active agent's own per-state KL. A biased advantage estimator moves the
+    surrogate by at most zeta_i; with N_i samples, Hoeffding plus a union bound over the
+    n agents adds A_max/(1-gamma) * sqrt(log(2n/delta_conf)/(2 N_i)) with probability
+    1 - delta_conf. Summing over the steps of a stage gives the stage bound, for any order.
+
+    Returns a dict of floats: gain, occupancy_penalty, bias_penalty, sample_penalty,
+    lower_bound = gain - occupancy_penalty - bias_penalty - sample_penalty.
+    """
+    for name, value in (("surrogate_advantage", surrogate_advantage), ("kl_max", kl_max), ("adv_max", adv_max), ("zeta", zeta)):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{name} must be finite, got {value}")
+    if not 0.0 <= gamma < 1.0:
+        raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+    if kl_max < 0:
+        raise ValueError(f"kl_max must be >= 0 (a KL divergence), got {kl_max}")
+    if adv_max < 0:
+        raise ValueError(f"adv_max must be >= 0 (a maximum of |A|), got {adv_max}")
+    if zeta < 0:
+        raise ValueError(f"zeta must be >= 0 (an absolute bias), got {zeta}")
+    if n_samples is not None and (int(n_samples) != n_samples or n_samples < 1):
+        raise ValueError(f"n_samples must be a positive integer or None, got {n_samples}")
+    if int(n_agents) != n_agents or n_agents < 1:
+        raise ValueError(f"n_agents must be a positive integer, got {n_agents}")
+    if not 0.0 < delta_conf < 1.0:
+        raise ValueError(f"delta_conf must be in (0, 1), got {delta_conf}")
+
+    horizon = 1.0 / (1.0 - gamma)
+    gain = float(surrogate_advantage) * horizon
+    occupancy_penalty = 2.0 * gamma * horizon**2 * float(adv_max) * math.sqrt(float(kl_max) / 2.0)
+    bias_penalty = float(zeta) * horizon
+    if n_samples is None:
+        sample_penalty = 0.0
+    else:
+        sample_penalty = float(adv_max) * horizon * math.sqrt(math.log(2.0 * n_agents / delta_conf) / (2.0 * n_samples))
+    return {
+        "gain": gain,
+        "occupancy_penalty": occupancy_penalty,
+        "bias_penalty": bias_penalty,
+        "sample_penalty": sample_penalty,
+        "lower_bound": gain - occupancy_penalty - bias_penalty - sample_penalty,
+    }
+
+
+def stage_certificate(steps: list[dict]) -> dict:
+    """Stage bound: the per-step certificates summed (J telescopes over the steps of a stage).
+
+    Returns the same keys as `certificate` (each the sum over steps) plus "n_steps".
+    """
+    total = {key: 0.0 for key in CERTIFICATE_TERMS}
+    for step in steps:
+        for key in CERTIFICATE_TERMS:
+            total[key] += float(step[key])
+    total["n_steps"] = len(steps)
+    return total
