@@ -38,9 +38,9 @@ from advantage import (full_log_weights, gae, group_advantages, masked_mean, mas
 from rollout import (SamplingConfig, TeamBatch, Turn, batched_response_logprobs, left_pad, response_hidden_states,
                      right_pad, rollout, token_logprobs_from_hidden)
 from tasks import (Problem, arithmetic_problems, load_problems, noisy_label)
-from team import Agent, Team, TeamConfig, parse_agents
-from trust_region import (QuantileController, backtracking_line_search, certificate, interpolate_parameters,
-                          kl_penalty, per_state_kl, quantile, stage_certificate)
+from team import Agent, Team, TeamConfig, check_same_vocabulary, parse_agents
+from trust_region import (QuantileController, backtracking_line_search, certificate, geometric_mixture_projection,
+                          interpolate_parameters, kl_penalty, per_state_kl, quantile, stage_certificate)
 
 ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
@@ -83,13 +83,15 @@ class Config:
     device: str | None = None  # default: cuda if available else cpu
     backend: str | None = None  # hf | vllm (default: vllm when importable with CUDA, else hf)
     upgrade: list[str] = field(default_factory=list)  # "SLOT=MODEL", 1-based slots (plug-and-play)
-    stage0_delta: float = 0.01
+    stage0_delta: float = 0.01  # Stage-0 radius delta_0 on the per-state KL quantile to the incumbent
+    stage0_max_passes: int = 200  # passes over the Stage-0 states before giving up (a clear error)
+    upgrade_warmup_steps: int | None = None  # warm start of a tiny replacement (default 2 x warmup_steps)
     # optimisation details
     epochs: int | None = None  # passes over the batch per agent update
     minibatch_size: int | None = None  # joint trajectories per gradient step
     eps_clip: float = 0.2
     adv_clip: float = 5.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3_new"  # k3_new is unbiased for KL(new || cur), the trust-region direction
     max_backtracks: int = 6
     gae_lambda: float = 0.95
     token_budget: int | None = None
@@ -114,7 +116,7 @@ class Config:
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""
         choices = {"protocol": ("independent", "chain"), "order": ORDERS, "ratio": RATIOS, "adv": ADVANTAGES,
-                   "update": UPDATES, "kl_estimator": ("k1", "k2", "k3"), "backend": ("hf", "vllm")}
+                   "update": UPDATES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
@@ -194,7 +196,7 @@ def load_task(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
 # Warm start: a short supervised phase standing in for pretraining
 # ---------------------------------------------------------------------------
 def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
-               batch: int = 64) -> None:
+               batch: int = 64, slots: list[int] | None = None) -> None:
     """Teach tiny agents the answer format on labels that are wrong with
     probability ``p_wrong`` (off by 1, 2 or 10), so they start weak but not at
     zero reward: sparse exact-match reward needs a policy that sometimes
@@ -204,7 +206,7 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
 
     rng = random.Random(seed)
     for k, agent in enumerate(team.agents):
-        if agent.spec.kind != "tiny":
+        if agent.spec.kind != "tiny" or (slots is not None and k not in slots):
             continue
         opt = agent.start_training(lr)
         tok = agent.tokenizer
@@ -559,7 +561,9 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     elif not search["accepted"]:  # pi_cur restored: KL 0, new log-probs = behaviour
         measured = {"kl": torch.zeros(1), "logp": turn.behaviour_logprobs.clone()}
     beta_used = controller.beta
-    controller.update(search["history"][0]["kl_quantile"])  # beta reacts to what the optimiser proposed
+    # beta reacts to the step that is kept (a rejection counts as a violation). Not to
+    # the raw proposal: with --kl-check-every the proposal crosses delta by design.
+    controller.update(search["kl_quantile"] if search["accepted"] else math.inf)
     kl, new_logp = measured["kl"], measured["logp"]
     mask = turn.response_mask
     log_ratio_tok = (new_logp - turn.behaviour_logprobs) * mask  # [N, Lr]
@@ -583,15 +587,123 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
 
 
 # ---------------------------------------------------------------------------
+# Plug-and-play: Stage-0 alignment (SAT.md section 5)
+# ---------------------------------------------------------------------------
+def state_logprobs(model, turn: Turn, rows: slice, temperature: float) -> torch.Tensor:
+    """Full-vocabulary log pi(.|s) at every valid response position of ``rows``. [M, V]"""
+    device = next(model.parameters()).device
+    args = [t[rows].to(device) for t in (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
+    hidden = response_hidden_states(model, *args)[args[3].bool()]  # [M, H]
+    return F.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, dim=-1)  # [M, V]
+
+
+def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg: Config,
+                 sampling: SamplingConfig, lr: float, log) -> dict:
+    """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around
+    the incumbent of ``slot``, on the team's current states.
+
+    States: every position of the incumbent's responses in fresh rollouts of
+    the trained team. Each pass trains the new model toward the exact
+    geometric-mixture projection of itself onto the ball (pi_new ~ pi^(1/(1+l))
+    pi_cur^(l/(1+l)), lambda by bisection per state; trust_region), minimising
+    KL(projection || pi_new), until the (1-alpha) quantile of KL(pi_new ||
+    pi_cur) over those states is <= delta_0. Gives up with a clear error after
+    ``cfg.stage0_max_passes`` passes rather than letting an unaligned model in."""
+    incumbent = team.agents[slot]
+    batch = rollout(team, problems, cfg.group_size, sampling)  # the trained team's states
+    turn = batch.turns[slot]
+    delta0 = cfg.stage0_delta
+    opt = new_agent.start_training(lr)
+    rows_per_step = max(1, cfg.minibatch_size)
+    history = []
+    for passes in range(cfg.stage0_max_passes + 1):
+        new_agent.freeze()
+        kl, _ = measure_kl(new_agent, incumbent.model, turn, cfg.temperature, cfg.token_budget)
+        q = quantile(kl, cfg.quantile)
+        history.append(q)
+        if q <= delta0:
+            break
+        if passes == cfg.stage0_max_passes:
+            raise RuntimeError(f"Stage-0 could not bring agent {slot + 1} ('{new_agent.spec.name}') inside delta_0={delta0}: "
+                               f"KL quantile still {q:.4f} after {passes} passes; raise --stage0-delta or --stage0-max-passes")
+        new_agent.start_training(lr)
+        new_agent.optimizer = opt  # keep Adam's state across passes
+        lambdas = []
+        for s in range(0, len(batch), rows_per_step):
+            rows = slice(s, s + rows_per_step)
+            with torch.no_grad():
+                logp_cur = state_logprobs(incumbent.model, turn, rows, cfg.temperature)  # [M, V]
+            logp_new = state_logprobs(new_agent.model, turn, rows, cfg.temperature)  # [M, V]
+            target, lam = geometric_mixture_projection(logp_new.detach(), logp_cur, delta0)  # [M, V], [M]
+            loss = (target.exp() * (target - logp_new)).sum(-1).mean()  # KL(projection || pi_new)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            lambdas.append(lam[torch.isfinite(lam)])
+        mean_lambda = float(torch.cat(lambdas).mean()) if lambdas else 0.0
+        if passes % 10 == 0:
+            log(f"  stage-0 pass {passes}: KL quantile {q:.4f} (delta_0 {delta0}), mean lambda {mean_lambda:.3f}")
+    new_agent.freeze()
+    with torch.no_grad():  # lambda of the final model's own projection, for the log
+        lam = torch.cat([geometric_mixture_projection(state_logprobs(new_agent.model, turn, slice(s, s + rows_per_step), cfg.temperature),
+                                                      state_logprobs(incumbent.model, turn, slice(s, s + rows_per_step), cfg.temperature),
+                                                      delta0)[1] for s in range(0, len(batch), rows_per_step)])
+    return {"kl_quantile": history[-1], "kl_quantile_before": history[0], "passes": passes, "states": int(turn.response_mask.sum()),
+            "mean_lambda": float(lam[torch.isfinite(lam)].mean()) if torch.isfinite(lam).any() else 0.0, "delta0": delta0}
+
+
+def load_replacement(spec: str, cfg: Config, team: Team, train: list[Problem], slot: int) -> Agent:
+    """The new model for an upgraded slot. A tiny spec gets its own (longer)
+    warm start, standing in for a stronger pretrained model."""
+    dtype = torch.float32 if cfg.device == "cpu" else torch.bfloat16
+    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
+    if agent.spec.kind == "tiny":
+        steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+        holder = Team(list(team.agents), team.config)  # the slot's own prompt format (chain: earlier answers)
+        holder.agents[slot] = agent
+        warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
+    return agent
+
+
+def apply_upgrades(cfg: Config, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig,
+                   controllers: dict, rng: random.Random, log) -> list[dict]:
+    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0."""
+    events = []
+    for item in cfg.upgrade:
+        slot_text, _, spec = item.partition("=")
+        if not slot_text.strip().isdigit() or not spec.strip():
+            raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
+        slot = int(slot_text) - 1
+        if not 0 <= slot < len(team):
+            raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
+        new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
+        old_name = team.agents[slot].spec.name
+        check_same_vocabulary(team.agents[slot], new_agent)
+        prompts = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
+        log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment (delta_0 = {cfg.stage0_delta})")
+        t0 = time.time()
+        stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log)
+        team.swap(slot, new_agent)
+        controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+        event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
+                 "seconds": time.time() - t0, "stage0": stage0}
+        log(f"  stage-0 done: KL quantile {stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} in "
+            f"{stage0['passes']} passes over {stage0['states']} states, mean lambda {stage0['mean_lambda']:.3f}")
+        events.append(event)
+    return events
+
+
+# ---------------------------------------------------------------------------
 # Checkpoints (atomic) and metrics
 # ---------------------------------------------------------------------------
-def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random, extra: dict) -> Path:
+def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random, extra: dict,
+                    suffix: str = "") -> Path:
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
     checkpoint intact."""
     root = out / "checkpoints"
-    final = root / f"stage_{stage:04d}"
-    tmp = root / f".stage_{stage:04d}.tmp"
+    final = root / f"stage_{stage:04d}{suffix}"
+    tmp = root / f".stage_{stage:04d}{suffix}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     team.save(tmp / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
@@ -711,6 +823,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         start = state["stage"]
         records = [r for r in read_metrics(Path(cfg.resume)) if r["stage"] <= start]
         log(f"resumed from {resume_from} at stage {start}")
+        cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
         rng = seed_everything(cfg.seed)
         team = build_team(cfg, instruction)
@@ -727,6 +840,26 @@ def run(cfg: Config, log=None) -> list[dict]:
             value_heads[k] = make_value_head(agent)
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
+    baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
+    pending_upgrades = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
+    if cfg.upgrade:
+        if resume_from is None:
+            raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
+        events = apply_upgrades(cfg, team, train, start, sampling, controllers, rng, log)
+        for event in events:  # a new model gets a fresh value head
+            if cfg.adv == "gae":
+                value_heads[event["slot"] - 1] = make_value_head(team.agents[event["slot"] - 1])
+        baseline = evaluate(team, heldout, sampling)
+        for event in events:
+            event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
+        history = json.loads((out / "upgrades.json").read_text()) if (out / "upgrades.json").exists() else []
+        _atomic_write(out / "upgrades.json", json.dumps(history + events, indent=2))
+        pending_upgrades = pending_upgrades + events
+        cfg.agents = ", ".join(a.spec.name for a in team.agents)
+        cfg.upgrade = []  # done: a later --resume must not upgrade again
+        save_checkpoint(out, start, team, controllers, value_heads, rng,
+                        {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
+        log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     _atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
     if not records:
         t0 = time.time()
@@ -743,7 +876,10 @@ def run(cfg: Config, log=None) -> list[dict]:
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, pbar)
         rec.update(evaluate(team, heldout, sampling))
         rec["stage"] = stage
-        prev = records[-1]
+        prev = baseline or records[-1]
+        if pending_upgrades:
+            rec["upgrades"], pending_upgrades = pending_upgrades, []
+        baseline = None
         rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
         noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
         rec["violation"] = rec["measured_change"] < -noise  # fell beyond noise (2 standard errors)
@@ -788,9 +924,9 @@ def parse_args(argv=None) -> Config:
                       ("batch-size", int), ("max-new-tokens", int), ("temperature", float), ("top-p", float),
                       ("seed", int), ("epochs", int), ("minibatch-size", int), ("eps-clip", float), ("adv-clip", float),
                       ("max-backtracks", int), ("token-budget", int), ("kl-check-every", int), ("eval-size", int), ("warmup-steps", int),
-                      ("stage0-delta", float)]:
+                      ("stage0-delta", float), ("stage0-max-passes", int), ("upgrade-warmup-steps", int)]:
         p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=typ)
-    p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3"])
+    p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3", "k3_new"])
     p.add_argument("--out")
     p.add_argument("--resume", help="a run folder (or a checkpoints/stage_XXXX folder) to continue")
     p.add_argument("--device")
@@ -818,7 +954,7 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         cfg.apply_preset()
         cfg.validate()
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"sat.py: error: {err}", file=sys.stderr)
         return 2
     try:

@@ -241,6 +241,20 @@ class Agent:
         return len(vocab), hash(tuple(sorted(vocab.items())))
 
 
+def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
+    """Stage-0 mixes per-token distributions, so both agents must index the
+    same tokens the same way (tokenizer map and the LM head's width)."""
+    v_inc, v_new = incumbent.tokenizer.get_vocab(), replacement.tokenizer.get_vocab()
+    w_inc = incumbent.model.get_output_embeddings().weight.shape[0]
+    w_new = replacement.model.get_output_embeddings().weight.shape[0]
+    if v_inc != v_new or w_inc != w_new:
+        raise ValueError(
+            f"cannot project '{replacement.spec.name}' onto '{incumbent.spec.name}' per token: their vocabularies differ "
+            f"({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; {replacement.spec.name}: {len(v_new)} tokens, "
+            f"LM head {w_new}); choose a replacement that shares the incumbent's tokenizer"
+        )
+
+
 def _load_pretrained(source: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -305,6 +319,16 @@ class Team:
         if self.config.protocol == "independent":
             return majority_vote(answers)
         return answers[-1]
+
+    def swap(self, slot: int, new_agent: Agent) -> Agent:
+        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based); returns the
+        incumbent. The others are untouched. Refuses a replacement whose
+        vocabulary differs: Stage-0's per-token projection would be undefined."""
+        if not 0 <= slot < len(self.agents):
+            raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(self.agents)}")
+        check_same_vocabulary(self.agents[slot], new_agent)
+        incumbent, self.agents[slot] = self.agents[slot], new_agent
+        return incumbent
 
     @staticmethod
     def extract(text: str) -> str | None:

@@ -12,15 +12,6 @@ import advantage as adv
 D = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP barrier stalls on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------
 # masked reductions
 # ---------------------------------------------------------------------------

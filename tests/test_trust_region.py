@@ -13,17 +13,6 @@ from toy_mdp import random_feasible
 D = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """These tests run thousands of ops on tiny tensors. With two intra-op threads on a
-    2-core machine that is also busy with anything else, every parallel region waits for a
-    scheduler slice (measured: 50x slower); one thread is also the fastest when idle."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def brute_kl(new_logits, cur_logits, temperature=1.0):
     """Double loop over rows and vocabulary in plain Python floats."""
     out = []

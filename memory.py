@@ -1,0 +1,262 @@
+"""Accelerator memory for a SAT run, estimated before anything is loaded.
+
+SAT's memory claim (SAT.md section 3) is concrete: only the agent being
+updated holds gradients, optimizer state and a frozen reference copy; the
+others are frozen weights. ``estimate_memory`` turns a model config into bytes
+per component so that a run can say at start whether it fits, and why not:
+
+    weights              every agent's weights (training copies, dtype_bytes each)
+    grads_optimizer      gradients + AdamW m, v of the agents trained at once
+                         (sequential: one agent; joint: all of them)
+    reference            the frozen pi_j,cur copy used for the exact per-state KL
+    trust_region_copies  parameter snapshots of the line search (theta_cur, theta_new)
+    activations          one micro-batch's saved activations + the LM-head logits chunk
+    kv_cache             KV cache of the rollout (HF generate, or the vLLM engines)
+    engine_weights       the vLLM engines' own copy of the weights (0 with --backend hf)
+
+Two peaks are what must fit, because vLLM sleeps during training and the
+optimizer is gone during rollouts:
+
+    peak_training = weights + grads_optimizer + reference + trust_region_copies + activations
+    peak_rollout  = weights + engine_weights + kv_cache
+
+Parameters are counted exactly from the config (Qwen3 layout: embeddings,
+q/k/v/o projections with per-head q_norm/k_norm, gate/up/down MLP, two RMSNorms
+per layer, the final norm, lm_head unless tied); tests check the count against
+``sum(p.numel())`` of a real ``Qwen3ForCausalLM``. Activations are an estimate
+(see ``activation_bytes_per_token``), good to tens of percent.
+
+    python memory.py --agents "Qwen3-4B x3"      # prints the table for a preset
+"""
+from __future__ import annotations
+
+GiB = 1024 ** 3
+
+PHASES = ("weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights")
+PEAKS = {
+    "peak_training": ("weights", "grads_optimizer", "reference", "trust_region_copies", "activations"),
+    "peak_rollout": ("weights", "engine_weights", "kv_cache"),
+}
+# One-line fixes, per component, for check_fits.
+FIXES = {
+    "weights": "put fewer or smaller agents on this GPU",
+    "grads_optimizer": "use --update sequential (joint keeps optimizer state for every agent) or a smaller model",
+    "reference": "use --update sequential (joint keeps a reference copy of every agent) or a smaller model",
+    "trust_region_copies": "use a smaller model (the line search keeps theta_cur and theta_new)",
+    "activations": "use a smaller --minibatch-size or --token-budget (fewer tokens per micro-batch)",
+    "kv_cache": "use a smaller --token-budget or --max-new-tokens, or --backend hf",
+    "engine_weights": "use --backend hf (no second copy of the weights in vLLM engines)",
+}
+PHASE_NOTES = {
+    "weights": "all agents, training copies",
+    "grads_optimizer": "grads + AdamW m, v of the agents updated at once",
+    "reference": "frozen pi_cur copy for the exact KL",
+    "trust_region_copies": "line-search snapshots theta_cur, theta_new",
+    "activations": "one micro-batch + LM-head logits chunk",
+    "kv_cache": "rollout KV cache",
+    "engine_weights": "vLLM engines' copy (asleep in training)",
+}
+
+
+# ---------------------------------------------------------------------------
+# Model dimensions and exact parameter count
+# ---------------------------------------------------------------------------
+def model_dims(config) -> dict:
+    """The dimensions this module needs, from a HF config object or a dict.
+
+    head_dim defaults to hidden_size // num_attention_heads and
+    num_key_value_heads to num_attention_heads, as in the HF configs."""
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    head_dim = get("head_dim") or hidden // heads
+    return {
+        "hidden": hidden,
+        "layers": int(get("num_hidden_layers")),
+        "intermediate": int(get("intermediate_size")),
+        "vocab": int(get("vocab_size")),
+        "heads": heads,
+        "kv_heads": int(get("num_key_value_heads") or heads),
+        "head_dim": int(head_dim),
+        "tied": bool(get("tie_word_embeddings", False)),
+        "attention_bias": bool(get("attention_bias", False)),
+    }
+
+
+def count_parameters(config) -> int:
+    """Exact parameter count of a Qwen3-layout causal LM."""
+    d = model_dims(config)
+    h, q_dim, kv_dim = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    attention = h * q_dim + 2 * h * kv_dim + q_dim * h  # q, k, v, o projections
+    if d["attention_bias"]:
+        attention += q_dim + 2 * kv_dim + h
+    attention += 2 * d["head_dim"]  # q_norm, k_norm: one weight per head dimension, shared by heads
+    mlp = 3 * h * d["intermediate"]  # gate, up, down
+    norms = 2 * h  # input_layernorm, post_attention_layernorm
+    per_layer = attention + mlp + norms
+    embeddings = d["vocab"] * h
+    head = 0 if d["tied"] else d["vocab"] * h
+    return embeddings + d["layers"] * per_layer + h + head  # + final norm
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """K and V of every layer for one token."""
+    d = model_dims(config)
+    return 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * dtype_bytes
+
+
+def activation_bytes_per_token(config, dtype_bytes: int = 2, gradient_checkpointing: bool = True) -> int:
+    """Saved-for-backward bytes of the decoder stack for one token.
+
+    Per layer of the HF Qwen3 forward, what autograd keeps: each RMSNorm keeps
+    an fp32 copy of its input and its low-precision output ((4 + b) per
+    element; two of width H, plus q_norm/k_norm over q and k); attention keeps
+    q, k (after RoPE), v and its output (b per element); the MLP keeps gate,
+    up, act(gate) and their product (4 b I). With gradient checkpointing only
+    each layer's input (b H) is kept, plus one layer recomputed in backward.
+    """
+    d = model_dims(config)
+    b = dtype_bytes
+    h, q_dim, kv_dim, inter = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"], d["intermediate"]
+    full_layer = 2 * (4 + b) * h + (4 + b) * (q_dim + kv_dim) + b * (2 * q_dim + 2 * kv_dim) + 4 * b * inter
+    if gradient_checkpointing:
+        return d["layers"] * b * h + full_layer
+    return d["layers"] * full_layer
+
+
+def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """LM head on one position: the low-precision logits, their fp32 copy,
+    the tempered logits and the log-softmax (and as much again in backward,
+    which the chunk recomputes one at a time)."""
+    return model_dims(config)["vocab"] * (dtype_bytes + 3 * 4)
+
+
+# ---------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------
+def estimate_memory(model_config, n_agents: int, update: str = "sequential", dtype_bytes: int = 2,
+                    micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
+                    backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
+                    optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2) -> dict[str, int]:
+    """Bytes per component and the two peaks (module docstring).
+
+    micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
+    max_seq_len: the longest context + response; vLLM needs KV for at least one.
+    rollout_tokens: tokens held in the KV cache at once (HF: a generate chunk,
+        i.e. --token-budget; vLLM: the concurrent batch). Default: max(micro_batch_tokens, max_seq_len).
+    logits_chunk_tokens: positions through the LM head at once. Default
+        min(micro_batch_tokens, 1024). Note: rollout.token_logprobs_from_hidden
+        chunks 1024 positions of *every row* of the micro-batch, so today's
+        code needs rows * min(1024, row length) here.
+    optimizer_bytes_per_param: AdamW m and v; 8 assumes fp32 state (an upper
+        bound: torch's AdamW keeps them in the parameters' dtype, 2 * dtype_bytes).
+    """
+    if update not in ("sequential", "joint"):
+        raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"backend must be 'hf' or 'vllm' (got {backend!r})")
+    if n_agents < 1:
+        raise ValueError(f"n_agents must be >= 1 (got {n_agents})")
+    params = count_parameters(model_config)
+    trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
+    weight_bytes = params * dtype_bytes
+    rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
+    chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, 1024)
+    train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
+    # the exact-KL check runs 1024 positions of two models through the head (no grad)
+    kl_check = 1024 * 2 * logits_bytes_per_token(model_config, dtype_bytes)
+    estimate = {
+        "weights": n_agents * weight_bytes,
+        "grads_optimizer": trained * params * (dtype_bytes + optimizer_bytes_per_param),
+        "reference": trained * weight_bytes,
+        "trust_region_copies": trained * trust_region_copies * weight_bytes,
+        "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check),
+        "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
+        "engine_weights": n_agents * weight_bytes if backend == "vllm" else 0,
+    }
+    for peak, parts in PEAKS.items():
+        estimate[peak] = sum(estimate[p] for p in parts)
+    return estimate
+
+
+def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
+    """Raise a one-line ValueError naming the peak that does not fit, its
+    largest component and the fix; return None when everything fits."""
+    for peak, parts in PEAKS.items():
+        need = estimate[peak]
+        if need <= available_bytes:
+            continue
+        # The component to blame: the largest one that a flag can shrink
+        # (weights only when they alone do not fit).
+        movable = [p for p in parts if p != "weights" and estimate[p] > 0]
+        worst = "weights" if estimate["weights"] > available_bytes or not movable else max(movable, key=estimate.get)
+        raise ValueError(
+            f"not enough accelerator memory: {peak.replace('peak_', '')} needs about {need / GiB:.1f} GiB "
+            f"but {available_bytes / GiB:.1f} GiB are available; largest part: {worst} "
+            f"{estimate[worst] / GiB:.1f} GiB ({PHASE_NOTES[worst]}); fix: {FIXES[worst]}"
+        )
+
+
+def format_table(estimate: dict[str, int], available: int | None = None) -> str:
+    """A small table for the start of a run: GiB per component and peak."""
+    rows = [f"{'memory phase':<20} {'GiB':>9}  note"]
+    for phase in PHASES:
+        rows.append(f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}")
+    for peak, parts in PEAKS.items():
+        rows.append(f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}")
+    if available is not None:
+        worst = max(estimate[p] for p in PEAKS)
+        verdict = "fits" if worst <= available else "does NOT fit"
+        rows.append(f"{'available':<20} {available / GiB:>9.2f}  {verdict}")
+    return "\n".join(rows)
+
+
+def available_bytes(device) -> int | None:
+    """Free accelerator memory now (None on CPU)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+# Published dimensions of the Qwen3 dense models (their config.json files), so
+# a table can be printed without downloading anything.
+QWEN3_DIMS = {
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, intermediate_size=9728, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Print the memory estimate of a SAT run (no download).")
+    p.add_argument("--model", default="qwen3-4b", choices=sorted(QWEN3_DIMS))
+    p.add_argument("--n-agents", type=int, default=3)
+    p.add_argument("--update", default="sequential", choices=["sequential", "joint"])
+    p.add_argument("--backend", default="vllm", choices=["hf", "vllm"])
+    p.add_argument("--rows", type=int, default=32, help="sequences per gradient micro-batch (--minibatch-size)")
+    p.add_argument("--max-seq-len", type=int, default=33792, help="prompt + max new tokens")
+    p.add_argument("--rollout-tokens", type=int, default=1 << 17, help="tokens in the KV cache at once (--token-budget)")
+    p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--available-gib", type=float, default=None)
+    args = p.parse_args(argv)
+    est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, args.update, micro_batch_tokens=args.rows * args.max_seq_len,
+                          max_seq_len=args.max_seq_len, gradient_checkpointing=not args.no_checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
+                          logits_chunk_tokens=args.rows * min(1024, args.max_seq_len))  # rollout.py's chunking today
+    available = int(args.available_gib * GiB) if args.available_gib else None
+    print(f"{args.model} x{args.n_agents}, {args.update} update, backend {args.backend}: "
+          f"{count_parameters(QWEN3_DIMS[args.model]) / 1e9:.3f} B parameters per agent")
+    print(format_table(est, available))
+
+
+if __name__ == "__main__":
+    main()

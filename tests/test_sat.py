@@ -1,0 +1,217 @@
+"""The SAT stage loop on tiny agents: exact KL, backtracking, weights, resume, CLI."""
+import copy
+import json
+
+import pytest
+import torch
+
+import sat
+from rollout import SamplingConfig, rollout
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+from trust_region import QuantileController, per_state_kl, quantile
+
+TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+
+
+def small_config(tmp_path, **overrides) -> sat.Config:
+    """A run small enough for a test: few warm-start steps, 32 trajectories a stage."""
+    cfg = dict(agents="tiny x2", stages=2, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
+               warmup_steps=30, eval_size=16, out=str(tmp_path / "run"), device="cpu")
+    cfg.update(overrides)
+    return sat.Config(**cfg).apply_preset()
+
+
+@pytest.fixture(scope="module")
+def team_and_batch():
+    torch.manual_seed(0)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    return team, batch
+
+
+def perturb(model, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+# -- exact per-state KL on the agent's own tokens -------------------------------------
+def test_measure_kl_equals_direct_full_vocabulary_sum(team_and_batch):
+    team, batch = team_and_batch
+    agent = team.agents[1]
+    reference = copy.deepcopy(agent.model)
+    moved = Agent(agent.spec, copy.deepcopy(agent.model), agent.tokenizer)
+    perturb(moved.model, 0.02)
+    turn = batch.turns[1]
+    kl, new_logp = sat.measure_kl(moved, reference, turn, temperature=0.7, token_budget=64)
+    expected, expected_logp = [], torch.zeros_like(turn.behaviour_logprobs)
+    for i in range(len(batch)):
+        ctx = turn.context_ids[i][turn.context_mask[i].bool()]
+        resp = turn.response_ids[i][turn.response_mask[i].bool()]
+        ids = torch.cat([ctx, resp])[None]
+        with torch.no_grad():
+            p = torch.softmax(moved.model(ids).logits[0, len(ctx) - 1 : -1].double() / 0.7, -1)
+            q = torch.softmax(reference(ids).logits[0, len(ctx) - 1 : -1].double() / 0.7, -1)
+        expected.append((p * (p.log() - q.log())).sum(-1))  # sum_v p_new log(p_new / p_cur)
+        expected_logp[i, : len(resp)] = p.log().gather(-1, resp[:, None]).squeeze(-1)
+    assert torch.allclose(kl.double(), torch.cat(expected), atol=1e-5)
+    assert torch.allclose(new_logp, expected_logp.float(), atol=1e-5)
+    assert (kl > 0).all()
+
+
+# -- backtracking ------------------------------------------------------------------------
+def run_finish_update(team, batch, scale, cfg, max_backtracks):
+    j = 1
+    agent = team.agents[j]
+    original = copy.deepcopy(agent.model)
+    reference = copy.deepcopy(agent.model)
+    perturb(agent.model, scale)
+    inputs = sat.build_inputs(batch, j, [], cfg)
+    cfg.max_backtracks = max_backtracks
+    record, _ = sat.finish_update(team, j, reference, inputs, {"loss": 0.0}, cfg,
+                                  QuantileController(delta=cfg.delta, quantile=cfg.quantile), SamplingConfig(temperature=1.0),
+                                  gamma=0.5, n_agents=2, n_samples=len(batch))
+    return agent, original, record
+
+
+def test_backtracking_rejects_a_step_that_violates_delta(team_and_batch, tmp_path):
+    team, batch = team_and_batch
+    cfg = small_config(tmp_path, delta=0.01, temperature=1.0)
+    saved = copy.deepcopy(team.agents[1].model.state_dict())
+    try:
+        agent, original, record = run_finish_update(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
+        assert not record["accepted"] and record["backtracks"] == 1
+        for p, q in zip(agent.model.parameters(), original.parameters()):
+            assert torch.equal(p, q)  # pi_cur restored bit for bit: the violating step is not kept
+    finally:
+        team.agents[1].model.load_state_dict(saved)
+
+
+def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
+    team, batch = team_and_batch
+    cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
+    saved = copy.deepcopy(team.agents[1].model.state_dict())
+    try:
+        agent, original, record = run_finish_update(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
+        assert record["accepted"] and record["backtracks"] >= 1
+        assert record["kl_quantile"] <= cfg.delta
+        # the parameters left in place really are inside: measure again independently
+        kl, _ = sat.measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)
+        assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
+        assert record["step_fraction"] == 0.5 ** record["backtracks"]
+    finally:
+        team.agents[1].model.load_state_dict(saved)
+
+
+# -- sequence-aware weights ----------------------------------------------------------------
+def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, tmp_path):
+    team, batch = team_and_batch
+    cfg = small_config(tmp_path)
+    t0 = batch.turns[0]
+    g = torch.Generator().manual_seed(3)
+    log_rho = torch.randn(t0.response_mask.shape, generator=g) * t0.response_mask  # [N, L]
+    inputs = sat.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
+    for i in range(len(batch)):
+        toks = log_rho[i][t0.response_mask[i].bool()]
+        w = torch.prod(torch.clamp(toks.exp(), max=1.0))  # prod_t min(1, rho_t), brute force
+        assert torch.isclose(inputs.log_w[i].exp(), w, rtol=1e-5)
+        assert torch.isclose(inputs.log_w_full[i].exp(), toks.exp().prod(), rtol=1e-5)
+    # the group baseline is weighted by w: the weighted mean of the raw advantages is 0 per group
+    w = inputs.log_w.exp()
+    for gid in batch.group_ids.unique():
+        sel = batch.group_ids == gid
+        assert abs(float((w[sel] * inputs.raw_adv[sel]).sum())) < 1e-5
+    first = sat.build_inputs(batch, 0, [], cfg)
+    assert torch.equal(first.log_w, torch.zeros(len(batch)))
+
+
+def test_sequence_ratio_kinds():
+    log_ratio = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert torch.allclose(sat.sequence_log_ratio(log_ratio, mask, "seq"), torch.tensor([0.3, 0.3]))
+    assert torch.allclose(sat.sequence_log_ratio(log_ratio, mask, "seq-mean"), torch.tensor([0.15, 0.3]))
+    surr, clipped, r = sat.clipped_surrogate(log_ratio, mask, torch.tensor([1.0, -1.0]), "seq", 0.2)
+    # r = e^0.3 = 1.35 > 1.2: A > 0 takes the clipped value, A < 0 the unclipped (pessimistic) one
+    assert torch.allclose(surr, torch.tensor([1.2, -torch.tensor(0.3).exp().item()]))
+
+
+# -- whole runs ------------------------------------------------------------------------------
+def strip_timing(records):
+    out = []
+    for r in records:
+        r = {k: v for k, v in r.items() if k not in TIMING_KEYS}
+        r["agents"] = [{k: v for k, v in a.items() if k not in TIMING_KEYS} for a in r.get("agents", [])]
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(protocol="independent"),
+    dict(protocol="chain", order="greedy"),
+    dict(update="joint", order="random"),
+    dict(protocol="chain", resample=True, ratio="token", adv="gae"),
+])
+def test_stage_loop_end_to_end(tmp_path, overrides):
+    cfg = small_config(tmp_path, **overrides)
+    records = sat.run(cfg, log=lambda *_: None)
+    assert [r["stage"] for r in records] == [0, 1, 2]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["stage"] for line in lines] == [0, 1, 2]
+    for rec in records[1:]:
+        assert 0.0 <= rec["team_reward"] <= 1.0 and 0.0 <= rec["eval_accuracy"] <= 1.0
+        assert set(rec["certificate"]) >= {"gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound"}
+        assert sorted(rec["order"]) == [1, 2]
+        for a in rec["agents"]:
+            for key in ("agent", "kl_mean", "kl_quantile", "kl_max", "delta", "beta", "backtracks", "accepted",
+                        "surrogate", "zeta", "N", "clip_fraction"):
+                assert key in a
+            if a["accepted"]:
+                assert a["kl_quantile"] <= cfg.delta  # never keep a violating step
+    assert (tmp_path / "run" / "progress.png").stat().st_size > 1000
+
+
+def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
+    straight = sat.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
+    sat.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)
+    resumed_cfg = sat.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "4"])
+    resumed = sat.run(resumed_cfg, log=lambda *_: None)
+    assert strip_timing(resumed) == strip_timing(straight)
+
+
+def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
+    cfg = small_config(tmp_path, stages=1)
+    sat.run(cfg, log=lambda *_: None)
+    run_dir = tmp_path / "run"
+    latest = sat.latest_checkpoint(run_dir)
+    assert latest.name == "stage_0001" and (latest / "state.pt").exists()
+    assert not list((run_dir / "checkpoints").glob(".*tmp"))
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["--delta", "-1"], "--delta must be > 0"),
+    (["--agents", "Qwen3-5B"], "unknown agent 'Qwen3-5B'"),
+    (["--batch-size", "30", "--group-size", "8"], "multiple of --group-size"),
+    (["--quantile", "1.5"], "--quantile must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--lr", "0"], "" if torch.cuda.is_available() else "CUDA is not available"),
+])
+def test_cli_rejects_bad_options(argv, needle, capsys):
+    assert sat.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sat.py: error:") and needle in err and "\n" not in err
+
+
+def test_cli_rejects_unknown_choice(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sat.parse_args(["--protocol", "debate"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'debate'" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert sat.main(["--resume", str(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "\n" not in err.strip()
