@@ -459,7 +459,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
             for bench, prob_idx, samples, chunk, missing in todo:
                 problems = [benches[bench][i] for i in prob_idx]
                 seed_all(chunk_seed(cfg.seed, bench, prob_idx[0], chunk))
-                batch = rollout(team, problems, len(samples), sampling)
+                batch = rollout(team, problems, len(samples), sampling, score=False)
                 # a half-written chunk is regenerated whole (same seed, same samples); only its missing rows are added
                 rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol) if row_key(r) not in written]
                 append_rows(pred_path, rows)

@@ -257,21 +257,26 @@ def generate(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list
 # ---------------------------------------------------------------------------
 # The joint rollout
 # ---------------------------------------------------------------------------
-def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig) -> Turn:
-    """Agent k answers every context: one batched generate, one batched scoring."""
+def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig, score: bool = True) -> Turn:
+    """Agent k answers every context: one batched generate, one batched scoring
+    (skipped with ``score=False``: evaluation needs no log-probabilities)."""
     agent = team.agents[k]
     tok = agent.tokenizer
     responses = generate(agent, contexts, sampling)
     ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [N, Lc]
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
-    logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget)
+    if score:
+        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget)
+    else:
+        logp = torch.zeros(resp.shape)  # [N, Lr]
     texts = tok.batch_decode([r for r in responses], skip_special_tokens=True)
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])
     return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated)
 
 
-def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig) -> TeamBatch:
-    """G joint trajectories for each of the B problems (SAT.md section 2)."""
+def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, score: bool = True) -> TeamBatch:
+    """G joint trajectories for each of the B problems (SAT.md section 2).
+    ``score=False`` skips the behaviour log-probabilities (left as zeros)."""
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1 (got {group_size})")
     flat = [p for p in problems for _ in range(group_size)]  # [N]
@@ -281,7 +286,7 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
         # independent: every agent sees only the problem; chain: also the earlier answers
         previous = [[t.answers[i] for t in turns] for i in range(len(flat))] if team.protocol == "chain" else [[] for _ in flat]
         contexts = [team.prompt_ids(k, p, prev) for p, prev in zip(flat, previous)]
-        turns.append(agent_turn(team, k, contexts, sampling))
+        turns.append(agent_turn(team, k, contexts, sampling, score))
     team_answers = [team.team_answer([t.answers[i] for t in turns]) for i in range(len(flat))]
     rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
     agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])

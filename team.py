@@ -145,7 +145,7 @@ def build_tiny_model(tokenizer, layers: int = 4, seed: int = 0, hidden: int = 12
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,  # AIME prompts fit
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
