@@ -150,12 +150,15 @@ def response_hidden_states(model, context_ids, context_mask, response_ids, respo
     return out.last_hidden_state[:, lc - 1 : lc - 1 + lr]  # [N, Lr, H]
 
 
-def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk: int = 1024) -> torch.Tensor:
-    """log softmax(lm_head(h)/T)[target], the LM head applied ``chunk``
-    positions at a time. With gradients on, each chunk is recomputed in the
-    backward pass (checkpointing), so only the hidden states are kept."""
+def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
+    """log softmax(lm_head(h)/T)[target], the LM head applied to about
+    ``chunk_tokens`` positions (rows x columns) at a time, so a [n, c, V]
+    logits block stays small (4096 x 151936 x 4 B = 2.5 GB for Qwen3). With
+    gradients on, each chunk is recomputed in the backward pass
+    (checkpointing), so only the hidden states are kept."""
     head = model.get_output_embeddings()
     n, length, _ = hidden.shape
+    chunk = max(1, chunk_tokens // max(n, 1))  # positions per chunk
 
     def piece(h, y):
         logits = head(h).float() / temperature  # [n, c, V]

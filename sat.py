@@ -95,6 +95,8 @@ class Config:
     max_backtracks: int = 6
     gae_lambda: float = 0.95
     token_budget: int | None = None
+    gradient_checkpointing: bool | None = None  # recompute activations in the backward pass (real models)
+    keep_optimizer_state: bool | None = None  # keep each agent's AdamW moments (on the host) between its turns
     kl_check_every: int | None = None  # measure the exact KL quantile every k gradient steps and stop at delta (0: only at the end)
     eval_size: int | None = None
     # warm start (tiny agents only): stands in for pretraining
@@ -146,13 +148,13 @@ class Config:
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores (SAT.md section 9).
-TINY_PRESET = dict(task="arithmetic", stages=30, delta=0.1, beta=0.01, lr=5e-4, group_size=8, batch_size=256,
-                   max_new_tokens=4, temperature=1.0, epochs=2, minibatch_size=64, token_budget=1 << 16,
-                   kl_check_every=1, eval_size=256, warmup_steps=300)
+TINY_PRESET = dict(task="arithmetic", stages=30, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
+                   max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128, token_budget=1 << 16,
+                   kl_check_every=2, keep_optimizer_state=True, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
 # The paper's settings for real models (SAT.md section 1; issue: the paper preset).
 PAPER_PRESET = dict(task="dapo-math-17k", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
                     max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 17,
-                    kl_check_every=0, eval_size=64, warmup_steps=0)
+                    kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True, eval_size=64, warmup_steps=0)
 
 
 def default_backend(device: str) -> str:
@@ -291,11 +293,12 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                  "early_stopped": False} for j in slots}
     optimizers = {}
     for j in slots:
-        opt = team.agents[j].start_training(cfg.lr)
-        if cfg.adv == "gae":
-            value_heads[j].requires_grad_(True)
-            opt.add_param_group({"params": list(value_heads[j].parameters()), "lr": cfg.lr * 10})
-        optimizers[j] = opt
+        head = value_heads.get(j) if cfg.adv == "gae" else None
+        if head is not None:
+            head.requires_grad_(True)
+        optimizers[j] = team.agents[j].start_training(cfg.lr, extra_params=head.parameters() if head is not None else None)
+        if cfg.gradient_checkpointing:
+            team.agents[j].model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n = len(inputs[slots[0]].turn.texts)
     start = time.time()
     active = set(slots)
@@ -328,7 +331,9 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
         if not active:
             break
     for j in slots:
-        team.agents[j].freeze()
+        if cfg.gradient_checkpointing:
+            team.agents[j].model.gradient_checkpointing_disable()
+        team.agents[j].freeze(offload_optimizer=cfg.keep_optimizer_state)
         if cfg.adv == "gae":
             value_heads[j].requires_grad_(False)
         tokens = stats[j]["tokens"]
@@ -476,10 +481,58 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
 def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig) -> dict:
     """Held-out team accuracy (one joint sample per problem at the training
     temperature: the policy being trained), and each agent's own accuracy."""
-    batch = rollout(team, problems, 1, sampling)
+    batch = rollout(team, problems, 1, sampling, score=False)
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist()}
+
+
+# ---------------------------------------------------------------------------
+# GPU backend hooks (no-ops with the HF backend)
+# ---------------------------------------------------------------------------
+def vllm_after_rollout(team: Team, batch: TeamBatch, sampling: SamplingConfig):
+    """Put the engines to sleep before training; return the sampler-vs-trainer
+    log-prob health metric per agent."""
+    if sampling.backend != "vllm":
+        return None
+    import rollout_vllm
+
+    rollout_vllm.sleep_all()
+    health = []
+    for agent, turn in zip(team.agents, batch.turns):
+        vllm_lp = rollout_vllm.last_logprobs(agent)
+        health.append(None if vllm_lp is None else rollout_vllm.logprob_health(vllm_lp, turn.behaviour_logprobs, turn.response_mask))
+    return health
+
+
+def vllm_sync(agent: Agent, sampling: SamplingConfig) -> None:
+    if sampling.backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.sync_weights(agent)
+
+
+def memory_check(cfg: Config, team: Team, log) -> None:
+    """On CUDA: print what each phase needs against what the GPU has, and
+    refuse with a clear message if it cannot fit."""
+    if not cfg.device.startswith("cuda"):
+        return
+    import memory
+
+    biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
+    seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
+    est = memory.estimate_memory(biggest.model.config, len(team), cfg.update, micro_batch_tokens=cfg.minibatch_size * seq,
+                                 max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
+                                 rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096)
+    available = memory.available_bytes(cfg.device)
+    log(memory.format_table(est, available))
+    if available is not None:
+        memory.check_fits(est, available)
+    if cfg.backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.configure(n_engines=len(team), train_fraction=min(0.9, est["peak_training"] / max(available or 1, 1)),
+                               seed=cfg.seed, health_logprobs=True)
 
 
 # ---------------------------------------------------------------------------
@@ -491,10 +544,13 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     t0 = time.time()
     batch = rollout(team, problems, cfg.group_size, sampling)
     rollout_seconds = time.time() - t0
+    health = vllm_after_rollout(team, batch, sampling)
     record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_correct.mean(1).tolist(),
               "rollout_tokens_per_s": batch.num_tokens / max(rollout_seconds, 1e-9),
               "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
               "mean_response_tokens": batch.num_tokens / (len(batch) * n_agents)}
+    if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
+        record["vllm_logprob_abs_diff"] = health
     sigma = order_agents(batch, n_agents, cfg.order, rng)
     record["order"] = [k + 1 for k in sigma]
     gamma = 0.0 if team.protocol == "independent" else 1.0 - 1.0 / n_agents
@@ -507,6 +563,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
         for j in sigma:
             agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], train_stats[j], cfg, controllers[j],
                                              sampling, gamma, n_agents, len(batch))[0]
+            vllm_sync(team.agents[j], sampling)
     else:
         for i, j in enumerate(sigma):
             if pbar is not None:
@@ -517,8 +574,10 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             agent_records[j], new_logp = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
                                                        sampling, gamma, n_agents, len(batch))
             del reference
+            vllm_sync(team.agents[j], sampling)  # the engine samples from the promoted weights from now on
             if cfg.resample and i < n_agents - 1:
                 batch = rollout(team, problems, cfg.group_size, sampling)  # behaviour = pi_hat_i: no weights
+                vllm_after_rollout(team, batch, sampling)
                 cached = []
             else:  # cache log rho on agent j's tokens for the later agents' weights
                 turn = batch.turns[j]
@@ -683,7 +742,11 @@ def apply_upgrades(cfg: Config, team: Team, train: list[Problem], stage: int, sa
         log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment (delta_0 = {cfg.stage0_delta})")
         t0 = time.time()
         stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log)
-        team.swap(slot, new_agent)
+        incumbent = team.swap(slot, new_agent)
+        if cfg.backend == "vllm":
+            import rollout_vllm
+
+            rollout_vllm.release(incumbent)
         controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
         event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
                  "seconds": time.time() - t0, "stage0": stage0}
@@ -710,7 +773,9 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             "numpy_rng": np.random.get_state(), **extra}
+             "numpy_rng": np.random.get_state(),
+             "optimizers": {k: a.saved_optimizer_state for k, a in enumerate(team.agents) if a.saved_optimizer_state is not None},
+             **extra}
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -820,6 +885,8 @@ def run(cfg: Config, log=None) -> list[dict]:
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         controllers = {int(k): QuantileController(**v) for k, v in state["controllers"].items()}
+        for k, opt_state in state.get("optimizers", {}).items():
+            team.agents[int(k)].saved_optimizer_state = opt_state
         start = state["stage"]
         records = [r for r in read_metrics(Path(cfg.resume)) if r["stage"] <= start]
         log(f"resumed from {resume_from} at stage {start}")
@@ -840,6 +907,7 @@ def run(cfg: Config, log=None) -> list[dict]:
             value_heads[k] = make_value_head(agent)
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
+    memory_check(cfg, team, log)
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending_upgrades = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
     if cfg.upgrade:
@@ -894,6 +962,10 @@ def run(cfg: Config, log=None) -> list[dict]:
             f"{kl_q:>14} {backtracks:>6} {accepted:>6} {rec['certificate']['lower_bound']:>+8.3f} {rec['seconds']:>5.1f}")
     if len(records) > 1:
         plot_run(out, records)
+    if cfg.backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.shutdown()
     log(f"held-out team accuracy: {records[0]['eval_accuracy']:.3f} -> {records[-1]['eval_accuracy']:.3f}; "
         f"metrics in {out / 'metrics.jsonl'}, plot in {out / 'progress.png'}")
     return records
@@ -919,6 +991,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--ratio", choices=RATIOS)
     p.add_argument("--adv", choices=ADVANTAGES)
     p.add_argument("--resample", action="store_true")
+    p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
+    p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
+                   help="keep each agent's AdamW moments on the host between its turns (tiny default: on)")
     p.add_argument("--update", choices=UPDATES)
     for name, typ in [("delta", float), ("quantile", float), ("beta", float), ("lr", float), ("group-size", int),
                       ("batch-size", int), ("max-new-tokens", int), ("temperature", float), ("top-p", float),

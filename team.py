@@ -170,6 +170,7 @@ class Agent:
         self.model = model
         self.tokenizer = tokenizer
         self.optimizer: torch.optim.Optimizer | None = None
+        self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
         self.freeze()
 
     # -- loading / saving ---------------------------------------------------
@@ -210,16 +211,33 @@ class Agent:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def freeze(self) -> None:
+    def freeze(self, offload_optimizer: bool = False) -> None:
+        """No gradients, no optimizer on the accelerator. With
+        ``offload_optimizer`` the AdamW moments are kept on the host for the
+        agent's next turn; otherwise they are dropped."""
+        if offload_optimizer and self.optimizer is not None:
+            self.saved_optimizer_state = _to_cpu(self.optimizer.state_dict())
+        self.model.zero_grad(set_to_none=True)  # a frozen agent holds no gradient buffers
         self.model.eval()
         self.model.requires_grad_(False)
         self.optimizer = None
 
-    def start_training(self, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-        """Give this agent gradients and a fresh AdamW; the others stay frozen."""
+    def start_training(self, lr: float, weight_decay: float = 0.0, extra_params=None) -> torch.optim.Optimizer:
+        """Give this agent gradients and an AdamW (its offloaded moments if it
+        has them); the others stay frozen. ``extra_params`` (e.g. a value head)
+        form a second group at 10x the learning rate."""
         self.model.requires_grad_(True)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        groups = [{"params": list(self.model.parameters()), "lr": lr}]
+        if extra_params is not None:
+            groups.append({"params": list(extra_params), "lr": 10 * lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        saved = getattr(self, "saved_optimizer_state", None)
+        if saved is not None and len(saved["param_groups"]) == len(groups):
+            self.optimizer.load_state_dict(saved)  # moves the moments to the parameters' device
+            for group, spec in zip(self.optimizer.param_groups, groups):
+                group["lr"] = spec["lr"]
+        self.saved_optimizer_state = None
         return self.optimizer
 
     # -- prompting ------------------------------------------------------------
@@ -239,6 +257,16 @@ class Agent:
         distributions only when these agree."""
         vocab = self.tokenizer.get_vocab()
         return len(vocab), hash(tuple(sorted(vocab.items())))
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
 
 
 def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:

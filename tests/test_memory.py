@@ -1,0 +1,117 @@
+"""memory.py: exact parameter counts, the sequential-vs-joint accounting, check_fits."""
+import pytest
+import torch
+
+import memory
+
+
+def real_count(config) -> int:
+    """sum(p.numel()) of a real Qwen3ForCausalLM; on the meta device, so
+    billion-parameter shapes cost no memory."""
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def qwen3_config(**kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**kw)
+
+
+SMALL = [
+    dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    dict(vocab_size=517, hidden_size=48, intermediate_size=200, num_hidden_layers=1, num_attention_heads=6,
+         num_key_value_heads=3, head_dim=20, tie_word_embeddings=False, attention_bias=True),  # head_dim != H / heads
+    dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=4, head_dim=8, tie_word_embeddings=True),  # no GQA
+]
+
+
+@pytest.mark.parametrize("dims", SMALL)
+def test_count_parameters_matches_a_real_model(dims):
+    from transformers import Qwen3ForCausalLM
+
+    cfg = qwen3_config(**dims)
+    model = Qwen3ForCausalLM(cfg)  # randomly initialised, on CPU
+    assert memory.count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+    assert memory.count_parameters(dims) == memory.count_parameters(cfg)  # dict and HF config agree
+
+
+@pytest.mark.parametrize("name", sorted(memory.QWEN3_DIMS))
+def test_count_parameters_of_published_qwen3_shapes(name):
+    dims = memory.QWEN3_DIMS[name]
+    assert memory.count_parameters(dims) == real_count(qwen3_config(**dims))
+
+
+def test_qwen3_0_6b_and_4b_sizes():
+    assert memory.count_parameters(memory.QWEN3_DIMS["qwen3-0.6b"]) == 596_049_920
+    assert memory.count_parameters(memory.QWEN3_DIMS["qwen3-4b"]) == 4_022_468_096
+
+
+def test_kv_bytes_per_token():
+    # Qwen3-4B: 36 layers x (K, V) x 8 KV heads x 128 x 2 bytes
+    assert memory.kv_bytes_per_token(memory.QWEN3_DIMS["qwen3-4b"]) == 36 * 2 * 8 * 128 * 2
+
+
+def estimate(**kw):
+    args = dict(model_config=memory.QWEN3_DIMS["qwen3-4b"], n_agents=3, micro_batch_tokens=8192, max_seq_len=4096)
+    args.update(kw)
+    return memory.estimate_memory(**args)
+
+
+def test_joint_costs_n_agents_times_the_optimizer_and_reference():
+    seq, joint = estimate(update="sequential"), estimate(update="joint")
+    for phase in ("grads_optimizer", "reference", "trust_region_copies"):
+        assert joint[phase] == 3 * seq[phase] > 0
+    for phase in ("weights", "activations", "kv_cache", "engine_weights"):
+        assert joint[phase] == seq[phase]
+    assert joint["peak_training"] > seq["peak_training"] and joint["peak_rollout"] == seq["peak_rollout"]
+    params = memory.count_parameters(memory.QWEN3_DIMS["qwen3-4b"])
+    assert seq["weights"] == 3 * params * 2
+    assert seq["grads_optimizer"] == params * (2 + 8)  # bf16 grads + fp32 m, v
+
+
+def test_estimate_is_monotone_and_backend_aware():
+    assert estimate(micro_batch_tokens=16384)["activations"] > estimate(micro_batch_tokens=8192)["activations"]
+    assert estimate(gradient_checkpointing=False)["activations"] > estimate(gradient_checkpointing=True)["activations"]
+    assert estimate(max_seq_len=32768)["kv_cache"] > estimate(max_seq_len=4096)["kv_cache"]
+    assert estimate(n_agents=4)["weights"] > estimate(n_agents=3)["weights"]
+    assert estimate(backend="hf")["engine_weights"] == 0 < estimate(backend="vllm")["engine_weights"]
+    est = estimate()
+    for peak, parts in memory.PEAKS.items():
+        assert est[peak] == sum(est[p] for p in parts)
+    with pytest.raises(ValueError):
+        estimate(update="both")
+
+
+def test_check_fits_one_line_naming_the_phase_and_fix():
+    est = estimate(update="joint")
+    memory.check_fits(est, available_bytes=10 ** 15)  # fits: returns None
+    with pytest.raises(ValueError) as err:
+        memory.check_fits(est, available_bytes=est["peak_training"] - 1)
+    msg = str(err.value)
+    assert "\n" not in msg and "training" in msg and "grads_optimizer" in msg and "--update sequential" in msg
+    huge_kv = estimate(max_seq_len=2 ** 22)  # the rollout does not fit: blame the KV cache
+    with pytest.raises(ValueError) as err:
+        memory.check_fits(huge_kv, available_bytes=huge_kv["peak_training"] + 1)
+    assert "rollout" in str(err.value) and "kv_cache" in str(err.value) and "--backend hf" in str(err.value)
+    with pytest.raises(ValueError) as err:  # not even the weights fit
+        memory.check_fits(est, available_bytes=est["weights"] // 2)
+    assert "weights" in str(err.value) and "fewer or smaller agents" in str(err.value)
+
+
+def test_format_table_lists_every_phase():
+    est = estimate()
+    peak = max(est["peak_training"], est["peak_rollout"])
+    table = memory.format_table(est, available=peak)
+    for phase in list(memory.PHASES) + list(memory.PEAKS):
+        assert phase in table
+    assert table.splitlines()[-1].split()[-1] == "fits"
+    assert memory.format_table(est, available=peak - 1).endswith("does NOT fit")
+    assert "available" not in memory.format_table(est)
