@@ -347,10 +347,31 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
 
 def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg: Config, beta: float, opt, value_head,
                    stats: dict) -> None:
+    """One optimizer step on the minibatch ``idx``, accumulated over
+    micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
+    turn = inp.turn
+    width = turn.context_ids.shape[1] + int(turn.response_mask[idx].sum(1).max())
+    rows = max(1, cfg.token_budget // width)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in range(0, len(idx), rows):
+        micro = idx[s : s + rows]
+        loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, stats) * (len(micro) / len(idx))
+        loss.backward()
+        total += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 1.0)
+    opt.step()
+    stats["loss"].append(total)
+    stats["grad_norm"].append(float(grad_norm))
+
+
+def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg: Config, beta: float, value_head,
+                      stats: dict) -> torch.Tensor:
+    """-E[w * min(r A, clip(r) A)] + beta * KL penalty (+ value loss) on rows ``idx``."""
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
     keep = rmask.sum(0) > 0
-    rmask = rmask[:, keep]  # trim padding columns shared by the minibatch
+    rmask = rmask[:, keep]  # trim padding columns shared by the micro-batch
     ctx, cmask = turn.context_ids[idx].to(device), turn.context_mask[idx].to(device)  # [b, Lc]
     resp = turn.response_ids[idx][:, keep.cpu()].to(device)  # [b, Lr]
     behaviour = turn.behaviour_logprobs[idx][:, keep.cpu()].to(device)  # [b, Lr]
@@ -368,15 +389,10 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg: Conf
     if value_head is not None:  # token-level value regression toward the GAE returns
         values = value_head(hidden.float()).squeeze(-1)  # [b, Lr]
         loss = loss + 0.5 * masked_mean((values - inp.returns[idx][:, keep.cpu()].to(device)) ** 2, rmask)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 1.0)
-    opt.step()
-    stats["loss"].append(loss.item())
     stats["clip_tokens"] += float(clipped.sum())
     stats["tokens"] += float(rmask.sum())
     stats["ratio"].append(ratio[rmask > 0].detach().float().mean().item() if ratio.dim() == 2 else ratio.detach().float().mean().item())
-    stats["grad_norm"].append(float(grad_norm))
+    return loss
 
 
 @torch.no_grad()
@@ -521,7 +537,8 @@ def memory_check(cfg: Config, team: Team, log) -> None:
 
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
-    est = memory.estimate_memory(biggest.model.config, len(team), cfg.update, micro_batch_tokens=cfg.minibatch_size * seq,
+    est = memory.estimate_memory(biggest.model.config, len(team), cfg.update,
+                                 micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
                                  max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
                                  rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096)
     available = memory.available_bytes(cfg.device)
