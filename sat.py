@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from advantage import (full_log_weights, gae, group_advantages, masked_mean, masked_sum,
                        truncated_log_weights, truncation_bias)
-from rollout import (SamplingConfig, TeamBatch, Turn, batched_response_logprobs, left_pad, response_hidden_states,
+from rollout import (SamplingConfig, TeamBatch, Turn, left_pad, response_hidden_states,
                      right_pad, rollout, token_logprobs_from_hidden)
 from tasks import (Problem, arithmetic_problems, load_problems, noisy_label)
 from team import Agent, Team, TeamConfig, check_same_vocabulary, parse_agents
@@ -148,9 +148,9 @@ class Config:
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores (SAT.md section 9).
-TINY_PRESET = dict(task="arithmetic", stages=30, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
+TINY_PRESET = dict(task="arithmetic", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
                    max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128, token_budget=1 << 16,
-                   kl_check_every=2, keep_optimizer_state=True, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
+                   kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
 # The paper's settings for real models (SAT.md section 1; issue: the paper preset).
 PAPER_PRESET = dict(task="dapo-math-17k", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
                     max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 17,

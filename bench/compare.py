@@ -42,7 +42,7 @@ def arm(base: Path, out: Path, name: str, total_stages: int, extra: list[str]) -
 
 def updates(args) -> None:
     rows = {}
-    for protocol in ("independent", "chain"):
+    for protocol in args.protocols:
         for seed in args.seeds:
             base3 = base_run(args.out, seed, "tiny x3", protocol)
             base1 = base_run(args.out, seed, "tiny", protocol)
@@ -89,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["updates", "upgrades"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--protocols", nargs="+", default=["independent", "chain"], choices=["independent", "chain"])
     ap.add_argument("--stages", type=int, default=12, help="SAT stages per arm")
     ap.add_argument("--train-stages", type=int, default=10, help="upgrades: stages before the upgrade")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout import SamplingConfig, cut_at_eos, generate_hf, response_logprobs, rollout  # noqa: E402
+from rollout import SamplingConfig, generate_hf, response_logprobs, rollout  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig  # noqa: E402
 

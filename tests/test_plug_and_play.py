@@ -62,7 +62,7 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     before = sat.Team.load(sat.latest_checkpoint(run_dir) / "team")
     cfg = sat.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
                           "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"])
-    records = sat.run(cfg, **QUIET)
+    sat.run(cfg, **QUIET)
     upgraded = sat.Team.load(sat.latest_checkpoint(run_dir) / "team")
     assert sat.latest_checkpoint(run_dir).name == "stage_0001_upgraded"
     # the untouched agent is bit-identical; the slot holds the new 3-layer model

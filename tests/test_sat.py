@@ -9,7 +9,7 @@ import sat
 from rollout import SamplingConfig, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
-from trust_region import QuantileController, per_state_kl, quantile
+from trust_region import QuantileController, quantile
 
 TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
 
