@@ -1012,12 +1012,22 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
                    help="keep each agent's AdamW moments on the host between its turns (tiny default: on)")
     p.add_argument("--update", choices=UPDATES)
+    helps = {"delta": "trust-region radius on the per-state KL quantile", "quantile": "1 - alpha: the KL quantile held to delta",
+             "beta": "initial KL-penalty weight (adapted per agent)", "group-size": "G joint trajectories per prompt",
+             "batch-size": "joint trajectories per stage", "epochs": "passes over the batch per agent update",
+             "minibatch-size": "joint trajectories per gradient step", "eps-clip": "PPO clip epsilon",
+             "adv-clip": "advantage clip A_clip", "max-backtracks": "halvings before an update is rejected",
+             "token-budget": "max tokens per generate chunk / gradient micro-batch",
+             "kl-check-every": "exact KL check every k gradient steps, stop at delta (0: only at the end)",
+             "eval-size": "held-out problems per evaluation", "warmup-steps": "supervised warm start of tiny agents",
+             "stage0-delta": "Stage-0 radius delta_0 for --upgrade", "stage0-max-passes": "Stage-0 passes before giving up",
+             "upgrade-warmup-steps": "warm start of a tiny replacement (default 2 x --warmup-steps)"}
     for name, typ in [("delta", float), ("quantile", float), ("beta", float), ("lr", float), ("group-size", int),
                       ("batch-size", int), ("max-new-tokens", int), ("temperature", float), ("top-p", float),
                       ("seed", int), ("epochs", int), ("minibatch-size", int), ("eps-clip", float), ("adv-clip", float),
                       ("max-backtracks", int), ("token-budget", int), ("kl-check-every", int), ("eval-size", int), ("warmup-steps", int),
                       ("stage0-delta", float), ("stage0-max-passes", int), ("upgrade-warmup-steps", int)]:
-        p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=typ)
+        p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=typ, help=helps.get(name))
     p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3", "k3_new"])
     p.add_argument("--out")
     p.add_argument("--resume", help="a run folder (or a checkpoints/stage_XXXX folder) to continue")
