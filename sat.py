@@ -673,10 +673,14 @@ def state_logprobs(model, turn: Turn, rows: slice, temperature: float) -> torch.
     return F.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, dim=-1)  # [M, V]
 
 
+STAGE0_MARGIN = 0.5  # Stage-0 trains toward the projection onto the ball of radius 0.5 * delta_0
+
+
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg: Config,
                  sampling: SamplingConfig, lr: float, log) -> dict:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around
-    the incumbent of ``slot``, on the team's current states.
+    the incumbent of ``slot``, on the team's current states (the stopping
+    test uses delta_0; the training target uses STAGE0_MARGIN * delta_0).
 
     States: every position of the incumbent's responses in fresh rollouts of
     the trained team. Each pass trains the new model toward the exact
@@ -710,7 +714,9 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
             with torch.no_grad():
                 logp_cur = state_logprobs(incumbent.model, turn, rows, cfg.temperature)  # [M, V]
             logp_new = state_logprobs(new_agent.model, turn, rows, cfg.temperature)  # [M, V]
-            target, lam = geometric_mixture_projection(logp_new.detach(), logp_cur, delta0)  # [M, V], [M]
+            # aim at half the radius: the projection of a model just outside delta_0 sits
+            # on the boundary and gives a vanishing gradient; a margin ends Stage-0 in few passes
+            target, lam = geometric_mixture_projection(logp_new.detach(), logp_cur, STAGE0_MARGIN * delta0)  # [M, V], [M]
             loss = (target.exp() * (target - logp_new)).sum(-1).mean()  # KL(projection || pi_new)
             opt.zero_grad(set_to_none=True)
             loss.backward()
