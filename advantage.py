@@ -36,8 +36,12 @@ def group_advantages(
     eps: float = 1e-6,
     clip: float | None = 5.0,
     weights: torch.Tensor | None = None,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (SAT.md section 3).
+
+    With ``normalize=False`` the result is R - mean_g in reward units (the
+    certificate's A), still clipped when ``clip`` is given.
 
     A group is the G joint trajectories of one prompt; every trajectory in it is compared
     with its siblings, so no value model is needed.
@@ -78,6 +82,8 @@ def group_advantages(
     scale = var.sqrt()[inv] + eps  # [N]
     # eps = 0 on an all-equal group would be 0 / 0: such a group carries no signal.
     adv = torch.where(scale > 0, centred / scale.clamp_min(torch.finfo(r.dtype).tiny), torch.zeros_like(r))  # [N]
+    if not normalize:
+        adv = centred  # [N] reward units
     adv = torch.where(w_sum[inv] > 0, adv, torch.zeros_like(adv))  # [N] weightless group: no signal
     if clip is not None:
         adv = adv.clamp(-clip, clip)  # [N]

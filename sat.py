@@ -441,7 +441,7 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
     log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
     weights = log_w.exp()  # [N]
     adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
-    raw_adv = _raw_group_advantages(batch.rewards, batch.group_ids, weights)  # [N]
+    raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights, normalize=False).float()  # [N]
     turn = batch.turns[j]
     returns = None
     if cfg.adv == "gae":
@@ -462,15 +462,6 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
         std = (masked_mean((tok_adv - mean) ** 2, mask)).sqrt()
         adv = (((tok_adv - mean) / (std + 1e-6)).clamp(-cfg.adv_clip, cfg.adv_clip) * mask).float()  # [N, Lr]
     return UpdateInputs(turn, adv, raw_adv, log_w, log_w_full, returns)
-
-
-def _raw_group_advantages(rewards, group_ids, weights) -> torch.Tensor:
-    """R - weighted group mean (reward units): the certificate's A."""
-    _, inv = torch.unique(group_ids, return_inverse=True)
-    g = int(inv.max()) + 1
-    w_sum = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, weights.double())
-    mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, weights.double() * rewards.double()) / w_sum.clamp_min(1e-300)
-    return (rewards.double() - mean[inv]).float()  # [N]
 
 
 # ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,8 +233,11 @@ class Agent:
         if extra_params is not None:
             groups.append({"params": list(extra_params), "lr": 10 * lr})
         self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
-        saved = getattr(self, "saved_optimizer_state", None)
-        if saved is not None and len(saved["param_groups"]) == len(groups):
+        saved = self.saved_optimizer_state
+        if saved is not None and len(saved["param_groups"]) != len(groups):
+            warnings.warn(f"agent '{self.spec.name}': saved AdamW state has {len(saved['param_groups'])} parameter groups, "
+                          f"this update has {len(groups)} (value head added or removed); starting from fresh moments")
+        elif saved is not None:
             self.optimizer.load_state_dict(saved)  # moves the moments to the parameters' device
             for group, spec in zip(self.optimizer.param_groups, groups):
                 group["lr"] = spec["lr"]

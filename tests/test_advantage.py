@@ -218,3 +218,13 @@ def test_truncation_bias_matches_formula_and_caps_overflow():
     huge = adv.truncation_bias(torch.tensor([5000.0]), torch.tensor([0.0]), torch.ones(1), torch.ones(1))
     assert huge == pytest.approx(1e6 - 1.0)
     assert adv.truncation_bias(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_group_advantages_unnormalised_are_reward_minus_weighted_group_mean():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=D)
+    g = torch.tensor([0, 0, 0, 1, 1])
+    w = torch.tensor([0.5, 1.0, 0.5, 1.0, 0.25], dtype=D)
+    got = adv.group_advantages(r, g, clip=None, weights=w, normalize=False)
+    m0 = (0.5 * 1.0) / 2.0  # weighted mean of group 0
+    expected = torch.tensor([1 - m0, -m0, -m0, 0.0, 0.0], dtype=D)
+    assert torch.allclose(got, expected)
