@@ -1,4 +1,4 @@
-"""Advantage estimators and sequence-aware importance weights for SAT (SAT.md section 3).
+"""Advantage estimators and sequence-aware importance weights for SAT (paper, Section 5).
 
 - `masked_sum` / `masked_mean`    reductions over valid (unpadded) entries
 - `group_advantages`              group-relative (R - mean) / (std + eps), clipped
@@ -38,7 +38,7 @@ def group_advantages(
     weights: torch.Tensor | None = None,
     normalize: bool = True,
 ) -> torch.Tensor:
-    """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (SAT.md section 3).
+    """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (paper, Section 5, Eq. (2)).
 
     With ``normalize=False`` the result is R - mean_g in reward units (the
     certificate's A), still clipped when ``clip`` is given.
@@ -165,7 +165,7 @@ def truncated_log_weights(
 ) -> torch.Tensor:
     """log w(tau) = log prod_t min(1, rho_t) over the tokens of the already-updated agents.
 
-    For step i of a stage (SAT.md section 3) the list holds, for each agent sigma(1..i-1),
+    For step i of a stage (paper, Section 5; c_t = min(1, rho_t)) the list holds, for each agent sigma(1..i-1),
     its cached per-token log rho_t = log pi_tar(a_t|s_t) - log pi_cur(a_t|s_t) and the mask
     of its tokens in each joint trajectory (agents may have different lengths T).
     log min(1, rho) = min(0, log rho), so the product is a sum in log space and never
@@ -216,7 +216,7 @@ def truncation_bias(
     adv: torch.Tensor,
     log_cap: float = LOG_WEIGHT_CAP,
 ) -> float:
-    """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of SAT.md section 4).
+    """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of Theorem 4.2).
 
     The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact
     weight W = prod rho_t; SAT trains with the truncated w = prod min(1, rho_t) instead.

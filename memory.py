@@ -1,6 +1,6 @@
 """Accelerator memory for a SAT run, estimated before anything is loaded.
 
-SAT's memory claim (SAT.md section 3) is concrete: only the agent being
+SAT's memory claim (paper, Section 5: agents are updated one at a time) is concrete: only the agent being
 updated holds gradients, optimizer state and a frozen reference copy; the
 others are frozen weights. ``estimate_memory`` turns a model config into bytes
 per component so that a run can say at start whether it fits, and why not:
@@ -233,6 +233,29 @@ QWEN3_DIMS = {
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
+
+
+def check_run(cfg, team, log) -> None:
+    """For a run (``sat.Config`` and its team) on CUDA: print what each phase
+    needs against what the GPU has, refuse with a clear message if it cannot
+    fit, and size the vLLM engines from what training leaves."""
+    if not cfg.device.startswith("cuda"):
+        return
+    biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
+    seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
+    est = estimate_memory(biggest.model.config, len(team), cfg.update,
+                          micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
+                          max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
+                          rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096)
+    available = available_bytes(cfg.device)
+    log(format_table(est, available))
+    if available is not None:
+        check_fits(est, available)
+    if cfg.backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.configure(n_engines=len(team), train_fraction=min(0.9, est["peak_training"] / max(available or 1, 1)),
+                               seed=cfg.seed, health_logprobs=True)
 
 
 def main(argv=None) -> None:

@@ -1,5 +1,12 @@
 """Joint-trajectory generation: the team answers B problems G times each.
 
+Paper, Section 3 (the team as a factorized policy; Algorithm 1, line "collect
+rollouts under pi_cur"): a joint trajectory is one response per agent under the
+team's protocol (independent answers + majority vote, or a chain in which
+agent k sees the answers of agents 1..k-1), with one team reward shared by
+every agent's tokens. This module chooses the generation backend (Hugging
+Face ``generate`` here, vLLM in ``rollout_vllm.py``).
+
 ``rollout(team, problems, group_size, sampling)`` returns a ``TeamBatch``:
 N = B * G joint trajectories; per trajectory its group id (= problem index),
 per agent turn the context ids, response ids and mask, behaviour
@@ -26,9 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from tasks import Problem, answers_match
+from grading import answers_match
+from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
+from tasks import Problem
 from team import Team
 
 BACKENDS = ("hf", "vllm")
@@ -90,118 +98,6 @@ class TeamBatch:
 
 
 # ---------------------------------------------------------------------------
-# Padding helpers
-# ---------------------------------------------------------------------------
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [N, L]
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
-    return ids, mask
-
-
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [N, L]
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, exactly as ``generate`` computes them."""
-    pos = mask.long().cumsum(-1) - 1  # [N, L]
-    return pos.clamp(min=0)
-
-
-def chunks_by_budget(lengths: list[int], budget: int) -> list[slice]:
-    """Consecutive slices whose padded size (rows x longest row) fits the budget."""
-    out, start, longest = [], 0, 0
-    for i, n in enumerate(lengths):
-        new_longest = max(longest, n)
-        if i > start and (i - start + 1) * new_longest > budget:
-            out.append(slice(start, i))
-            start, new_longest = i, n
-        longest = new_longest
-    out.append(slice(start, len(lengths)))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Teacher-forced log-probabilities (used by rollout and by training)
-# ---------------------------------------------------------------------------
-def response_hidden_states(model, context_ids, context_mask, response_ids, response_mask) -> torch.Tensor:
-    """Final hidden states at the positions that predict each response token.
-
-    Position Lc - 1 + t predicts response token t, so we return
-    hidden[:, Lc-1 : Lc-1+Lr]. Only hidden states are returned: the caller
-    applies the LM head in chunks, so [N, Lr, V] logits never exist at once.
-    """
-    input_ids = torch.cat([context_ids, response_ids], dim=1)  # [N, Lc+Lr]
-    attention_mask = torch.cat([context_mask, response_mask], dim=1)  # [N, Lc+Lr]
-    position_ids = position_ids_from_mask(attention_mask)  # [N, Lc+Lr]
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    lc, lr = context_ids.shape[1], response_ids.shape[1]
-    return out.last_hidden_state[:, lc - 1 : lc - 1 + lr]  # [N, Lr, H]
-
-
-def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
-    """log softmax(lm_head(h)/T)[target], the LM head applied to about
-    ``chunk_tokens`` positions (rows x columns) at a time, so a [n, c, V]
-    logits block stays small (4096 x 151936 x 4 B = 2.5 GB for Qwen3). With
-    gradients on, each chunk is recomputed in the backward pass
-    (checkpointing), so only the hidden states are kept."""
-    head = model.get_output_embeddings()
-    n, length, _ = hidden.shape
-    chunk = max(1, chunk_tokens // max(n, 1))  # positions per chunk
-
-    def piece(h, y):
-        logits = head(h).float() / temperature  # [n, c, V]
-        return torch.gather(F.log_softmax(logits, dim=-1), -1, y.unsqueeze(-1)).squeeze(-1)  # [n, c]
-
-    parts = []
-    for s in range(0, length, chunk):
-        h, y = hidden[:, s : s + chunk], targets[:, s : s + chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False))
-        else:
-            parts.append(piece(h, y))
-    return torch.cat(parts, dim=1)  # [n, Lr]
-
-
-def response_logprobs(model, context_ids, context_mask, response_ids, response_mask, temperature: float) -> torch.Tensor:
-    """log pi(response_t | context, response_<t) at ``temperature``, 0 on padding. [N, Lr]"""
-    device = next(model.parameters()).device
-    args = [t.to(device) for t in (context_ids, context_mask, response_ids, response_mask)]
-    hidden = response_hidden_states(model, *args)  # [N, Lr, H]
-    logp = token_logprobs_from_hidden(model, hidden, args[2], temperature)  # [N, Lr]
-    return logp * args[3]
-
-
-@torch.no_grad()
-def batched_response_logprobs(model, turn_like, temperature: float, token_budget: int) -> torch.Tensor:
-    """``response_logprobs`` over all rows, in chunks that fit the token budget."""
-    ctx, cmask, resp, rmask = turn_like
-    width = ctx.shape[1] + resp.shape[1]
-    rows = max(1, token_budget // width)
-    out = torch.zeros(resp.shape, dtype=torch.float32)  # [N, Lr]
-    for s in range(0, resp.shape[0], rows):
-        sl = slice(s, s + rows)
-        # trim padding columns shared by the whole chunk: cheaper and exact
-        c_keep = cmask[sl].any(0).nonzero()
-        r_len = int(rmask[sl].sum(1).max())
-        c0 = int(c_keep[0]) if len(c_keep) else ctx.shape[1] - 1
-        lp = response_logprobs(model, ctx[sl, c0:], cmask[sl, c0:], resp[sl, : max(r_len, 1)], rmask[sl, : max(r_len, 1)], temperature)
-        out[sl, : lp.shape[1]] = lp.float().cpu()
-    return out
-
-
-# ---------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------
 @torch.no_grad()
@@ -238,15 +134,15 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     return responses
 
 
-def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
-    """Keep tokens up to and including the first eos (the eos is an action
-    too: its probability is part of the policy's likelihood)."""
-    if eos_id in tokens:
-        return tokens[: tokens.index(eos_id) + 1]
-    # no eos: truncated by max_new_tokens; strip trailing pads only if pad != eos
-    while tokens and tokens[-1] == pad_id and pad_id != eos_id:
-        tokens = tokens[:-1]
-    return tokens
+def default_backend(device: str) -> str:
+    """vLLM on CUDA when it is installed; the Hugging Face backend otherwise."""
+    if not device.startswith("cuda"):
+        return "hf"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf"
+    return "vllm"
 
 
 def generate(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
@@ -278,7 +174,7 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
 
 
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, score: bool = True) -> TeamBatch:
-    """G joint trajectories for each of the B problems (SAT.md section 2).
+    """G joint trajectories for each of the B problems (paper, Section 3).
     ``score=False`` skips the behaviour log-probabilities (left as zeros)."""
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1 (got {group_size})")
@@ -294,3 +190,29 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
     agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])
     return TeamBatch(flat, group_ids, turns, team_answers, rewards, agent_correct)
+
+
+# ---------------------------------------------------------------------------
+# Backend hooks around training (no-ops with the HF backend)
+# ---------------------------------------------------------------------------
+def after_rollout(team: Team, batch: TeamBatch, sampling: SamplingConfig):
+    """Put the vLLM engines to sleep before training; return the sampler-vs-
+    trainer log-prob health metric per agent (None with the HF backend)."""
+    if sampling.backend != "vllm":
+        return None
+    import rollout_vllm
+
+    rollout_vllm.sleep_all()
+    health = []
+    for agent, turn in zip(team.agents, batch.turns):
+        vllm_lp = rollout_vllm.last_logprobs(agent)
+        health.append(None if vllm_lp is None else rollout_vllm.logprob_health(vllm_lp, turn.behaviour_logprobs, turn.response_mask))
+    return health
+
+
+def sync_weights(agent, sampling: SamplingConfig) -> None:
+    """After a promotion: the agent's engine samples from the new weights from now on."""
+    if sampling.backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.sync_weights(agent)

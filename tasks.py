@@ -1,22 +1,18 @@
-"""Tasks and answer grading: where problems come from and how answers are scored.
+"""Tasks: where the problems of a run come from.
 
-Three things live here, each as small pure functions:
+Paper, Section 5 (experimental setup: training prompts from DAPO-Math-17k /
+DeepScaleR, evaluation on AIME24/25 and MATH-500). A ``Problem`` is (id,
+problem text, gold answer). Problems come from
 
-1. Problems. A `Problem` is (id, problem text, gold answer). They come from
-   - a synthetic addition task ("23+15" -> "38") used by the CPU default run and
-     the tests (`arithmetic_problems`, plus `noisy_label` for the supervised warm
-     start that stands in for pretraining),
-   - JSONL files (`load_jsonl`), e.g. the offline copies in ../shared/data/,
-   - public Hugging Face datasets by short name (`load_dataset_by_name`).
-   `load_problems(spec)` picks between a file and a name.
+- a synthetic addition task ("23+15" -> "38") used by the CPU default run and
+  the tests (``arithmetic_problems``, plus ``noisy_label`` for the supervised
+  warm start that stands in for pretraining of tiny agents),
+- JSONL files (``load_jsonl``), e.g. the offline copies in ``data/``,
+- public Hugging Face datasets by short name (``load_dataset_by_name``).
 
-2. Grading. `extract_answer` pulls the final answer out of a model response,
-   `answers_match` decides whether it equals the gold answer, `grade` does both.
-   The team reward of SAT is 1 exactly when the team answer matches, so a false
-   positive here teaches the model to be wrong; the matcher is built to prefer
-   a false negative when unsure (see `answers_match`).
-
-3. `majority_vote`: the team answer of the "independent" protocol.
+``load_problems(spec)`` picks between a file and a name; ``load_task(cfg)``
+gives a run its training and held-out problems. Grading lives in
+``grading.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +21,7 @@ import hashlib
 import json
 import random
 import re
-import threading
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import lru_cache
 from pathlib import Path
 
@@ -44,7 +38,7 @@ class Problem:
 # ---------------------------------------------------------------------------
 
 # difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive. Difficulty 1 is the
-# range measured to be learnable by a tiny model with sparse reward (SAT.md §9):
+# range measured to be learnable by a tiny model with sparse reward (a feasibility check on 2 CPU cores):
 # 400 pairs, answers 20..68. Each level is its own pair space (difficulty 2's
 # contains difficulty 1's; the held-out side of a shared pair is the same).
 DIFFICULTY_RANGES = {
@@ -114,7 +108,7 @@ def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
     Otherwise the answer is off by 1, 2 or 10 in either direction, never the
     right one and never negative. Plausible near-misses (rather than random
     numbers) give the warm-started model a spread of answers around the truth,
-    which is what lets sparse exact-match reward find the right one (SAT.md §9).
+    which is what lets sparse exact-match reward find the right one (a measured feasibility check).
     """
     value = int(answer)
     if rng.random() >= p_wrong:
@@ -250,7 +244,7 @@ def canonical_dataset_name(name: str) -> str:
         known = ", ".join(f"{k} ({'/'.join(aliases(k))})" if aliases(k) else k for k in DATASETS)
         raise ValueError(
             f"unknown dataset {name!r}; known names: {known}; or pass a JSONL file "
-            f"({_JSONL_HINT}), e.g. ../shared/data/aime24.jsonl"
+            f"({_JSONL_HINT}), e.g. data/aime24.jsonl"
         )
     return key
 
@@ -322,7 +316,7 @@ def load_dataset_by_name(name: str, split: str | None = None, limit: int | None 
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise RuntimeError(
             f"could not fetch dataset {key!r} ({spec.hub_id}): {type(e).__name__}: {reason}; "
-            f"pass --data path/to.jsonl instead (e.g. the copies in ../shared/data/)"
+            f"pass --data path/to.jsonl instead (offline copies of aime24, aime25 and math500 are in data/)"
         ) from e
     return rows_to_problems(rows, spec, key, limit)
 
@@ -334,298 +328,33 @@ def load_problems(spec: str) -> list[Problem]:
     return load_dataset_by_name(spec)
 
 
-# ---------------------------------------------------------------------------
-# Answer extraction
-# ---------------------------------------------------------------------------
-
-_BOX_COMMANDS = re.compile(r"\\(?:boxed|fbox)")
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
-_ANSWER_PHRASE = re.compile(r"(?:final answer is|answer is|answer\s*:)\s*", re.I)
-
-
-def _braced(text: str, start: int) -> str | None:
-    """Content of the {...} group opening at text[start], braces matched; None if unclosed."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{" and (i == 0 or text[i - 1] != "\\"):
-            depth += 1
-        elif text[i] == "}" and text[i - 1] != "\\":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
-    return None
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last complete \\boxed{...} / \\fbox{...} / "\\boxed 5"."""
-    for m in reversed(list(_BOX_COMMANDS.finditer(text))):
-        rest = m.end()
-        if rest < len(text) and text[rest] == "{":
-            content = _braced(text, rest)
-        elif rest < len(text) and text[rest] == " ":
-            # "\boxed 5": the argument is the next run up to space or "$".
-            arg = re.match(r" +([^\s$]+)", text[rest:])
-            content = arg.group(1) if arg else None
-        else:
-            content = None
-        if content is not None and content.strip():
-            return content.strip()
-        # unclosed (truncated) or empty box: try the one before it
-    return None
-
-
-def _answer_phrase(text: str) -> str | None:
-    """X from the last "final answer is X" / "answer: X", up to the end of its sentence."""
-    matches = list(_ANSWER_PHRASE.finditer(text))
-    if not matches:
-        return None
-    rest = text[matches[-1].end():].split("\n", 1)[0].strip()
-    if rest.startswith("$"):  # "$\frac{1}{2}$." -> the math between the dollars
-        inner = re.match(r"\$+([^$]+)\$+", rest)
-        if inner:
-            return inner.group(1).strip() or None
-    rest = re.split(r"\.\s", rest, maxsplit=1)[0]  # stop at the end of the sentence
-    rest = rest.strip().rstrip(".").strip()
-    return rest or None
-
-
-def _extract(text: str) -> str | None:
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    phrase = _answer_phrase(text)
-    if phrase is not None:
-        return phrase
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a model response, or None.
-
-    Order: the last complete \\boxed{...} (or \\fbox{...}, or "\\boxed 5"), with
-    nested braces matched; else the last "final answer is X" / "answer: X";
-    else the last number (int, decimal, a/b, negative). For thinking models,
-    only the text after the last "</think>" is used when it yields an answer,
-    so a number mentioned mid-thought does not count as the answer.
-    """
-    if not text:
-        return None
-    if "</think>" in text:
-        after = _extract(text.rsplit("</think>", 1)[1])
-        if after is not None:
-            return after
-    return _extract(text)
-
 
 # ---------------------------------------------------------------------------
-# Normalisation and equivalence
+# A run's problems
 # ---------------------------------------------------------------------------
-
-# Formatting that never changes the value of an answer.
-_DELETE = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\displaystyle", "\\ ", "~"]
-_UNIT_WORDS = (
-    "cm|mm|km|m|meters?|metres?|centimeters?|inches|inch|in|feet|foot|ft|yards?|miles?|"
-    "units?|square|sq|cubic|degrees?|deg|radians?|rad|seconds?|sec|s|minutes?|min|hours?|hrs?|"
-    "days?|weeks?|years?|dollars?|cents?|grams?|g|kg|pounds?|lbs?|liters?|litres?|ml|l|"
-    "mph|percent|points?|ways|people|students"
-)
-_NUMERAL = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?"
-_NUMBER_WITH_UNIT = re.compile(rf"^({_NUMERAL})\s*(?:(?:{_UNIT_WORDS})\b\.?(?:\^\{{?[23]\}}?)?\s*)+$", re.I)
+BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
-def _unwrap_command(s: str, command: str) -> str:
-    r"""Replace every \command{X} by X (brace-matched, so X may contain braces)."""
-    while True:
-        i = s.find(command + "{")
-        if i < 0:
-            return s
-        start = i + len(command)
-        inner = _braced(s, start)
-        if inner is None:
-            return s
-        s = s[:i] + inner + s[start + len(inner) + 2:]
-
-
-def _fracs_to_slash(s: str) -> str:
-    r"""\frac{a}{b} -> (a)/(b), \frac34 -> 3/4; plain numbers keep no brackets."""
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    while True:
-        i = s.find("\\frac{")
-        if i < 0:
-            return s
-        num = _braced(s, i + 5)
-        if num is None:
-            return s
-        j = i + 5 + len(num) + 2
-        if j >= len(s) or s[j] != "{":
-            return s
-        den = _braced(s, j)
-        if den is None:
-            return s
-        wrap = lambda x: x if re.fullmatch(r"-?\d+(?:\.\d+)?", x) else f"({x})"
-        s = s[:i] + f"{wrap(num)}/{wrap(den)}" + s[j + len(den) + 2:]
-
-
-def to_fraction(s: str) -> Fraction | None:
-    """Exact value of a normalised plain number ("33", "-0.5", "3/4"), else None."""
-    if not re.fullmatch(_NUMERAL, s):
-        return None
-    try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def _clean(s: str) -> str:
-    """Strip formatting, wrappers and units, leaving the bare answer."""
-    s = s.strip()
-    # Math-mode delimiters around the whole answer.
-    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
-            s = s[len(left):len(s) - len(right)].strip()
-    for cmd in ("\\boxed", "\\fbox", "\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox"):
-        s = _unwrap_command(s, cmd)
-    for token in _DELETE:
-        s = s.replace(token, "")
-    s = s.replace("{,}", "")  # LaTeX thousands separator 1{,}000
-    # Degrees, percent and currency carry no value of their own in these benchmarks.
-    s = re.sub(r"\^\s*\{?\\circ\}?", "", s)
-    s = s.replace("\\circ", "").replace("°", "")
-    s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
-    s = s.strip().rstrip(".").strip()
-    # "x = 5" -> "5": a bare variable name on the left is not part of the value.
-    m = re.fullmatch(r"[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(.+)", s)
-    if m:
-        s = m.group(1).strip()
-    m = _NUMBER_WITH_UNIT.match(s)
-    if m:
-        s = m.group(1)
-    # Thousands separators, only in a well-formed grouping so "1,2" (a tuple) stays.
-    if re.fullmatch(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
-    s = _fracs_to_slash(s)
-    return re.sub(r"\s+", "", s)
-
-
-def normalize_answer(s: str | None) -> str:
-    """A canonical string for an answer; equal strings mean equal answers.
-
-    Formatting is stripped (see _clean). Plain numbers are rewritten exactly:
-    "033" -> "33", "0.50" and "\\frac{1}{2}" -> "1/2", "1,000" -> "1000", "-4/2"
-    -> "-2". Anything else (expressions, tuples, text) is returned cleaned but
-    otherwise as written. None -> "".
-    """
-    if s is None:
-        return ""
-    s = _clean(str(s))
-    value = to_fraction(s)
-    if value is not None:
-        return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
-    return s
-
-
-def _builtin_match(pred: str, gold: str) -> bool:
-    a, b = normalize_answer(pred), normalize_answer(gold)
-    return bool(a) and a == b
-
-
-@lru_cache(maxsize=1)
-def _load_math_verify():
-    """The math_verify module, or None if not installed. Imported on first use:
-    it pulls in sympy (~0.5 s), which the integer-only synthetic task never needs."""
-    try:
-        import math_verify
-    except ImportError:  # pragma: no cover - depends on the environment
-        return None
-    return math_verify
-
-
-def math_verify_available() -> bool:
-    return _load_math_verify() is not None
-
-
-def _math_verify_match(pred: str, gold: str, timeout_s: int = 3) -> bool:
-    """math-verify's verdict on pred vs gold; False if it cannot parse either.
-
-    math-verify bounds its sympy work with signal.alarm, which only works in the
-    main thread; elsewhere we run it without its timeout (answers are short, so
-    the risk is small) rather than let it raise.
-    """
-    mv = _load_math_verify()
-    if mv is None:
-        raise RuntimeError("math_verify is not installed; pip install math-verify, or use backend='builtin'")
-    timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
-    wrap = lambda s: f"${s.strip()}$"  # math-verify looks for LaTeX inside math delimiters
-    try:
-        gold_parsed = mv.parse(wrap(gold), parsing_timeout=timeout)
-        pred_parsed = mv.parse(wrap(pred), parsing_timeout=timeout)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(mv.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
-    except Exception:  # a parser or sympy failure is "no match", never a crash in the reward
-        return False
-
-
-def answers_match(pred: str | None, gold: str, backend: str = "auto") -> bool:
-    """Whether the extracted answer `pred` equals the gold answer.
-
-    backend="builtin": normalize_answer on both sides, compare strings (so
-      numbers compare exactly as rationals).
-    backend="math_verify": math-verify's parse + verify (symbolic equivalence).
-    backend="auto" (default): the built-in check first; if it matches, done
-      (it only accepts identical canonical forms, so it adds no false
-      positives, and it is fast and needs no sympy). If both sides are plain
-      numbers that differ, the answer is no: exact comparison is definitive
-      there, and math-verify's rounding would accept e.g. 0.333333 for 1/3 or
-      0.5 for 50%. Otherwise (expressions, tuples, intervals) math-verify
-      decides when installed, else no match. False positives would pay reward
-      for wrong answers, so every doubt resolves to False.
-    """
-    if pred is None or not str(pred).strip():
-        return False
-    pred, gold = str(pred), str(gold)
-    if backend == "builtin":
-        return _builtin_match(pred, gold)
-    if backend == "math_verify":
-        return _math_verify_match(pred, gold)
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'builtin' or 'math_verify', got {backend!r}")
-    a, b = normalize_answer(pred), normalize_answer(gold)
-    if a and a == b:
-        return True
-    if to_fraction(a) is not None and to_fraction(b) is not None:
-        return False
-    return math_verify_available() and _math_verify_match(pred, gold)
-
-
-def grade(text: str, gold: str, backend: str = "auto") -> tuple[str | None, bool]:
-    """(extracted answer, whether it is correct) for a model response."""
-    pred = extract_answer(text)
-    return pred, answers_match(pred, gold, backend)
-
-
-def majority_vote(answers: list[str | None]) -> str | None:
-    """The most common answer among the agents', compared after normalisation.
-
-    None and empty answers abstain; if all abstain the result is None. A tie is
-    won by the answer given first (lowest agent index), so the result never
-    depends on dict or set order. Returns the answer as first written, so the
-    caller can grade it like any agent's answer.
-    """
-    counts: dict[str, int] = {}
-    first: dict[str, str] = {}  # key -> first original string; insertion order = first index
-    for ans in answers:
-        if ans is None or not str(ans).strip():
-            continue
-        key = normalize_answer(ans)
-        counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, ans)
-    if not counts:
-        return None
-    best = max(counts.values())
-    for key, ans in first.items():  # earliest first, so the first maximal key wins ties
-        if counts[key] == best:
-            return ans
-    return None  # unreachable
+def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
+    """(train problems, held-out problems, instruction appended to each problem)
+    for a run's ``sat.Config`` (task, data, eval_data, eval_size, seed)."""
+    if cfg.data:
+        train = load_problems(cfg.data)
+        instruction = BOXED_INSTRUCTION
+    elif cfg.task == "arithmetic":
+        train = arithmetic_problems(4096, seed=cfg.seed, split="train")
+        instruction = ""  # tiny agents answer "23+15" with "38"
+    else:
+        train = load_problems(cfg.task)
+        instruction = BOXED_INSTRUCTION
+    if cfg.eval_data:
+        heldout = load_problems(cfg.eval_data)
+    elif cfg.task == "arithmetic" and not cfg.data:
+        heldout = arithmetic_problems(cfg.eval_size, seed=cfg.seed + 1, split="heldout")
+    else:  # hold out the tail of the training set
+        rng = random.Random(cfg.seed)
+        train = train[:]
+        rng.shuffle(train)
+        n_eval = min(cfg.eval_size, max(1, len(train) // 10))
+        train, heldout = train[n_eval:], train[:n_eval]
+    return train, heldout[: cfg.eval_size], instruction

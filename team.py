@@ -1,6 +1,6 @@
 """The team: agents (one causal LM each) and the factorized team policy.
 
-SAT.md section 2. A team of n agents is one factorized policy
+Paper, Section 3 (the team as a factorized policy). A team of n agents is one factorized policy
 pi(a|s) = prod_i pi_i(a_i|s); each agent's action is a whole response.
 Two protocols:
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import warnings
 from dataclasses import dataclass
@@ -31,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-from tasks import Problem, extract_answer, majority_vote
+from advantage import masked_mean
+from grading import extract_answer, majority_vote
+from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
+from tasks import Problem, noisy_label
 
 # Short names users type on the command line -> public Hugging Face ids.
 SHORT_NAMES = {
@@ -381,3 +385,37 @@ class Team:
         agents = [Agent.from_checkpoint(path / f"agent_{k}", device, dtype) for k in range(len(meta["agents"]))]
         cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"], instruction=meta["instruction"])
         return cls(agents, cfg)
+
+
+# ---------------------------------------------------------------------------
+# Warm start of tiny agents: a short supervised phase standing in for pretraining
+# ---------------------------------------------------------------------------
+def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
+               batch: int = 64, slots: list[int] | None = None) -> None:
+    """Teach tiny agents the answer format on labels that are wrong with
+    probability ``p_wrong`` (off by 1, 2 or 10), so they start weak but not at
+    zero reward: sparse exact-match reward needs a policy that sometimes
+    samples the right answer (a sparse exact-match reward gives no gradient at zero accuracy). Each agent sees its real
+    prompt format (in the chain protocol: noisy earlier answers)."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    for k, agent in enumerate(team.agents):
+        if agent.spec.kind != "tiny" or (slots is not None and k not in slots):
+            continue
+        opt = agent.start_training(lr)
+        tok = agent.tokenizer
+        for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
+            items = [rng.choice(problems) for _ in range(batch)]
+            contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
+            targets = [tok(noisy_label(p.answer, rng, p_wrong), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                       for p in items]
+            ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [b, Lc]
+            resp, rmask = right_pad(targets, tok.pad_token_id)  # [b, Lr]
+            hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+            logp = token_logprobs_from_hidden(agent.model, hidden, resp, 1.0)  # [b, Lr]
+            loss = -masked_mean(logp, rmask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        agent.freeze()

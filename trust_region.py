@@ -1,7 +1,7 @@
 """Trust-region machinery for SAT (Sequential Agent Tuning).
 
 Everything that keeps one agent's update inside its KL ball lives here
-(SAT.md sections 3-5):
+(paper, Sections 3-5):
 
 - `per_state_kl`        exact KL(pi_new(.|s) || pi_cur(.|s)) over the whole vocabulary
 - `kl_penalty`          per-token sampled KL estimators for the loss penalty
@@ -50,7 +50,7 @@ def per_state_kl(
     temperature: float = 1.0,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), SAT.md section 3.
+    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), paper, Section 3.
 
     KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
 
@@ -153,7 +153,7 @@ def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3")
 def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
     """The q-quantile of the (masked) entries of x, linear interpolation as torch.quantile.
 
-    The trust-region test of SAT.md section 3 compares the (1 - alpha)-quantile of the
+    The trust-region test of Algorithm 1 (line 10) compares the (1 - alpha)-quantile of the
     per-state KL over the active agent's tokens with delta_j. One batch can hold far more
     than 16M tokens, torch.quantile's input limit, so we select the two order statistics
     around position q * (n - 1) with kthvalue (linear time, no size limit) and interpolate.
@@ -188,6 +188,25 @@ def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> flo
     return v_lo if frac == 0 else v_lo + frac * (v_hi - v_lo)
 
 
+def dkw_slack(n: int, eta: float) -> float:
+    """eps(N, eta) = sqrt(log(2 / eta) / (2 N)): the Dvoretzky-Kiefer-Wolfowitz
+    band (paper, Section 4.3, "structural properties"). With probability at
+    least 1 - eta the empirical CDF of N i.i.d. draws is within eps of the true
+    CDF everywhere, so the empirical quantile at level q + eps is an upper
+    bound on the true q-quantile (``dkw_upper_quantile``)."""
+    if n < 1 or not 0 < eta < 1:
+        raise ValueError(f"dkw_slack needs n >= 1 and eta in (0, 1) (got n={n}, eta={eta})")
+    return math.sqrt(math.log(2.0 / eta) / (2.0 * n))
+
+
+def dkw_upper_quantile(x: torch.Tensor, q: float, eta: float = 0.05) -> float:
+    """High-probability upper bound on the true q-quantile of the distribution
+    the entries of x were drawn from: the empirical quantile at level
+    min(1, q + dkw_slack(N, eta)). Per-state KLs along one response are not
+    independent, so on LLM batches this is a relaxation, not a guarantee."""
+    return quantile(x, min(1.0, q + dkw_slack(x.numel(), eta)))
+
+
 # ---------------------------------------------------------------------------
 # Adaptive penalty from the KL quantile
 # ---------------------------------------------------------------------------
@@ -195,7 +214,7 @@ def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> flo
 
 @dataclass
 class QuantileController:
-    """Adapts the KL penalty weight beta from the measured KL quantile (SAT.md section 3).
+    """Adapts the KL penalty weight beta from the measured KL quantile (paper, Section 5).
 
     After each step the caller measures kq = quantile_{`quantile`} over the active agent's
     states of KL(pi_j(.|s) || pi_j,cur(.|s)) and calls `update(kq)`:
@@ -305,7 +324,7 @@ def backtracking_line_search(
     """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur.
 
     Tries step fractions 1, shrink, shrink^2, ..., shrink^max_backtracks of the proposed
-    update (SAT.md section 3). `apply_step(frac)` must set the active agent to
+    update (paper, Section 5). `apply_step(frac)` must set the active agent to
     cur + frac * (new - cur) (see `interpolate_parameters`); `measure_kl_quantile()` returns
     the KL quantile of whatever is currently in place. The first fraction with
     kl <= delta is accepted and left in place. If none is, apply_step(0.0) restores pi_cur
@@ -363,7 +382,7 @@ def geometric_mixture_projection(
     delta: float,
     iters: int = 50,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage-0 projection of a plug-in model onto the incumbent's trust region (SAT.md section 5).
+    """Stage-0 projection of a plug-in model onto the incumbent's trust region (paper, Section 5, Eqs. (6)-(7)).
 
     Per state s solves  min_pi KL(pi || pi_pre)  s.t.  KL(pi || pi_cur) <= delta.
     Stationarity of KL(pi || pi_pre) + lam * KL(pi || pi_cur) gives the geometric mixture
@@ -420,7 +439,7 @@ def exponential_tilt_step(
     delta: float,
     iters: int = 60,
 ) -> torch.Tensor:
-    """Exact KL-constrained policy improvement per state (the ideal step of SAT.md section 3).
+    """Exact KL-constrained policy improvement per state (the ideal step of the paper's Section 4.4).
 
     Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.
     The Lagrangian solution is the exponential tilt
@@ -490,7 +509,7 @@ def exponential_tilt_step(
 
 
 # ---------------------------------------------------------------------------
-# The certificate (SAT.md section 4)
+# The certificate (paper, Theorems 4.2, 4.4, 4.9)
 # ---------------------------------------------------------------------------
 
 CERTIFICATE_TERMS = ("gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound")
@@ -506,7 +525,7 @@ def certificate(
     n_agents: int = 1,
     delta_conf: float = 0.05,
 ) -> dict:
-    """Lower bound on J(pi_hat_i) - J(pi_hat_{i-1}) for one SAT step (SAT.md section 4).
+    """Lower bound on J(pi_hat_i) - J(pi_hat_{i-1}) for one SAT step (paper, Theorem 4.2).
 
         J(pi_hat_i) - J(pi_hat_{i-1}) >= L_i - 2 gamma/(1-gamma)^2 * A_max * sqrt(KL_max/2)
                                          - zeta_i/(1-gamma)  [- sampling term]

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sat  # noqa: E402
+from records import read_metrics  # noqa: E402
 
 QUIET = dict(log=lambda *_: None)
 
@@ -34,8 +35,8 @@ def base_run(out: Path, seed: int, agents: str, protocol: str, stages: int = 0) 
 
 def arm(base: Path, out: Path, name: str, total_stages: int, extra: list[str]) -> list[dict]:
     run_dir = out / name
-    if (run_dir / "metrics.jsonl").exists() and sat.read_metrics(run_dir)[-1]["stage"] >= total_stages:
-        return sat.read_metrics(run_dir)
+    if (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["stage"] >= total_stages:
+        return read_metrics(run_dir)
     argv = ["--resume", str(base), "--out", str(run_dir), "--stages", str(total_stages)] + extra
     return sat.run(sat.parse_args(argv), **QUIET)
 

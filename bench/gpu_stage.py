@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import memory  # noqa: E402
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
+import update as update_mod  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, AgentSpec, Team, TeamConfig, build_char_tokenizer  # noqa: E402
@@ -130,6 +131,7 @@ def instrumented(meter: PhaseMeter, counters: dict, reward_hook=None):
         (sat, "finish_update", timed(meter, sat.finish_update, lambda team, j, *a, **k:
                                      f"trust-region check agent {j + 1}")),
         (sat, "measure_kl", timed(meter, sat.measure_kl, lambda *a, **k: "  exact KL measurements")),
+        (update_mod, "measure_kl", timed(meter, update_mod.measure_kl, lambda *a, **k: "  exact KL measurements")),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import eval_aime
 from eval_aime import (bootstrap_ci, chunk_seed, majority_correct, pass_at_k, plan_chunks, problem_metrics,
                        read_predictions, summarize)
-from tasks import Problem, answers_match, extract_answer
+from grading import answers_match, extract_answer
+from tasks import Problem
 from team import Agent, Team, TeamConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,4 +174,4 @@ def test_offline_bench_says_how_to_pass_a_local_file(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
     assert proc.returncode != 0 and "\n" not in err, err
-    assert err.startswith("eval_aime.py: error:") and "--data ../shared/data/aime24.jsonl" in err
+    assert err.startswith("eval_aime.py: error:") and "--data data/aime24.jsonl" in err

@@ -1,12 +1,15 @@
-"""Plug-and-play: Stage-0 alignment of a replacement agent and continuing SAT (SAT.md section 5)."""
+"""Plug-and-play: Stage-0 alignment of a replacement agent and continuing SAT (paper, Section 5, Eqs. (6)-(7))."""
 import copy
 import json
 
 import pytest
 import torch
 
+import plug_and_play
 import sat
-from rollout import SamplingConfig
+from logprobs import measure_kl
+from records import latest_checkpoint
+from rollout import SamplingConfig, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig, check_same_vocabulary
 from trust_region import quantile
@@ -29,12 +32,12 @@ def test_stage0_brings_replacement_inside_delta0(tmp_path):
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     before = [copy.deepcopy(a.model.state_dict()) for a in team.agents]
-    info = sat.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET)
+    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET)
     assert info["kl_quantile_before"] > cfg.stage0_delta  # it really had to move
     assert info["kl_quantile"] <= cfg.stage0_delta and info["passes"] >= 1
     # measure independently on fresh states of the same team
-    batch = sat.rollout(team, problems, 4, sampling)
-    kl, _ = sat.measure_kl(replacement, team.agents[1].model, batch.turns[1], 1.0, 1 << 14)
+    batch = rollout(team, problems, 4, sampling)
+    kl, _ = measure_kl(replacement, team.agents[1].model, batch.turns[1], 1.0, 1 << 14)
     assert quantile(kl, cfg.quantile) <= 3 * cfg.stage0_delta  # new states: inside up to sampling noise
     for agent, state in zip(team.agents, before):  # Stage-0 trains only the replacement
         for name, tensor in agent.model.state_dict().items():
@@ -59,17 +62,17 @@ def test_vocabulary_mismatch_is_refused():
 def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     sat.run(small_config(tmp_path, stages=1), **QUIET)
     run_dir = tmp_path / "run"
-    before = sat.Team.load(sat.latest_checkpoint(run_dir) / "team")
+    before = Team.load(latest_checkpoint(run_dir) / "team")
     cfg = sat.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
                           "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"])
     sat.run(cfg, **QUIET)
-    upgraded = sat.Team.load(sat.latest_checkpoint(run_dir) / "team")
-    assert sat.latest_checkpoint(run_dir).name == "stage_0001_upgraded"
+    upgraded = Team.load(latest_checkpoint(run_dir) / "team")
+    assert latest_checkpoint(run_dir).name == "stage_0001_upgraded"
     # the untouched agent is bit-identical; the slot holds the new 3-layer model
     for name, tensor in upgraded.agents[0].model.state_dict().items():
         assert torch.equal(tensor, before.agents[0].model.state_dict()[name])
     assert upgraded.agents[1].model.config.num_hidden_layers == 3
-    assert json.loads((sat.latest_checkpoint(run_dir) / "team" / "team.json").read_text())["agents"] == ["tiny", "tiny-3L"]
+    assert json.loads((latest_checkpoint(run_dir) / "team" / "team.json").read_text())["agents"] == ["tiny", "tiny-3L"]
     events = json.loads((run_dir / "upgrades.json").read_text())
     assert events[0]["slot"] == 2 and events[0]["from"] == "tiny" and events[0]["to"] == "tiny-3L" and events[0]["at_stage"] == 1
     assert events[0]["stage0"]["kl_quantile"] <= 0.05

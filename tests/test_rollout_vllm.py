@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import rollout_vllm as rv
-from rollout import SamplingConfig, cut_at_eos, right_pad
+from logprobs import cut_at_eos, right_pad
+from rollout import SamplingConfig
 
 
 def tiny_model(tied: bool, seed: int = 0):
@@ -271,7 +272,7 @@ def test_vllm_engine_end_to_end():
     if not torch.cuda.is_available():
         pytest.skip("vLLM engines need a CUDA GPU")
     from rollout import SamplingConfig as SC
-    from rollout import batched_response_logprobs, left_pad
+    from logprobs import batched_response_logprobs, left_pad
     from team import Agent
 
     agent = Agent.load("tiny", device="cuda", dtype=torch.bfloat16, seed=0)

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import sat
+import update
+from logprobs import measure_kl
+from records import latest_checkpoint
 from rollout import SamplingConfig, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -45,7 +48,7 @@ def test_measure_kl_equals_direct_full_vocabulary_sum(team_and_batch):
     moved = Agent(agent.spec, copy.deepcopy(agent.model), agent.tokenizer)
     perturb(moved.model, 0.02)
     turn = batch.turns[1]
-    kl, new_logp = sat.measure_kl(moved, reference, turn, temperature=0.7, token_budget=64)
+    kl, new_logp = measure_kl(moved, reference, turn, temperature=0.7, token_budget=64)
     expected, expected_logp = [], torch.zeros_like(turn.behaviour_logprobs)
     for i in range(len(batch)):
         ctx = turn.context_ids[i][turn.context_mask[i].bool()]
@@ -68,7 +71,7 @@ def run_finish_update(team, batch, scale, cfg, max_backtracks):
     original = copy.deepcopy(agent.model)
     reference = copy.deepcopy(agent.model)
     perturb(agent.model, scale)
-    inputs = sat.build_inputs(batch, j, [], cfg)
+    inputs = update.build_inputs(batch, j, [], cfg)
     cfg.max_backtracks = max_backtracks
     record, _ = sat.finish_update(team, j, reference, inputs, {"loss": 0.0}, cfg,
                                   QuantileController(delta=cfg.delta, quantile=cfg.quantile), SamplingConfig(temperature=1.0),
@@ -98,7 +101,7 @@ def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
         assert record["accepted"] and record["backtracks"] >= 1
         assert record["kl_quantile"] <= cfg.delta
         # the parameters left in place really are inside: measure again independently
-        kl, _ = sat.measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)
+        kl, _ = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)
         assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
         assert record["step_fraction"] == 0.5 ** record["backtracks"]
     finally:
@@ -112,7 +115,7 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     t0 = batch.turns[0]
     g = torch.Generator().manual_seed(3)
     log_rho = torch.randn(t0.response_mask.shape, generator=g) * t0.response_mask  # [N, L]
-    inputs = sat.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
+    inputs = update.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
     for i in range(len(batch)):
         toks = log_rho[i][t0.response_mask[i].bool()]
         w = torch.prod(torch.clamp(toks.exp(), max=1.0))  # prod_t min(1, rho_t), brute force
@@ -123,16 +126,16 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     for gid in batch.group_ids.unique():
         sel = batch.group_ids == gid
         assert abs(float((w[sel] * inputs.raw_adv[sel]).sum())) < 1e-5
-    first = sat.build_inputs(batch, 0, [], cfg)
+    first = update.build_inputs(batch, 0, [], cfg)
     assert torch.equal(first.log_w, torch.zeros(len(batch)))
 
 
 def test_sequence_ratio_kinds():
     log_ratio = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert torch.allclose(sat.sequence_log_ratio(log_ratio, mask, "seq"), torch.tensor([0.3, 0.3]))
-    assert torch.allclose(sat.sequence_log_ratio(log_ratio, mask, "seq-mean"), torch.tensor([0.15, 0.3]))
-    surr, clipped, r = sat.clipped_surrogate(log_ratio, mask, torch.tensor([1.0, -1.0]), "seq", 0.2)
+    assert torch.allclose(update.sequence_log_ratio(log_ratio, mask, "seq"), torch.tensor([0.3, 0.3]))
+    assert torch.allclose(update.sequence_log_ratio(log_ratio, mask, "seq-mean"), torch.tensor([0.15, 0.3]))
+    surr, clipped, r = update.clipped_surrogate(log_ratio, mask, torch.tensor([1.0, -1.0]), "seq", 0.2)
     # r = e^0.3 = 1.35 > 1.2: A > 0 takes the clipped value, A < 0 the unclipped (pessimistic) one
     assert torch.allclose(surr, torch.tensor([1.2, -torch.tensor(0.3).exp().item()]))
 
@@ -184,7 +187,7 @@ def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     cfg = small_config(tmp_path, stages=1)
     sat.run(cfg, log=lambda *_: None)
     run_dir = tmp_path / "run"
-    latest = sat.latest_checkpoint(run_dir)
+    latest = latest_checkpoint(run_dir)
     assert latest.name == "stage_0001" and (latest / "state.pt").exists()
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
 

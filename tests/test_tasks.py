@@ -1,4 +1,4 @@
-"""Tests for tasks.py: synthetic task, loaders, answer extraction and grading."""
+"""Tests for tasks.py and grading.py: synthetic task, loaders, answer extraction and grading."""
 
 import random
 import sys
@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import tasks  # noqa: E402
+import grading  # noqa: E402
+from grading import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
 from tasks import (  # noqa: E402
-    DATASETS, DIFFICULTY_RANGES, Problem, answers_match, arithmetic_problems, canonical_dataset_name,
-    extract_answer, grade, is_heldout_pair, load_dataset_by_name, load_jsonl, load_problems,
-    majority_vote, noisy_label, normalize_answer, row_to_problem, rows_to_problems,
+    DATASETS, DIFFICULTY_RANGES, Problem, arithmetic_problems, canonical_dataset_name, is_heldout_pair,
+    load_dataset_by_name, load_jsonl, load_problems, noisy_label, row_to_problem, rows_to_problems,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 # ---------------------------------------------------------------------------
 # Equivalence table: (prediction, gold, expected). A prediction containing
@@ -127,7 +127,7 @@ def test_table_builtin(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="builtin") is expected
 
 
-@pytest.mark.skipif(not tasks.math_verify_available(), reason="math-verify not installed")
+@pytest.mark.skipif(not grading.math_verify_available(), reason="math-verify not installed")
 @pytest.mark.parametrize("pred,gold,expected", _table_params("math_verify"))
 def test_table_math_verify(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="math_verify") is expected
@@ -136,7 +136,7 @@ def test_table_math_verify(pred, gold, expected):
 @pytest.mark.parametrize("pred,gold,expected", _table_params("auto"))
 def test_table_auto(pred, gold, expected):
     """The default combines both and gets the whole table right."""
-    if not tasks.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
+    if not grading.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
                                                  if k[0] == "builtin"):
         pytest.skip("needs math-verify for symbolic equivalence")
     assert answers_match(_as_answer(pred), gold) is expected
@@ -155,7 +155,7 @@ def test_none_never_matches():
 def test_math_verify_off_main_thread():
     """math-verify's signal-based timeout must not crash grading in a worker thread."""
     import threading
-    if not tasks.math_verify_available():
+    if not grading.math_verify_available():
         pytest.skip("math-verify not installed")
     out = {}
     t = threading.Thread(target=lambda: out.update(
@@ -354,13 +354,12 @@ def test_load_jsonl_missing_file(tmp_path):
         load_problems(str(tmp_path / "nope.jsonl"))
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "aime24.jsonl").exists(), reason="../shared/data not present")
-def test_shared_data():
-    aime24 = load_problems(str(SHARED_DATA / "aime24.jsonl"))
+def test_bundled_data():
+    aime24 = load_problems(str(DATA / "aime24.jsonl"))
     assert len(aime24) == 30 and len({p.id for p in aime24}) == 30
     assert aime24[0].answer == "204"
-    assert len(load_jsonl(SHARED_DATA / "aime25.jsonl")) == 30
-    assert len(load_jsonl(SHARED_DATA / "math500.jsonl")) == 500
+    assert len(load_jsonl(DATA / "aime25.jsonl")) == 30
+    assert len(load_jsonl(DATA / "math500.jsonl")) == 500
 
 
 # ---------------------------------------------------------------------------
@@ -457,4 +456,4 @@ def test_offline_error_is_clear(monkeypatch):
         load_dataset_by_name("aime24")
     msg = str(e.value)
     assert "\n" not in msg
-    assert "HuggingFaceH4/aime_2024" in msg and "--data path/to.jsonl" in msg and "shared/data" in msg
+    assert "HuggingFaceH4/aime_2024" in msg and "--data path/to.jsonl" in msg and "data/" in msg

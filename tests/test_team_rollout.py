@@ -2,8 +2,10 @@
 import pytest
 import torch
 
-from rollout import (SamplingConfig, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, rollout)
-from tasks import Problem, answers_match, arithmetic_problems, majority_vote
+from grading import answers_match, majority_vote
+from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
+from rollout import SamplingConfig, rollout
+from tasks import Problem, arithmetic_problems
 from team import Agent, Team, TeamConfig, build_char_tokenizer, parse_agents, resolve_agent_spec
 
 
@@ -186,7 +188,7 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
     step_logp = torch.stack([torch.log_softmax(l.float() / 0.7, -1) for l in out.logits], 1)  # [N, T, V]
     gen_logp = step_logp.gather(-1, sampled[..., None]).squeeze(-1)  # [N, T]
     responses = [cut_at_eos(r.tolist(), tok.eos_token_id, tok.pad_token_id) for r in sampled]
-    from rollout import right_pad
+    from logprobs import right_pad
     resp, rmask = right_pad(responses, tok.pad_token_id)
     ours = batched_response_logprobs(agent.model, (ids, mask, resp, rmask), 0.7, token_budget=10_000)
     for i, r in enumerate(responses):

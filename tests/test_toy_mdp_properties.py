@@ -1,4 +1,4 @@
-"""SAT's guarantees, checked exactly on random finite cooperative MDPs (SAT.md sections 3-5).
+"""SAT's guarantees, checked exactly on random finite cooperative MDPs (paper, Sections 3-5).
 
 Every quantity (J, V, Q, A, occupancy d, per-state KL) is exact (float64 linear algebra,
 see toy_mdp.py), so the certificate of trust_region.certificate must hold to rounding

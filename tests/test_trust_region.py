@@ -490,3 +490,22 @@ def test_stage_certificate_sums_terms():
         assert total[key] == pytest.approx(steps[0][key] + steps[1][key])
     assert total["n_steps"] == 2
     assert tr.stage_certificate([])["lower_bound"] == 0.0
+
+
+def test_dkw_upper_quantile_covers_the_true_quantile():
+    """Over many independent samples of Exp(1), the DKW upper bound at level
+    q + eps(N, eta) lies above the true q-quantile in at least 1 - eta of them,
+    and the plain empirical quantile does not (it is below about half the time)."""
+    q, eta, n, trials = 0.9, 0.1, 200, 400
+    true_q = -math.log(1 - q)  # quantile of Exp(1)
+    gen = torch.Generator().manual_seed(0)
+    covered = plain = 0
+    for _ in range(trials):
+        x = torch.empty(n, dtype=torch.float64).exponential_(generator=gen)
+        covered += tr.dkw_upper_quantile(x, q, eta) >= true_q
+        plain += tr.quantile(x, q) >= true_q
+    assert covered / trials >= 1 - eta
+    assert plain / trials < 0.75
+    assert tr.dkw_slack(200, 0.1) == pytest.approx(math.sqrt(math.log(20) / 400))
+    with pytest.raises(ValueError):
+        tr.dkw_slack(0, 0.1)

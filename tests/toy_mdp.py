@@ -4,7 +4,7 @@ A toy MDP has S states, n agents with A_i actions each, a transition kernel
 P(s' | s, a_1..a_n), a team reward R(s, a_1..a_n) in [0, 1], a discount gamma and an
 initial distribution mu. A team is a product policy: one [S, A_i] tensor of
 log-probabilities per agent. Everything here is exact linear algebra in float64, so the
-tests can check SAT's guarantee (SAT.md section 4) with no sampling noise:
+tests can check SAT's guarantee (the paper's Theorems 4.2 and 4.4) with no sampling noise:
 
     V = (I - gamma P_pi)^-1 r_pi,   Q = R + gamma P V,   A = Q - V,   J = mu . V,
     d = (1 - gamma) mu^T (I - gamma P_pi)^-1   (normalised discounted occupancy).

@@ -1,0 +1,249 @@
+"""The policy update of one agent: the objective L_i of Algorithm 1's inner step.
+
+Paper, Section 4 (Algorithm 1, the per-agent objective). At step i of a stage
+the agent j = sigma(i) maximises, over the joint trajectories tau of the batch,
+
+    L_i(theta_j) = E_tau[ w(tau) * min( r_j(tau) A(tau), clip(r_j(tau), 1-eps, 1+eps) A(tau) ) ]
+                   - beta_j * KL(pi_j || pi_j,cur)
+
+    r_j(tau) = exp( sum over agent j's tokens t of log pi_j(a_t|s_t) - log pi_j,cur(a_t|s_t) )
+    w(tau)   = prod over the tokens of agents sigma(1..i-1) of min(1, rho_t)
+
+where A is the group-relative advantage (or token-level GAE with a value head)
+and the KL penalty is estimated on the sampled tokens (k3 by default). The
+paper's ratio is the sequence ratio (``--ratio seq``); this project also
+offers the length-normalised sequence ratio of GSPO (``seq-mean``, exp of the
+mean token log-ratio: the default, because the plain sequence ratio over
+hundreds of tokens is almost always clipped) and the per-token PPO ratio
+(``token``). The clip is applied to r, computed in log space and capped
+before ``exp`` so neither branch overflows.
+
+``train_agents`` runs the optimiser over mini-batches, each accumulated over
+micro-batches sized by a token budget; only the agent being updated holds
+gradients and optimizer state (``--update joint`` passes every agent, which is
+the memory cost SAT avoids). ``build_inputs`` assembles what the update needs:
+advantages, the truncated weights of the agents already updated this stage,
+and (for GAE) value targets.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
+from logprobs import measure_kl, response_hidden_states, token_logprobs_from_hidden
+from rollout import TeamBatch, Turn
+from team import Agent, Team
+from trust_region import QuantileController, kl_penalty, quantile
+
+# ``cfg`` below is the run's ``sat.Config`` (read for lr, epochs, minibatch_size,
+# token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
+
+
+# ---------------------------------------------------------------------------
+# The clipped sequence-ratio surrogate
+# ---------------------------------------------------------------------------
+def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """log r_j per trajectory: the sum (seq, the paper) or the mean (seq-mean,
+    GSPO) of agent j's token log-ratios. [n, L] -> [n]"""
+    total = masked_sum(log_ratio_tok, mask, dim=1)  # [n]
+    if kind == "seq":
+        return total
+    return total / mask.sum(1).clamp_min(1)  # [n]
+
+
+def clipped_surrogate(log_ratio_tok, mask, adv, kind: str, eps: float):
+    """Per-trajectory PPO surrogate min(r A, clip(r, 1-eps, 1+eps) A) and the
+    clipped indicator. ``adv`` is [n] (sequence) or [n, L] (token-level GAE).
+    The log-ratio is capped at 20 before exp: beyond that the clipped branch
+    is active anyway for A > 0, and exp would overflow for A < 0."""
+    if kind == "token":
+        a = adv if adv.dim() == 2 else adv[:, None].expand_as(log_ratio_tok)  # [n, L]
+        r = log_ratio_tok.clamp(max=20).exp()  # [n, L]
+        surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n, L]
+        clipped = ((r - 1).abs() > eps) & (mask > 0)  # [n, L]
+        return masked_mean(surr, mask, dim=1), masked_sum(clipped.float(), mask, dim=1), r
+    a = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=1)  # [n]
+    log_r = sequence_log_ratio(log_ratio_tok, mask, kind)  # [n]
+    r = log_r.clamp(max=20).exp()  # [n]
+    surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n]
+    clipped = ((r - 1).abs() > eps).float() * mask.sum(1)  # [n] counted per token for a token fraction
+    return surr, clipped, r
+
+
+# ---------------------------------------------------------------------------
+# What agent j's update reads from the batch: advantages and weights
+# ---------------------------------------------------------------------------
+@dataclass
+class UpdateInputs:
+    """What agent j's update needs from the batch."""
+
+    turn: Turn
+    adv: torch.Tensor  # [N] or [N, L] advantages (normalised, clipped)
+    raw_adv: torch.Tensor  # [N] R - group mean, in reward units, for the certificate
+    log_w: torch.Tensor  # [N] truncated log weights from earlier agents (0 for the first)
+    log_w_full: torch.Tensor  # [N] untruncated, for zeta
+    returns: torch.Tensor | None = None  # [N, L] value targets (gae)
+
+
+def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]], cfg,
+                 model=None, value_head=None) -> UpdateInputs:
+    """Sequence-aware weights and advantages for the agent updated at this step.
+
+    w(tau) = prod over the tokens of agents already updated this stage of
+    min(1, rho_t), from their cached log-ratios (empty for the first agent, with
+    --resample, and with --update joint). Group advantages use w as weights, so
+    the baseline is an estimate under pi_hat_{i-1}, not under the stale pi_cur."""
+    n = len(batch)
+    log_w = truncated_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
+    log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
+    weights = log_w.exp()  # [N]
+    adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
+    raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights, normalize=False).float()  # [N]
+    turn = batch.turns[j]
+    returns = None
+    if cfg.adv == "gae":
+        with torch.no_grad():
+            values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
+            agent_device = value_head.weight.device
+            for s in range(0, n, cfg.minibatch_size):
+                sl = slice(s, s + cfg.minibatch_size)
+                args = [t[sl].to(agent_device) for t in (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
+                hidden = response_hidden_states(model, *args)  # [b, Lr, H]
+                values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
+        mask = turn.response_mask.float()  # [N, Lr]
+        last = (mask.sum(1) - 1).clamp_min(0).long()  # [N] index of the final token
+        token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], batch.rewards[:, None].float()) * mask  # [N, Lr]
+        tok_adv, returns = gae(token_rewards, values, mask, gamma=1.0, lam=cfg.gae_lambda)
+        # whiten over valid tokens, then clip like the group advantages
+        mean = masked_mean(tok_adv, mask)
+        std = (masked_mean((tok_adv - mean) ** 2, mask)).sqrt()
+        adv = (((tok_adv - mean) / (std + 1e-6)).clamp(-cfg.adv_clip, cfg.adv_clip) * mask).float()  # [N, Lr]
+    return UpdateInputs(turn, adv, raw_adv, log_w, log_w_full, returns)
+
+
+def make_value_head(agent: Agent) -> torch.nn.Linear:
+    hidden = agent.model.config.hidden_size
+    head = torch.nn.Linear(hidden, 1).to(agent.device, torch.float32)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.constant_(head.bias, 0.5)  # a neutral prior for a {0, 1} reward
+    return head
+
+
+# ---------------------------------------------------------------------------
+# The optimisation loop
+# ---------------------------------------------------------------------------
+def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
+                 controllers: dict[int, QuantileController], value_heads: dict, references: dict) -> dict[int, dict]:
+    """Optimise the clipped, weighted surrogate for the agents in ``slots``.
+
+    Sequential SAT passes one slot; ``--update joint`` passes all of them, so
+    every agent holds gradients and optimizer state at the same time (the
+    memory cost SAT avoids). Returns per-slot training statistics."""
+    stats = {j: {"loss": [], "clip_tokens": 0.0, "tokens": 0.0, "ratio": [], "grad_norm": [], "steps": 0,
+                 "early_stopped": False} for j in slots}
+    optimizers = {}
+    for j in slots:
+        head = value_heads.get(j) if cfg.adv == "gae" else None
+        if head is not None:
+            head.requires_grad_(True)
+        optimizers[j] = team.agents[j].start_training(cfg.lr, extra_params=head.parameters() if head is not None else None)
+        if cfg.gradient_checkpointing:
+            team.agents[j].model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n = len(inputs[slots[0]].turn.texts)
+    start = time.time()
+    active = set(slots)
+    # Last iterate known to lie inside the trust region (only kept when checking in the loop).
+    inside = {j: [p.detach().clone() for p in team.agents[j].model.parameters()] for j in slots} if cfg.kl_check_every else {}
+    steps = 0
+    for _ in range(cfg.epochs):
+        perm = torch.randperm(n)
+        for s in range(0, n, cfg.minibatch_size):
+            idx = perm[s : s + cfg.minibatch_size]
+            for j in sorted(active):
+                _gradient_step(team.agents[j], inputs[j], idx, cfg, controllers[j].beta, optimizers[j],
+                               value_heads.get(j), stats[j])
+                stats[j]["steps"] += 1
+            steps += 1
+            if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
+                # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
+                # the trust-region statistic itself): go back to the last inside iterate.
+                for j in sorted(active):
+                    kl, _ = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)
+                    if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
+                        # this step crossed the boundary: stop; the line search in
+                        # finish_update backtracks from here toward the last inside iterate
+                        stats[j]["early_stopped"] = True
+                        active.discard(j)
+                    else:
+                        inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
+            if not active:
+                break
+        if not active:
+            break
+    for j in slots:
+        if cfg.gradient_checkpointing:
+            team.agents[j].model.gradient_checkpointing_disable()
+        team.agents[j].freeze(offload_optimizer=cfg.keep_optimizer_state)
+        if cfg.adv == "gae":
+            value_heads[j].requires_grad_(False)
+        tokens = stats[j]["tokens"]
+        stats[j] = {"loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
+                    "ratio_mean": float(np.mean(stats[j]["ratio"])), "ratio_min": float(np.min(stats[j]["ratio"])),
+                    "ratio_max": float(np.max(stats[j]["ratio"])), "grad_norm": float(np.mean(stats[j]["grad_norm"])),
+                    "train_tokens_per_s": tokens / max(time.time() - start, 1e-9), "inner_steps": stats[j]["steps"],
+                    "early_stopped": stats[j]["early_stopped"], "anchor": inside.get(j)}
+    return stats
+
+
+def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, opt, value_head,
+                   stats: dict) -> None:
+    """One optimizer step on the minibatch ``idx``, accumulated over
+    micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
+    turn = inp.turn
+    width = turn.context_ids.shape[1] + int(turn.response_mask[idx].sum(1).max())
+    rows = max(1, cfg.token_budget // width)
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for s in range(0, len(idx), rows):
+        micro = idx[s : s + rows]
+        loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, stats) * (len(micro) / len(idx))
+        loss.backward()
+        total += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 1.0)
+    opt.step()
+    stats["loss"].append(total)
+    stats["grad_norm"].append(float(grad_norm))
+
+
+def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, value_head,
+                      stats: dict) -> torch.Tensor:
+    """-E[w * min(r A, clip(r) A)] + beta * KL penalty (+ value loss) on rows ``idx``."""
+    turn, device = inp.turn, agent.device
+    rmask = turn.response_mask[idx].to(device)  # [b, Lr]
+    keep = rmask.sum(0) > 0
+    rmask = rmask[:, keep]  # trim padding columns shared by the micro-batch
+    ctx, cmask = turn.context_ids[idx].to(device), turn.context_mask[idx].to(device)  # [b, Lc]
+    resp = turn.response_ids[idx][:, keep.cpu()].to(device)  # [b, Lr]
+    behaviour = turn.behaviour_logprobs[idx][:, keep.cpu()].to(device)  # [b, Lr]
+    hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+    logp = token_logprobs_from_hidden(agent.model, hidden, resp, cfg.temperature)  # [b, Lr]
+    log_ratio = (logp - behaviour) * rmask  # [b, Lr]
+    adv = inp.adv[idx].to(device)
+    if adv.dim() == 2:
+        adv = adv[:, keep.cpu()]  # [b, Lr]
+    surr, clipped, ratio = clipped_surrogate(log_ratio, rmask, adv, cfg.ratio, cfg.eps_clip)
+    weights = inp.log_w[idx].to(device).exp()  # [b] truncated importance weights, <= 1
+    policy_loss = -(weights * surr).mean()
+    kl = masked_mean(kl_penalty(logp, behaviour, cfg.kl_estimator), rmask)
+    loss = policy_loss + beta * kl
+    if value_head is not None:  # token-level value regression toward the GAE returns
+        values = value_head(hidden.float()).squeeze(-1)  # [b, Lr]
+        loss = loss + 0.5 * masked_mean((values - inp.returns[idx][:, keep.cpu()].to(device)) ** 2, rmask)
+    stats["clip_tokens"] += float(clipped.sum())
+    stats["tokens"] += float(rmask.sum())
+    stats["ratio"].append(ratio[rmask > 0].detach().float().mean().item() if ratio.dim() == 2 else ratio.detach().float().mean().item())
+    return loss
