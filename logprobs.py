@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import distributed
 from trust_region import per_state_kl
 
 
@@ -158,8 +159,9 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
     width = turn.context_ids.shape[1] + turn.response_ids.shape[1]
     rows = max(1, token_budget // width)
     kls, new_logp = [], torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
-    for s in range(0, len(turn.texts), rows):
-        sl = slice(s, s + rows)
+    lo, hi = distributed.row_range(len(turn.texts))  # under torchrun: this rank's rows; gathered below
+    for s in range(lo, hi, rows):
+        sl = slice(s, min(s + rows, hi))
         args = [t[sl].to(device) for t in (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
         mask = args[3].bool()  # [b, Lr]
         h_new = response_hidden_states(model, *args)[mask]  # [M_b, H] valid positions only
@@ -175,4 +177,7 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
         block = torch.zeros(mask.shape)  # [b, Lr]
         block[mask.cpu()] = torch.cat(lp_rows) if lp_rows else torch.zeros(0)
         new_logp[sl] = block
-    return torch.cat(kls) if kls else torch.zeros(0), new_logp
+    kl = torch.cat(kls) if kls else torch.zeros(0)
+    if distributed.active():  # rows are contiguous per rank: rank order is row order
+        kl, new_logp = torch.cat(distributed.gather_objects(kl)), distributed.sum_ranks(new_logp)
+    return kl, new_logp

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import distributed
 from team import Team
 from trust_region import QuantileController
 
@@ -36,9 +37,13 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
                     suffix: str = "") -> Path:
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
-    checkpoint intact."""
+    checkpoint intact. Under torchrun rank 0 writes (every rank holds the same
+    whole agents between turns) and the others wait for it."""
     root = out / "checkpoints"
     final = root / f"stage_{stage:04d}{suffix}"
+    if not distributed.is_main():
+        distributed.barrier()
+        return final
     tmp = root / f".stage_{stage:04d}{suffix}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     team.save(tmp / "team")
@@ -55,10 +60,13 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     atomic_write(out / "latest.json", json.dumps({"stage": stage, "path": final.name}))
     for old in sorted(root.glob("stage_*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
     return final
 
 
 def atomic_write(path: Path, text: str) -> None:
+    if not distributed.is_main():  # under torchrun rank 0 writes
+        return
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -116,6 +124,8 @@ def write_metrics(out: Path, records: list[dict]) -> None:
 
 def plot_run(out: Path, records: list[dict]) -> None:
     """progress.png: team reward and held-out accuracy per stage; certificate terms."""
+    if not distributed.is_main():
+        return
     import matplotlib
 
     matplotlib.use("Agg")

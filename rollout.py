@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import distributed
 from grading import answers_match
 from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
 from tasks import Problem
@@ -190,6 +191,49 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
     agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])
     return TeamBatch(flat, group_ids, turns, team_answers, rewards, agent_correct)
+
+
+def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, seed: int,
+                      n_blocks: int, score: bool = True) -> TeamBatch:
+    """``rollout`` in ``n_blocks`` blocks of whole groups, block b sampled under
+    the seed ``seed + b``; under torchrun rank r generates blocks r, r + N, ...
+    and every rank receives the union. The batch is the same for any number of
+    processes (one process generates every block itself)."""
+    size = -(-len(problems) // max(1, n_blocks))  # problems per block
+    starts = list(range(0, len(problems), size))
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    mine = {}
+    for b in range(distributed.STATE.rank, len(starts), distributed.STATE.world):
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + b)
+            mine[b] = rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score)
+    parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
+    return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
+
+
+def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
+    """One TeamBatch from consecutive blocks: contexts re-padded on the left,
+    responses on the right, group ids offset so groups stay distinct."""
+    turns = []
+    for k, pad in enumerate(pad_ids):
+        ts = [p.turns[k] for p in parts]
+        lc, lr = max(t.context_ids.shape[1] for t in ts), max(t.response_ids.shape[1] for t in ts)
+
+        def pad_to(x, width, value, left):
+            fill = x.new_full((x.shape[0], width - x.shape[1]), value)  # [n, width - L]
+            return torch.cat([fill, x] if left else [x, fill], dim=1)  # [n, width]
+
+        turns.append(Turn(k, torch.cat([pad_to(t.context_ids, lc, pad, True) for t in ts]),
+                          torch.cat([pad_to(t.context_mask, lc, 0, True) for t in ts]),
+                          torch.cat([pad_to(t.response_ids, lr, pad, False) for t in ts]),
+                          torch.cat([pad_to(t.response_mask, lr, 0, False) for t in ts]),
+                          torch.cat([pad_to(t.behaviour_logprobs, lr, 0.0, False) for t in ts]),
+                          [x for t in ts for x in t.texts], [x for t in ts for x in t.answers],
+                          torch.cat([t.truncated for t in ts])))
+    offsets = torch.tensor([0] + [len(set(p.group_ids.tolist())) for p in parts]).cumsum(0)  # [n_parts + 1]
+    return TeamBatch([x for p in parts for x in p.problems], torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]),
+                     turns, [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
+                     torch.cat([p.agent_correct for p in parts], dim=1))
 
 
 # ---------------------------------------------------------------------------

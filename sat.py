@@ -39,18 +39,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import distributed
 from advantage import masked_sum, truncation_bias
 from logprobs import measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
                      record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics)
-from rollout import SamplingConfig, TeamBatch, after_rollout, default_backend, rollout, sync_weights
+from rollout import SamplingConfig, TeamBatch, after_rollout, default_backend, rollout, rollout_in_blocks, sync_weights
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, parse_agents, warm_start
 from trust_region import (QuantileController, backtracking_line_search, certificate, dkw_upper_quantile,
                           interpolate_parameters, quantile, stage_certificate)
-from update import UpdateInputs, build_inputs, make_value_head, train_agents
+from update import UpdateInputs, build_inputs, make_value_head, train_agents, train_sharded
 
 ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
@@ -111,6 +112,9 @@ class Config:
     # warm start (tiny agents only): stands in for pretraining
     warmup_steps: int | None = None
     warmup_p_wrong: float = 0.5
+    # several processes (torchrun): rollouts in seeded blocks, so the batch does not depend on their number
+    shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
+    rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
 
     def apply_preset(self) -> "Config":
         tiny = all(s.kind == "tiny" for s in parse_agents(self.agents))
@@ -132,7 +136,7 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
-                    "minibatch_size", "token_budget", "eval_size", "stage0_delta"]
+                    "minibatch_size", "token_budget", "eval_size", "stage0_delta", "rollout_blocks"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
@@ -183,14 +187,25 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
+def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, cfg: Config,
+                 score: bool = True) -> TeamBatch:
+    """ROLLOUT(pi_cur): one batched call, or (--shard-rollouts, always under
+    torchrun) seeded blocks shared out over the ranks, the same batch for any
+    number of processes."""
+    if cfg is None or not cfg.shard_rollouts:
+        return rollout(team, problems, group_size, sampling, score)
+    seed = int(torch.randint(0, 2 ** 62, ()))  # from the global RNG: the same draw on every rank
+    return rollout_in_blocks(team, problems, group_size, sampling, seed, cfg.rollout_blocks, score)
+
+
 # ---------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig) -> dict:
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config | None = None) -> dict:
     """Held-out team accuracy (one joint sample per problem at the training
     temperature: the policy being trained), and each agent's own accuracy."""
-    batch = rollout(team, problems, 1, sampling, score=False)
+    batch = team_rollout(team, problems, 1, sampling, cfg, score=False)
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist()}
@@ -208,7 +223,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     n_agents = len(team)
     t0 = time.time()
     # line 4: B <- ROLLOUT(pi_cur) (behaviour log-probs kept); sigma <- ORDERAGENTS(B)
-    batch = rollout(team, problems, cfg.group_size, sampling)
+    batch = team_rollout(team, problems, cfg.group_size, sampling, cfg)
     rollout_seconds = time.time() - t0
     record = rollout_record(batch, rollout_seconds, health=after_rollout(team, batch, sampling))
     sigma = order_agents(batch, n_agents, cfg.order, rng)
@@ -232,7 +247,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
             reference = copy.deepcopy(team.agents[j].model)  # pi_j,cur, frozen
             # lines 8-9: pi_tar^j <- OPTIMIZE(L_i)
-            stats = train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads, {j: reference})[j]
+            stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads,
+                                                                {j: reference})[j])  # FSDP2 under torchrun
             # lines 10-11: quantile of the exact per-state KL > delta -> backtrack, raise beta
             agent_records[j], new_logp = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
                                                        sampling, gamma, n_agents, len(batch))
@@ -240,7 +256,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             # line 12: promote pi_j,cur <- pi_tar^j (the engine samples from the new weights from now on)
             sync_weights(team.agents[j], sampling)
             if cfg.resample and i < n_agents - 1:
-                batch = rollout(team, problems, cfg.group_size, sampling)  # behaviour = pi_hat^i: no weights
+                batch = team_rollout(team, problems, cfg.group_size, sampling, cfg)  # behaviour = pi_hat^i: no weights
                 after_rollout(team, batch, sampling)
                 cached = []
             else:  # cache log rho on agent j's tokens for the later agents' weights
@@ -337,6 +353,10 @@ def run(cfg: Config, log=None) -> list[dict]:
     resume_from = latest_checkpoint(cfg.resume) if cfg.resume else None
     cfg.apply_preset()
     cfg.validate()
+    cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
+    distributed.check_options(cfg)
+    if not distributed.is_main():
+        log = lambda *args: None  # noqa: E731  rank 0 speaks and writes
     out.mkdir(parents=True, exist_ok=True)
     train, heldout, instruction = load_task(cfg)
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
@@ -358,6 +378,8 @@ def run(cfg: Config, log=None) -> list[dict]:
             warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
             log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
                 f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
+    for agent in team.agents:
+        distributed.broadcast_module(agent.model)  # every rank starts from rank 0's weights
     value_heads = {}
     if cfg.adv == "gae":
         for k, agent in enumerate(team.agents):
@@ -371,7 +393,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         if resume_from is None:
             raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
         events = apply_upgrades(cfg, team, train, start, sampling, controllers, value_heads, rng, log)
-        baseline = evaluate(team, heldout, sampling)
+        baseline = evaluate(team, heldout, sampling, cfg)
         for event in events:
             event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
         record_upgrades(out, events)
@@ -381,20 +403,22 @@ def run(cfg: Config, log=None) -> list[dict]:
         save_checkpoint(out, start, team, controllers, value_heads, rng,
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
-    atomic_write(out / "config.json", json.dumps(asdict(cfg), indent=2))
+    how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
+    atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
     if not records:
-        records.append({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling)})
+        records.append({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg), **how})
         write_metrics(out, records)
         save_checkpoint(out, 0, team, controllers, value_heads, rng, {})
         log(f"stage 0 (before SAT): held-out team accuracy {records[0]['eval_accuracy']:.3f} "
             f"agents {fmt_list(records[0]['eval_agent_accuracy'])}")
     log(STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
-    pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages)
+    pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
+                disable=not distributed.is_main())
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, pbar)
-        rec.update(evaluate(team, heldout, sampling))
+        rec.update(evaluate(team, heldout, sampling, cfg), **how)
         rec["stage"] = stage
         prev = baseline or records[-1]
         if pending_upgrades:
@@ -460,6 +484,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--device")
     p.add_argument("--backend", choices=["hf", "vllm"])
     p.add_argument("--upgrade", action="append", help="SLOT=MODEL: replace agent SLOT (1-based) by MODEL, then continue SAT")
+    p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,
+                   help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
+    p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
     args = vars(p.parse_args(argv))
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
@@ -490,6 +517,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"sat.py: error: {err}", file=sys.stderr)
         return 1
+    finally:
+        distributed.teardown()
     return 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import distributed
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
 from logprobs import measure_kl, response_hidden_states, token_logprobs_from_hidden
 from rollout import TeamBatch, Turn
@@ -190,12 +191,37 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
         team.agents[j].freeze(offload_optimizer=cfg.keep_optimizer_state)
         if cfg.adv == "gae":
             value_heads[j].requires_grad_(False)
+        if distributed.active():  # token counts and ratios of every rank's rows
+            stats[j]["clip_tokens"], stats[j]["tokens"] = distributed.sum_ranks(
+                torch.tensor([stats[j]["clip_tokens"], stats[j]["tokens"]], dtype=torch.float64)).tolist()
+            stats[j]["ratio"] = [r for part in distributed.gather_objects(stats[j]["ratio"]) for r in part]
         tokens = stats[j]["tokens"]
         stats[j] = {"loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
                     "ratio_mean": float(np.mean(stats[j]["ratio"])), "ratio_min": float(np.min(stats[j]["ratio"])),
                     "ratio_max": float(np.max(stats[j]["ratio"])), "grad_norm": float(np.mean(stats[j]["grad_norm"])),
                     "train_tokens_per_s": tokens / max(time.time() - start, 1e-9), "inner_steps": stats[j]["steps"],
                     "early_stopped": stats[j]["early_stopped"], "anchor": inside.get(j)}
+    return stats
+
+
+def train_sharded(team: Team, j: int, train):
+    """``train()`` (one agent's ``train_agents``) with agent j replaced by an
+    FSDP2-sharded fp32 copy under torchrun; afterwards the whole trained
+    weights are written back into agent j's own model (and the in-loop anchor
+    made whole), so the trust-region check sees plain models. With one
+    process: just ``train()``."""
+    if not distributed.active():
+        return train()
+    plain = team.agents[j]
+    team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model), plain.tokenizer)
+    try:
+        stats = train()
+    finally:
+        sharded, team.agents[j] = team.agents[j], plain
+    sharded.model.reshard()
+    distributed.copy_full_into(sharded.model, plain.model)
+    if stats.get("anchor") is not None:
+        stats["anchor"] = [distributed.full(a).to(p.dtype) for a, p in zip(stats["anchor"], plain.model.parameters(), strict=True)]
     return stats
 
 
@@ -206,17 +232,19 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
     turn = inp.turn
     width = turn.context_ids.shape[1] + int(turn.response_mask[idx].sum(1).max())
     rows = max(1, cfg.token_budget // width)
+    lo, hi = distributed.row_range(len(idx))  # under torchrun: this rank's rows of the minibatch
+    world = distributed.STATE.world  # FSDP2 averages gradients over ranks; the loss is a sum over them
     opt.zero_grad(set_to_none=True)
     total = 0.0
-    for s in range(0, len(idx), rows):
-        micro = idx[s : s + rows]
+    for s in range(lo, hi, rows):
+        micro = idx[s : min(s + rows, hi)]
         loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, stats) * (len(micro) / len(idx))
-        loss.backward()
+        (loss * world if world > 1 else loss).backward()
         total += loss.item()
     grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 1.0)
     opt.step()
-    stats["loss"].append(total)
-    stats["grad_norm"].append(float(grad_norm))
+    stats["loss"].append(float(distributed.sum_ranks(torch.tensor(total, dtype=torch.float64))) if world > 1 else total)
+    stats["grad_norm"].append(distributed.as_float(grad_norm))
 
 
 def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, value_head,

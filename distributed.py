@@ -1,0 +1,216 @@
+"""Several processes: torchrun data parallelism and FSDP2 for the agent being trained.
+
+Paper, Section 6.1 (the runs used four 80 GB GPUs) and Algorithm 1: nothing in
+SAT changes when the work is shared out over ranks, provided every statistic
+that decides something is computed on the whole batch. Under
+``torchrun --nproc-per-node N sat.py ...``:
+
+- rollouts (Alg. 1 line 4): the B prompts are cut into ``--rollout-blocks``
+  blocks, each generated under its own seed (``rollout.rollout_in_blocks``);
+  rank r generates blocks r, r + N, ... and every rank receives the union, so
+  the batch does not depend on N and groups are never split (Eq. (2)'s group
+  baselines, the ESS, the certificate and held-out accuracy are global);
+- the agent being trained: an fp32 copy sharded with FSDP2 (``fully_shard``
+  per decoder layer, then the whole model; mixed precision when the agents are
+  held in bf16), each rank computing the loss of its rows of every minibatch
+  (``row_range``); gradients are reduce-scattered, so the step is the
+  one-process step up to float summation order;
+- the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
+  values are gathered, so the quantile, the backtracking fraction and the
+  accept/reject decision are the same on every rank;
+- frozen agents and the reference pi_j,cur are held whole on every rank (they
+  generate with the HF backend); only rank 0 writes files.
+
+With one process (plain ``python sat.py``) every function here is the
+identity, and nothing is initialised.
+
+This module imports only torch: the project modules call into it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu")
+
+
+# ---------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------
+def setup(device: str) -> str:
+    """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, nccl on
+    CUDA); returns the device this rank uses (cuda:LOCAL_RANK under torchrun)."""
+    STATE.device_kind = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return device
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    STATE.rank, STATE.world = dist.get_rank(), dist.get_world_size()
+    return device
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    STATE.rank, STATE.world = 0, 1
+
+
+def active() -> bool:
+    return STATE.world > 1
+
+
+def is_main() -> bool:
+    return STATE.rank == 0
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """Where collective buffers live: the rank's GPU under nccl, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------
+# Rows and gathers
+# ---------------------------------------------------------------------------
+def row_range(n: int) -> tuple[int, int]:
+    """This rank's contiguous rows of n: every rank gets n / N rows, so every
+    rank makes the same number of (collective) forward calls."""
+    if n % STATE.world:
+        raise ValueError(f"{n} rows cannot be shared evenly by {STATE.world} processes: "
+                         f"use --batch-size and --minibatch-size that are multiples of the number of processes")
+    per = n // STATE.world
+    return STATE.rank * per, (STATE.rank + 1) * per
+
+
+def sum_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (the identity with one process)."""
+    if not active():
+        return t
+    buf = t.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(buf)
+    return buf.to(t.device)
+
+
+def gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] with one process)."""
+    if not active():
+        return [obj]
+    out = [None] * STATE.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def as_float(x) -> float:
+    """float() of a tensor or a DTensor (a sharded model's gradient norm)."""
+    return float(x.full_tensor()) if hasattr(x, "full_tensor") else float(x)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor shard (a collective: call on every rank); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module) -> None:
+    """Rank 0's weights on every rank (after loading or the warm start, so no
+    rank starts from weights that differ in the last bit)."""
+    if not active():
+        return
+    for p in list(module.parameters()) + list(module.buffers()):
+        buf = p.data.to(_comm_device())
+        dist.broadcast(buf, 0)
+        p.data.copy_(buf)
+
+
+# ---------------------------------------------------------------------------
+# FSDP2 for the agent being trained
+# ---------------------------------------------------------------------------
+class ShardedLM(torch.nn.Module):
+    """A causal LM under FSDP2, seen by the rest of the project as the LM itself.
+
+    ``logprobs.response_hidden_states`` calls ``model.base_model(...)``; here
+    that call goes through this module's ``__call__``, so FSDP2's root hooks
+    all-gather the embeddings / final norm / (tied) LM head and reduce-scatter
+    their gradients; the root's parameters stay gathered after the forward
+    (FSDP2 keeps the root unsharded until its backward), which is when
+    ``token_logprobs_from_hidden`` applies the LM head in chunks."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def forward(self, **inputs) -> torch.Tensor:
+        return self.lm.base_model(**inputs).last_hidden_state  # [N, L, H]
+
+    @property
+    def base_model(self):
+        return lambda **inputs: SimpleNamespace(last_hidden_state=self(**inputs))
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.lm.gradient_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_disable(self):
+        self.lm.gradient_checkpointing_disable()
+
+
+def shard_model(model: torch.nn.Module) -> ShardedLM:
+    """An fp32 copy of ``model`` sharded with FSDP2: ``fully_shard`` on each
+    decoder layer, then on the whole. Agents held in bf16 compute in bf16 and
+    reduce gradients in fp32 (MixedPrecisionPolicy); fp32 agents (CPU) in fp32.
+    Each layer is cast to fp32 just before it is sharded, so a rank holds at
+    most one full fp32 layer besides the agent's own low-precision weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    low = next(model.parameters()).dtype
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else MixedPrecisionPolicy()
+    wrapped = ShardedLM(copy.deepcopy(model))
+    for layer in wrapped.lm.base_model.layers:
+        fully_shard(layer.float(), mp_policy=policy)
+    fully_shard(wrapped.float(), mp_policy=policy)
+    return wrapped
+
+
+@torch.no_grad()
+def copy_full_into(sharded: ShardedLM, plain: torch.nn.Module) -> None:
+    """Write a sharded model's weights into the plain model, one parameter at a
+    time (each all-gathered, cast to the plain model's dtype, then freed)."""
+    sharded.reshard()  # the root may still be gathered after a no-grad forward
+    for p_sh, p in zip(sharded.lm.parameters(), plain.parameters(), strict=True):
+        p.copy_(full(p_sh.detach()).to(p.dtype))
+
+
+# ---------------------------------------------------------------------------
+# What a torchrun run supports
+# ---------------------------------------------------------------------------
+def check_options(cfg) -> None:
+    """One clear line per option a multi-process run does not support (yet);
+    turns on the seeded rollout blocks, which make the batch independent of N."""
+    if not active():
+        return
+    cfg.shard_rollouts = True
+    unsupported = {"--adv gae": cfg.adv == "gae", "--update joint": cfg.update == "joint",
+                   "--upgrade": bool(cfg.upgrade), "--keep-optimizer-state": bool(cfg.keep_optimizer_state)}
+    for flag, used in unsupported.items():
+        if used:
+            raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")
+    for name in ("batch_size", "minibatch_size"):
+        if getattr(cfg, name) % STATE.world:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
+                             f"processes ({STATE.world}) so every rank trains on as many rows")
