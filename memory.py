@@ -136,7 +136,7 @@ def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 def estimate_memory(model_config, n_agents: int, update: str = "sequential", dtype_bytes: int = 2,
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
-                    optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2) -> dict[str, int]:
+                    optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring).
 
     micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
@@ -149,6 +149,12 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         code needs rows * min(1024, row length) here.
     optimizer_bytes_per_param: AdamW m and v; 8 assumes fp32 state (an upper
         bound: torch's AdamW keeps them in the parameters' dtype, 2 * dtype_bytes).
+    gpus: processes under torchrun (one GPU each); the figures are per rank.
+        With gpus > 1 the agent being trained is an fp32 copy sharded by FSDP2
+        (``distributed.shard_model``): fp32 master weights, fp32 gradients and
+        AdamW m, v, 16 bytes a parameter, divided by gpus. Everything else is
+        held whole on every rank (frozen agents and the reference generate or
+        measure the KL locally), so it does not shrink with gpus.
     """
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
@@ -156,6 +162,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         raise ValueError(f"backend must be 'hf' or 'vllm' (got {backend!r})")
     if n_agents < 1:
         raise ValueError(f"n_agents must be >= 1 (got {n_agents})")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1 (got {gpus})")
     params = count_parameters(model_config)
     trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
     weight_bytes = params * dtype_bytes
@@ -166,7 +174,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     kl_check = 1024 * 2 * logits_bytes_per_token(model_config, dtype_bytes)
     estimate = {
         "weights": n_agents * weight_bytes,
-        "grads_optimizer": trained * params * (dtype_bytes + optimizer_bytes_per_param),
+        "grads_optimizer": (trained * params * (dtype_bytes + optimizer_bytes_per_param) if gpus == 1
+                            else -(-trained * params * (4 + 4 + optimizer_bytes_per_param) // gpus)),  # FSDP2 shard
         "reference": trained * weight_bytes,
         "trust_region_copies": trained * trust_region_copies * weight_bytes,
         "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check),
@@ -207,6 +216,20 @@ def format_table(estimate: dict[str, int], available: int | None = None) -> str:
         worst = max(estimate[p] for p in PEAKS)
         verdict = "fits" if worst <= available else "does NOT fit"
         rows.append(f"{'available':<20} {available / GiB:>9.2f}  {verdict}")
+    return "\n".join(rows)
+
+
+def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
+    """Per-rank peaks (estimates) for each number of GPUs, and whether they fit
+    GPUs of each size (GiB of memory per GPU)."""
+    head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>5g} GB" for g in gib_list)
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan", head]
+    for n in gpus_list:
+        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, **kw)
+        worst = max(est[p] for p in PEAKS)
+        fits = "  ".join(f"{'fits' if worst <= g * 1e9 else 'NO':>8}" for g in gib_list)
+        rows.append(f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
+                    f"{est['grads_optimizer'] / GiB:>17.1f}  {fits}")
     return "\n".join(rows)
 
 
@@ -271,7 +294,16 @@ def main(argv=None) -> None:
     p.add_argument("--rollout-tokens", type=int, default=1 << 17, help="tokens in the KV cache at once (--token-budget)")
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--available-gib", type=float, default=None)
+    p.add_argument("--gpus", default="1", help="processes / GPUs under torchrun, e.g. 4 or 1,2,4,8 (per-rank plan)")
+    p.add_argument("--gpu-gb", default="80,141", help="memory per GPU in GB for the fit columns of the per-rank plan")
     args = p.parse_args(argv)
+    gpus = [int(g) for g in str(args.gpus).split(",")]
+    if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
+        print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gb.split(",")], update=args.update,
+                         micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
+                         gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
+                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len)))
+        return
     est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, args.update, micro_batch_tokens=args.rows * args.max_seq_len,
                           max_seq_len=args.max_seq_len, gradient_checkpointing=not args.no_checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
                           logits_chunk_tokens=args.rows * min(1024, args.max_seq_len))  # rollout.py's chunking today

@@ -1,0 +1,47 @@
+"""Run by tests/test_distributed.py under torchrun: one agent update (one
+AdamW step on one minibatch, Eq. (5)) unsharded in this process, then the
+same update with the agent sharded by FSDP2 over the ranks; rank 0 writes the
+largest parameter difference as JSON to argv[1]."""
+import copy
+import json
+import sys
+
+import torch
+
+import distributed
+import sat
+from rollout import SamplingConfig, rollout
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+from trust_region import QuantileController
+from update import build_inputs, train_agents, train_sharded
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+team = Team([Agent.load("tiny", seed=0)], TeamConfig())
+batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
+batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
+cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()
+inputs = build_inputs(batch, 0, [], cfg)
+before = [p.detach().clone() for p in team.agents[0].model.parameters()]
+
+
+def one_update(t: Team) -> dict:
+    torch.manual_seed(1)  # the same minibatch permutation
+    controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
+    ref = copy.deepcopy(t.agents[0].model)
+    return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref})[0])
+
+
+plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+stats_plain = one_update(plain)  # before setup(): one process, no FSDP
+distributed.setup("cpu")
+sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+stats_sharded = one_update(sharded)
+diff = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))
+step = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), before))
+if distributed.is_main():
+    json.dump({"world": distributed.STATE.world, "max_param_diff": diff, "max_step": step,
+               "loss": [stats_plain["loss"], stats_sharded["loss"]], "grad_norm": [stats_plain["grad_norm"], stats_sharded["grad_norm"]],
+               "steps": [stats_plain["inner_steps"], stats_sharded["inner_steps"]]}, open(sys.argv[1], "w"))
+distributed.teardown()
