@@ -39,12 +39,16 @@ the same random numbers, because torch is seeded from (seed, benchmark, first
 problem index, chunk index) before every chunk. The summary is computed from
 predictions.jsonl alone, so an interrupted and resumed run gives the same
 summary as an uninterrupted one (with the same --batch-problems and
---sample-chunk, which fix what a chunk is).
+--sample-chunk, which fix what a chunk is). run.json records everything that
+defines the predictions (team and a sha256 of its weights, the benchmark
+files' contents, sampling, thinking, backend, device, chunking); a rerun into
+the same --out with any of it different is refused, whichever came first.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -59,10 +63,10 @@ import numpy as np
 import torch
 
 from grading import answers_match, majority_vote, normalize_answer
-from records import latest_checkpoint
+from records import folder_digests, latest_checkpoint, verify_checkpoint
 from rollout import SamplingConfig, TeamBatch, default_backend, rollout
 from tasks import BOXED_INSTRUCTION, Problem, canonical_dataset_name, load_dataset_by_name, load_jsonl
-from team import PROTOCOLS, Agent, Team, TeamConfig, parse_agents
+from team import PROTOCOLS, Agent, Team, TeamConfig, check_hub_available, parse_agents
 
 TRUNCATION_WARNING = 0.05  # warn when more than this share of an agent's responses hit --max-new-tokens
 BOOTSTRAP_RESAMPLES = 2000
@@ -107,6 +111,16 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1 (got {self.limit})")
         if self.protocol is not None and self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol '{self.protocol}': choose one of {', '.join(PROTOCOLS)}")
+        for name in ("max_new_tokens", "token_budget", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
+        if not self.ckpt:
+            for spec in parse_agents(self.agents):
+                check_hub_available(spec)
 
 
 # ---------------------------------------------------------------------------
@@ -169,8 +183,8 @@ def length_stats(tokens: list[int], truncated: list[bool]) -> dict[str, float]:
 # ---------------------------------------------------------------------------
 # Benchmarks and the team
 # ---------------------------------------------------------------------------
-def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
-    """{benchmark name: problems} from --data files or --bench names (first --limit each)."""
+def load_benchmarks(cfg: EvalConfig, limit: bool = True) -> dict[str, list[Problem]]:
+    """{benchmark name: problems} from --data files or --bench names (first --limit each, unless limit=False)."""
     if cfg.data:
         paths = [Path(p.strip()) for p in cfg.data.split(",") if p.strip()]
         benches = {p.stem: load_jsonl(p) for p in paths}
@@ -186,10 +200,12 @@ def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
             except RuntimeError as err:  # offline: say how to use the local copy
                 raise RuntimeError(f"{err}; offline, evaluate a local copy with --data data/{name}.jsonl") from err
     for name, problems in benches.items():
+        if not problems:
+            raise ValueError(f"benchmark '{name}' has no problems; pass a JSONL file with one problem per line")
         ids = [p.id for p in problems]
         if len(set(ids)) != len(ids):
             raise ValueError(f"benchmark '{name}' has repeated problem ids; give every problem a unique \"id\"")
-    return {name: problems[: cfg.limit] for name, problems in benches.items()}
+    return {name: problems[: cfg.limit if limit else None] for name, problems in benches.items()}
 
 
 def _quiet_hub_logging() -> None:
@@ -215,17 +231,33 @@ def team_folder(ckpt: str) -> Path:
     return team_dir
 
 
+def weights_fingerprint(folder: Path) -> str:
+    """sha256 over the team folder's files (from the stage folder's verified
+    checksums.json when there is one, else hashed here): two teams with the same
+    names but different weights never share an --out."""
+    manifest = verify_checkpoint(folder.parent) if folder.name == "team" else None
+    digests = ({k[len("team/"):]: v for k, v in manifest.items() if k.startswith("team/")} if manifest is not None
+               else folder_digests(folder))
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+def benchmarks_fingerprint(benches: dict[str, list[Problem]]) -> dict[str, str]:
+    """sha256 of each benchmark's problems (id, text, gold); --limit only takes a prefix, so it is not part of it."""
+    return {name: hashlib.sha256(json.dumps([[p.id, p.problem, p.answer] for p in problems]).encode()).hexdigest()
+            for name, problems in benches.items()}
+
+
 def team_identity(cfg: EvalConfig) -> dict:
-    """Everything that decides which samples are drawn, resolved without loading any weights.
-    A rerun into the same --out must match it, or the predictions would mix two runs."""
+    """The team part of everything that decides which samples are drawn, resolved
+    without loading any weights (``check_identity`` adds data and sampling)."""
     if cfg.ckpt:
         folder = team_folder(cfg.ckpt)
         meta = json.loads((folder / "team.json").read_text())
-        team = {"ckpt": str(folder.resolve()), "agents": meta["agents"]}
+        team = {"ckpt": str(folder.resolve()), "agents": meta["agents"], "weights_sha256": weights_fingerprint(folder)}
         protocol = cfg.protocol or meta["protocol"]
         thinking = meta.get("enable_thinking", False) if cfg.thinking is None else cfg.thinking
-    else:
-        team = {"agents": [s.name for s in parse_agents(cfg.agents)]}
+    else:  # tiny weights come from the seed (in the identity); hub weights from their id
+        team = {"ckpt": None, "agents": [s.name for s in parse_agents(cfg.agents)], "weights_sha256": None}
         protocol = cfg.protocol or "independent"
         thinking = bool(cfg.thinking)
     return {**team, "protocol": protocol, "enable_thinking": thinking, "instruction": cfg.instruction,
@@ -349,17 +381,42 @@ def append_rows(path: Path, rows: list[dict]) -> None:
 
 
 def check_identity(out: Path, identity: dict) -> None:
-    """Write run.json on the first run; refuse to mix predictions of a different setting."""
+    """Write run.json on the first run; refuse to mix predictions of a different
+    setting. Every key of either side is compared (a key only one side has is a
+    difference), so a checkpoint team and a named team never share an --out."""
     path = out / "run.json"
     if path.exists():
         saved = json.loads(path.read_text())
-        diff = [f"{k}: {saved.get(k)!r} there vs {v!r} now" for k, v in identity.items() if saved.get(k) != v]
+        diff = [describe_difference(k, saved.get(k), identity.get(k))
+                for k in sorted(set(saved) | set(identity)) if saved.get(k) != identity.get(k)]
         if diff:
-            raise ValueError(f"--out {out} holds predictions of a different setting ({'; '.join(diff)}); use a new --out")
+            pred = out / "predictions.jsonl"
+            holds = "holds predictions of" if pred.exists() and pred.stat().st_size else "was started (no predictions yet) with"
+            raise ValueError(f"--out {out} {holds} a different setting ({'; '.join(diff)}); use a new --out")
         return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(identity, indent=2))
     os.replace(tmp, path)
+
+
+def describe_difference(key: str, there, now) -> str:
+    """One setting that differs, with both values when they are short."""
+    a, b = repr(there), repr(now)
+    return f"{key}: {a} there vs {b} now" if len(a) + len(b) <= 80 else f"{key} differs"
+
+
+def check_context(team: Team, benches: dict[str, list[Problem]], max_new_tokens: int) -> None:
+    """Refuse, before generating, a --max-new-tokens that runs past an agent's
+    positions (the model would go on past its context with a library warning)."""
+    for k, agent in enumerate(team.agents):
+        limit = getattr(agent.model.config, "max_position_embeddings", None)
+        if limit is None:
+            continue
+        longest = max(len(team.prompt_ids(k, p, ["?"] * k)) for problems in benches.values() for p in problems)
+        if longest + max_new_tokens > limit:
+            raise ValueError(f"--max-new-tokens {max_new_tokens} plus the longest prompt ({longest} tokens) exceeds the "
+                             f"context of agent {k + 1} '{agent.spec.name}' ({limit} positions); pass --max-new-tokens "
+                             f"{max(limit - longest, 0)} or less")
 
 
 # ---------------------------------------------------------------------------
@@ -429,10 +486,14 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
 
     hf_logging.disable_progress_bar()
     cfg.validate()
-    benches = load_benchmarks(cfg)  # before any model loads: a wrong name or no network fails in seconds
-    identity = team_identity(cfg)
+    full = load_benchmarks(cfg, limit=False)  # before any model loads: a wrong name or no network fails in seconds
+    benches = {name: problems[: cfg.limit] for name, problems in full.items()}
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = cfg.backend or default_backend(device)
+    # everything that defines the predictions: team and weights, data, sampling and how work is chunked (seeds)
+    identity = {**team_identity(cfg), "benchmarks_sha256": benchmarks_fingerprint(full),
+                "backend": backend, "device": torch.device(device).type, "token_budget": cfg.token_budget,
+                "batch_problems": cfg.batch_problems, "sample_chunk": cfg.sample_chunk}
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget, backend=backend)
     out = Path(cfg.out)
@@ -455,6 +516,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     pending = sum(t[-1] for t in todo)
     if todo:
         team = load_team(cfg, identity, device)
+        check_context(team, benches, cfg.max_new_tokens)
         log(f"team: {', '.join(identity['agents'])} | protocol {identity['protocol']} | thinking "
             f"{'on' if identity['enable_thinking'] else 'off'} | {device}/{backend} | {pending} of {total} samples to generate")
         with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True) as pbar:
@@ -486,7 +548,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
 # ---------------------------------------------------------------------------
 def parse_args(argv=None) -> EvalConfig:
     d = EvalConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="eval_aime.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", default=d.agents, help='the team, e.g. "Qwen3-4B x3", "tiny x3" (ignored with --ckpt)')
     p.add_argument("--ckpt", default=None, help="a sat.py run folder (latest checkpoint), a checkpoints/stage_XXXX folder, or a team folder")
     p.add_argument("--bench", default=d.bench, help="comma-separated dataset names: aime24, aime25, math500")

@@ -43,7 +43,10 @@ def _braced(text: str, start: int) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last complete \\boxed{...} / \\fbox{...} / "\\boxed 5"."""
+    """Content of the last complete \\boxed{...} / \\fbox{...} / "\\boxed 5".
+    A box opened after it and never closed (a response cut while writing its
+    answer) makes the result None: the final answer is missing, and the earlier
+    box may be the one it was correcting."""
     for m in reversed(list(_BOX_COMMANDS.finditer(text))):
         rest = m.end()
         if rest < len(text) and text[rest] == "{":
@@ -54,54 +57,80 @@ def _last_boxed(text: str) -> str | None:
             content = arg.group(1) if arg else None
         else:
             content = None
+        if content is None and rest < len(text) and text[rest] == "{":
+            return None  # unclosed (truncated) box: no final answer
         if content is not None and content.strip():
             return content.strip()
-        # unclosed (truncated) or empty box: try the one before it
+        # empty box: try the one before it
     return None
 
 
+def has_unclosed_box(text: str) -> bool:
+    """Whether some \\boxed{ is never closed: the response was cut inside its answer."""
+    return any(m.end() < len(text) and text[m.end()] == "{" and _braced(text, m.end()) is None
+               for m in _BOX_COMMANDS.finditer(text))
+
+
 def _answer_phrase(text: str) -> str | None:
-    """X from the last "final answer is X" / "answer: X", up to the end of its sentence."""
+    """X from the last "final answer is X" / "answer: X", up to the end of its sentence.
+
+    Math between dollars may hold escaped dollars ("$\\$18.90$"); a plain "$18.90"
+    is a currency sign. A self-correction, i.e. any digit after X's sentence
+    ("The answer is 12. Wait, actually 13."), makes the result None: the grader
+    does not guess which of the two the model meant."""
     matches = list(_ANSWER_PHRASE.finditer(text))
     if not matches:
         return None
-    rest = text[matches[-1].end():].split("\n", 1)[0].strip()
-    if rest.startswith("$"):  # "$\frac{1}{2}$." -> the math between the dollars
-        inner = re.match(r"\$+([^$]+)\$+", rest)
-        if inner:
-            return inner.group(1).strip() or None
-    rest = re.split(r"\.\s", rest, maxsplit=1)[0]  # stop at the end of the sentence
-    rest = rest.strip().rstrip(".").strip()
-    return rest or None
+    line = text[matches[-1].end():]
+    rest = line.split("\n", 1)[0].strip()
+    inner = re.match(r"\$+((?:\\\$|[^$])+?)\$+(?!\d)", rest) if rest.startswith("$") else None
+    if inner:  # "$\frac{1}{2}$." -> the math between the dollars
+        answer, used = inner.group(1).strip(), inner.end()
+    else:
+        answer = re.split(r"\.\s", rest, maxsplit=1)[0]  # stop at the end of the sentence
+        used = len(answer)
+        answer = answer.strip().rstrip(".").strip()
+    after = line[line.index(rest) + used:] if rest else line
+    if re.search(r"\d", after):
+        return None
+    return answer or None
 
 
-def _extract(text: str) -> str | None:
+def _extract(text: str, final_only: bool) -> str | None:
+    if has_unclosed_box(text):
+        return None
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed
     phrase = _answer_phrase(text)
-    if phrase is not None:
+    if phrase is not None or final_only or _ANSWER_PHRASE.search(text):  # a self-corrected phrase: no answer
         return phrase
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, final_only: bool = False) -> str | None:
     """The final answer in a model response, or None.
 
     Order: the last complete \\boxed{...} (or \\fbox{...}, or "\\boxed 5"), with
-    nested braces matched; else the last "final answer is X" / "answer: X";
-    else the last number (int, decimal, a/b, negative). For thinking models,
-    only the text after the last "</think>" is used when it yields an answer,
-    so a number mentioned mid-thought does not count as the answer.
+    nested braces matched; else the last "final answer is X" / "answer: X"
+    (None when a number follows its sentence: a self-correction); else, only
+    when ``final_only`` is False, the last number (int, decimal, a/b,
+    negative: the bare answers of the synthetic task). A response with an
+    unclosed \\boxed{ was cut inside its answer and has none, so a truncated
+    response is never graded correct. ``final_only=True`` is the rule for math
+    benchmarks: a closed \\boxed{} or an explicit "answer is" phrase.
+
+    For thinking models, only the text after the last "</think>" is used when
+    it yields an answer, so a number mentioned mid-thought does not count.
     """
     if not text:
         return None
     if "</think>" in text:
-        after = _extract(text.rsplit("</think>", 1)[1])
+        after = _extract(text.rsplit("</think>", 1)[1], final_only)
         if after is not None:
             return after
-    return _extract(text)
+    return _extract(text, final_only)
 
 
 # ---------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def check_run(cfg, team, log) -> None:
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Print the memory estimate of a SAT run (no download).")
+    p = argparse.ArgumentParser(prog="memory.py", description="Print the memory estimate of a SAT run (no download).")
     p.add_argument("--model", default="qwen3-4b", choices=sorted(QWEN3_DIMS))
     p.add_argument("--n-agents", type=int, default=3)
     p.add_argument("--update", default="sequential", choices=["sequential", "joint"])
@@ -297,6 +297,11 @@ def main(argv=None) -> None:
     p.add_argument("--gpus", default="1", help="processes / GPUs under torchrun, e.g. 4 or 1,2,4,8 (per-rank plan)")
     p.add_argument("--gpu-gb", default="80,141", help="memory per GPU in GB for the fit columns of the per-rank plan")
     args = p.parse_args(argv)
+    for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens"):
+        if getattr(args, name) < 1:
+            p.exit(2, f"memory.py: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
+    if args.available_gib is not None and args.available_gib <= 0:
+        p.exit(2, f"memory.py: error: --available-gib must be > 0 (got {args.available_gib})\n")
     gpus = [int(g) for g in str(args.gpus).split(",")]
     if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
         print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gb.split(",")], update=args.update,

@@ -10,15 +10,21 @@ folder holds
     upgrades.json          plug-and-play events, if any
     latest.json            points at the newest complete checkpoint
     checkpoints/stage_XXXX team weights + state.pt (controllers, value heads, RNGs)
+                           + checksums.json (size and sha256 of every file)
 
 Every write goes through a temporary file or folder and a rename, so a crash
-leaves the previous checkpoint intact and resumable.
+leaves the previous checkpoint intact and resumable; a damaged file is caught
+by its checksum when the folder is read. Resuming from a stage folder keeps
+the run's metrics of stages 0..k and continues from there; a run folder that
+holds a run is never overwritten without --overwrite.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -38,7 +44,11 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
     checkpoint intact. Under torchrun rank 0 writes (every rank holds the same
-    whole agents between turns) and the others wait for it."""
+    whole agents between turns) and the others wait for it. checksums.json in
+    the folder holds the size and sha256 of every file, verified by
+    ``load_checkpoint``. Pruning keeps the new folder and the one before it in
+    stage order; folders of later stages (a future discarded by resuming from
+    an earlier stage folder) are removed."""
     root = out / "checkpoints"
     final = root / f"stage_{stage:04d}{suffix}"
     if not distributed.is_main():
@@ -55,13 +65,103 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
              "optimizers": {k: a.saved_optimizer_state for k, a in enumerate(team.agents) if a.saved_optimizer_state is not None},
              **extra}
     torch.save(state, tmp / "state.pt")
+    (tmp / CHECKSUMS).write_text(json.dumps(folder_digests(tmp), indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write(out / "latest.json", json.dumps({"stage": stage, "path": final.name}))
-    for old in sorted(root.glob("stage_*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
+    folders = sorted((p for p in root.glob("stage_*") if p.is_dir()), key=stage_key)
+    keep = [p for p in folders if stage_key(p) <= stage_key(final)][-2:]
+    for old in folders:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def stage_key(folder: Path) -> tuple[int, str]:
+    """Order of stage folders: by stage number, then suffix (stage_0005 < stage_0005_upgraded < stage_0006)."""
+    m = re.fullmatch(r"stage_(\d+)(.*)", folder.name)
+    return (int(m.group(1)), m.group(2)) if m else (-1, folder.name)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint integrity: checksums written with the folder, verified on reading
+# ---------------------------------------------------------------------------
+CHECKSUMS = "checksums.json"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def folder_digests(folder: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under folder but checksums.json."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    return {p.relative_to(folder).as_posix(): [p.stat().st_size, file_sha256(p)] for p in files}
+
+
+def previous_stage_hint(folder: Path) -> str:
+    """Where to resume instead of a damaged stage folder."""
+    siblings = sorted((p for p in folder.parent.glob("stage_*") if p.is_dir() and stage_key(p) < stage_key(folder)), key=stage_key)
+    if siblings:
+        return f"resume from the previous stage folder instead: --resume {siblings[-1]}"
+    return "no earlier stage folder is left next to it; start a new run with --overwrite"
+
+
+def verify_checkpoint(folder: Path) -> dict[str, list] | None:
+    """Check every file of a stage folder against checksums.json; one-line
+    RuntimeError naming the first damaged file. None for a folder written
+    before checksums existed (nothing to check against)."""
+    path = folder / CHECKSUMS
+    if not path.exists():
+        return None
+    try:
+        expected = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise RuntimeError(f"checkpoint {folder} is damaged: {CHECKSUMS} is unreadable; {previous_stage_hint(folder)}") from None
+    for rel, (size, digest) in expected.items():
+        f = folder / rel
+        what = ("is missing" if not f.is_file() else f"has {f.stat().st_size} bytes, {size} were written (truncated)"
+                if f.stat().st_size != size else "does not match its checksum (corrupted)" if file_sha256(f) != digest else None)
+        if what:
+            raise RuntimeError(f"checkpoint {folder} is damaged: {rel} {what}; {previous_stage_hint(folder)}")
+    return expected
+
+
+def run_folder_of(checkpoint: Path) -> Path | None:
+    """The run folder a stage folder belongs to (RUN for RUN/checkpoints/stage_XXXX), else None."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+
+
+# What sat.py writes into a run folder; a folder holding any of them holds a run.
+RUN_FILES = ("metrics.jsonl", "latest.json", "config.json", "checkpoints", "progress.png", "upgrades.json")
+
+
+def check_out_folder(out: Path, resume_run: Path | None, overwrite: bool) -> list[Path]:
+    """Refuse to write a run into a folder that holds another run, unless it is
+    the run being resumed or --overwrite is given; returns what --overwrite will
+    delete (``clear_run_files``, called once the rest of the input is valid)."""
+    out = Path(out)
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    same = resume_run is not None and out.resolve() == Path(resume_run).resolve()
+    if overwrite and same:
+        raise ValueError(f"--overwrite would delete the run being resumed ({out}); drop --overwrite, or pass a new --out")
+    if not held or same:
+        return []
+    if not overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(held)}); continue it with --resume {out}, "
+                         f"pass a new --out, or add --overwrite to replace it")
+    return [out / name for name in held]
+
+
+def clear_run_files(paths: list[Path]) -> None:
+    for target in paths:
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -80,15 +180,35 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     pointer = run_dir / "latest.json"
     if not pointer.exists():
         raise FileNotFoundError(f"no checkpoint in '{run_dir}': expected latest.json written by sat.py (or a checkpoints/stage_XXXX folder)")
-    return run_dir / "checkpoints" / json.loads(pointer.read_text())["path"]
+    try:
+        target = run_dir / "checkpoints" / json.loads(pointer.read_text())["path"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise RuntimeError(f"{pointer} is damaged (not the JSON sat.py writes); pass a stage folder instead "
+                           f"({run_dir / 'checkpoints'}/stage_XXXX)") from None
+    if not target.is_dir():
+        raise FileNotFoundError(f"{pointer} points at {target}, which is missing; "
+                                f"pass a stage folder that exists instead ({run_dir / 'checkpoints'}/stage_XXXX)")
+    return target
 
 
 def load_checkpoint(folder: Path, device: str, dtype: torch.dtype) -> tuple[Team, dict, random.Random, dict]:
     """Team, saved state, the Python RNG and the controllers of a stage folder;
     restores the torch / numpy / CUDA RNGs so a resumed run continues the
-    same random stream as a straight one."""
-    team = Team.load(folder / "team", device=device, dtype=dtype)
-    state = torch.load(folder / "state.pt", weights_only=False)
+    same random stream as a straight one. The folder is checked against its
+    checksums first; a file that still fails to load is named in one line."""
+    verify_checkpoint(folder)
+    try:
+        team = Team.load(folder / "team", device=device, dtype=dtype)
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as err:  # safetensors / json / tokenizer errors of a damaged file
+        raise RuntimeError(f"checkpoint {folder} is damaged: its team/ folder does not load ({type(err).__name__}: "
+                           f"{(str(err).splitlines() or [''])[0][:120]}); {previous_stage_hint(folder)}") from None
+    try:
+        state = torch.load(folder / "state.pt", weights_only=False)
+    except Exception as err:  # a torn or garbled pickle
+        raise RuntimeError(f"checkpoint {folder} is damaged: state.pt does not load ({type(err).__name__}); "
+                           f"{previous_stage_hint(folder)}") from None
     rng = random.Random()
     rng.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])

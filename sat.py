@@ -14,6 +14,7 @@ improvement of every step and of the stage (the certificate logged per stage).
     python sat.py --update joint                      # the baseline SAT argues against
     python sat.py --agents "Qwen3-4B x3"              # the paper preset on a GPU
     python sat.py --resume runs/sat                   # continue a run (more --stages)
+    python sat.py --resume runs/sat/checkpoints/stage_0005 --stages 8   # redo from stage 5 (rows 0..5 kept)
     python sat.py --resume runs/sat --upgrade 2=tiny-6L --stages 12   # plug-and-play
 
 Where the rest lives: the objective L_i and its optimiser in ``update.py``, the
@@ -22,7 +23,9 @@ certificate in ``trust_region.py``, rollouts in ``rollout.py``, Stage-0 in
 ``plug_and_play.py``, checkpoints and metrics in ``records.py``.
 
 Outputs in --out: metrics.jsonl (one object per stage), progress.png,
-config.json, checkpoints/stage_XXXX (atomic; --resume picks the latest).
+config.json, checkpoints/stage_XXXX (atomic, checksummed; --resume picks the
+latest). A folder holding a run is never overwritten: --resume it, pass a new
+--out, or --overwrite. Bad input gets one line before any work: docs/errors.md.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import copy
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -45,10 +49,11 @@ from logprobs import measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
-                     record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics)
+                     record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
+                     check_out_folder, clear_run_files, run_folder_of)
 from rollout import SamplingConfig, TeamBatch, after_rollout, default_backend, rollout, rollout_in_blocks, sync_weights
 from tasks import Problem, load_task
-from team import Agent, Team, TeamConfig, parse_agents, warm_start
+from team import Agent, Team, TeamConfig, check_hub_available, parse_agents, resolve_agent_spec, warm_start
 from trust_region import (QuantileController, backtracking_line_search, certificate, dkw_upper_quantile,
                           interpolate_parameters, quantile, stage_certificate)
 from update import UpdateInputs, build_inputs, make_value_head, train_agents, train_sharded
@@ -90,6 +95,7 @@ class Config:
     seed: int = 0
     out: str = "runs/sat"
     resume: str | None = None
+    overwrite: bool = False  # replace a run already in --out (otherwise refused)
     device: str | None = None  # default: cuda if available else cpu
     backend: str | None = None  # hf | vllm (default: vllm when importable with CUDA, else hf)
     upgrade: list[str] = field(default_factory=list)  # "SLOT=MODEL", 1-based slots (plug-and-play)
@@ -158,6 +164,32 @@ class Config:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
+        validate_run_inputs(self)
+
+
+def validate_run_inputs(cfg: "Config") -> None:
+    """Checks across options, on disk and network, before any model is built (docs/errors.md)."""
+    import importlib.util
+
+    if cfg.group_size == 1 and cfg.adv == "grpo":
+        raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
+                         "trained; use --group-size 2 or more (or --adv gae)")
+    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
+    if cfg.upgrade and not cfg.resume:
+        raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
+    if cfg.upgrade:
+        n_agents = len(json.loads((latest_checkpoint(cfg.resume) / "team" / "team.json").read_text())["agents"])
+        for item in cfg.upgrade:
+            slot, _, model = item.partition("=")
+            if not slot.strip().isdigit() or not model.strip():
+                raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
+            if not 1 <= int(slot) <= n_agents:
+                raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
+            check_hub_available(resolve_agent_spec(model))
+    if not cfg.resume:
+        for spec in parse_agents(cfg.agents):
+            check_hub_available(spec)
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores.
@@ -357,15 +389,28 @@ def run(cfg: Config, log=None) -> list[dict]:
     distributed.check_options(cfg)
     if not distributed.is_main():
         log = lambda *args: None  # noqa: E731  rank 0 speaks and writes
-    out.mkdir(parents=True, exist_ok=True)
+    resume_run = (run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
+    replaced = check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
+    distributed.barrier()  # torchrun: every rank has looked before rank 0 writes anything
     train, heldout, instruction = load_task(cfg)
+    if not train:
+        raise ValueError(f"no training problems in {cfg.data or cfg.task!r} (after holding out the evaluation set); "
+                         "pass a JSONL file with problems")
+    if not heldout:
+        raise ValueError(f"no held-out problems in {cfg.eval_data or cfg.data or cfg.task!r}; pass a non-empty --eval-data")
+    if distributed.is_main():
+        clear_run_files(replaced)  # --overwrite: only now that the input is valid
+    out.mkdir(parents=True, exist_ok=True)
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget, backend=cfg.backend)
     dtype = torch.float32 if cfg.device == "cpu" else torch.bfloat16
     if resume_from is not None:
         team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype)
         start = state["stage"]
-        records = [r for r in read_metrics(Path(cfg.resume)) if r["stage"] <= start]
+        records = [r for r in read_metrics(resume_run) if r["stage"] <= start]  # the run's history, 0..start
+        if [r["stage"] for r in records] != list(range(start + 1)):
+            raise ValueError(f"{resume_run / 'metrics.jsonl'} lacks the records of stages 0..{start} that {resume_from} "
+                             "continues; resume from the run folder that holds both")
         log(f"resumed from {resume_from} at stage {start}")
         cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
@@ -433,12 +478,13 @@ def run(cfg: Config, log=None) -> list[dict]:
         log(stage_line(rec))
     if len(records) > 1:
         plot_run(out, records)
+    plot_note = f", plot in {out / 'progress.png'}" if len(records) > 1 else " (no plot: no stage trained)"
     if cfg.backend == "vllm":
         import rollout_vllm
 
         rollout_vllm.shutdown()
     log(f"held-out team accuracy: {records[0]['eval_accuracy']:.3f} -> {records[-1]['eval_accuracy']:.3f}; "
-        f"metrics in {out / 'metrics.jsonl'}, plot in {out / 'progress.png'}")
+        f"metrics in {out / 'metrics.jsonl'}{plot_note}")
     return records
 
 
@@ -446,7 +492,7 @@ def run(cfg: Config, log=None) -> list[dict]:
 # CLI
 # ---------------------------------------------------------------------------
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(prog="sat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--agents", help='e.g. "tiny x3" (default), "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B"')
     p.add_argument("--protocol", choices=["independent", "chain"])
@@ -460,7 +506,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--resample", action="store_true")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
-                   help="keep each agent's AdamW moments on the host between its turns (tiny default: on)")
+                   help="keep each agent's AdamW moments on the host between its turns (default: off)")
     p.add_argument("--update", choices=UPDATES)
     helps = {"delta": "trust-region radius on the per-state KL quantile", "quantile": "1 - alpha: the KL quantile held to delta",
              "beta": "initial KL-penalty weight (adapted per agent)", "group-size": "G joint trajectories per prompt",
@@ -481,20 +527,21 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3", "k3_new"])
     p.add_argument("--out")
     p.add_argument("--resume", help="a run folder (or a checkpoints/stage_XXXX folder) to continue")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (otherwise refused)")
     p.add_argument("--device")
     p.add_argument("--backend", choices=["hf", "vllm"])
     p.add_argument("--upgrade", action="append", help="SLOT=MODEL: replace agent SLOT (1-based) by MODEL, then continue SAT")
     p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,
                    help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
     p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
-    args = vars(p.parse_args(argv))
+    args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
         cfg_path = (saved if (saved / "config.json").exists() else latest_checkpoint(saved).parent.parent) / "config.json"
         if not cfg_path.exists():
             p.error(f"--resume {saved}: no config.json there; pass the run folder written by sat.py")
         base = json.loads(cfg_path.read_text())
-        base.update({"upgrade": []})
+        base.update({"upgrade": [], "overwrite": False})
         base.update(args)
         base.setdefault("out", str(saved))
         if "out" not in args:
@@ -504,12 +551,24 @@ def parse_args(argv=None) -> Config:
     return Config(**{k: v for k, v in args.items() if k in known})
 
 
+def numbers_as_values(argv: list[str]) -> list[str]:
+    """argparse reads "-1e-4" as an option; glue such a negative number to the
+    option before it ("--lr=-1e-4") so validation can say what is wrong."""
+    out = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(?:e[-+]?\d+)?|-inf|-nan", tok, re.I):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
         cfg.apply_preset()
         cfg.validate()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"sat.py: error: {err}", file=sys.stderr)
         return 2
     try:

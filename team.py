@@ -187,6 +187,7 @@ class Agent:
             model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
         else:
             model, tokenizer = _load_pretrained(spec.source, dtype)
+            check_chat_template(tokenizer, spec.name, spec.source)
         model.to(device=device, dtype=dtype)
         if tokenizer.pad_token_id is None:  # some chat models ship without a pad token
             tokenizer.pad_token = tokenizer.eos_token
@@ -206,6 +207,7 @@ class Agent:
         path = Path(path)
         meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
         model, tokenizer = _load_pretrained(str(path), dtype)
+        check_chat_template(tokenizer, meta["name"], str(path))
         model.to(device=device, dtype=dtype)
         tokenizer.padding_side = "left"
         spec = AgentSpec(name=meta["name"], kind="local", source=str(path))
@@ -291,12 +293,64 @@ def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
         )
 
 
+def check_chat_template(tokenizer, name: str, source: str) -> None:
+    """Prompts are built with the agent's own chat template (Team.prompt_ids):
+    a base model without one is refused in one line rather than guessed at."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    where = f"{source}/tokenizer_config.json" if os.path.isdir(source) else f"a local copy of {source}"
+    raise ValueError(f"agent '{name}' ({source}): its tokenizer has no chat template, so its prompts cannot be built; "
+                     f"use a chat/instruct checkpoint, or add a \"chat_template\" to {where}")
+
+
+_OFFLINE: list[bool] = []  # probed once per process
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or one
+    TCP connection to the endpoint fails within 3 s (probed once, then cached),
+    so an offline run fails in seconds instead of after the client's retries."""
+    if not _OFFLINE:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            _OFFLINE.append(True)
+        elif any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+            _OFFLINE.append(False)  # behind a proxy a direct connection says nothing: let the client try
+        else:
+            import socket
+            from urllib.parse import urlparse
+
+            host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+            try:
+                socket.create_connection((host, 443), timeout=3).close()
+                _OFFLINE.append(False)
+            except OSError:
+                _OFFLINE.append(True)
+    return _OFFLINE[0]
+
+
+def _hub_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_hub_available(spec: AgentSpec) -> None:
+    """Before any work: a hub model that is neither cached nor reachable is one clear line."""
+    if spec.kind == "hub" and not _hub_cached(spec.source) and hub_offline():
+        raise RuntimeError(f"model '{spec.source}' is not in the local cache and the hub cannot be reached (offline); "
+                           f"download it where there is network (huggingface-cli download {spec.source}) or pass a "
+                           "local checkpoint folder")
+
+
 def _load_pretrained(source: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    local_only = os.path.isdir(source) or hub_offline()  # offline: no retries, the cache or a clear error
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
     except OSError as err:  # not cached and no network, or a wrong id
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RuntimeError(
@@ -366,9 +420,11 @@ class Team:
         incumbent, self.agents[slot] = self.agents[slot], new_agent
         return incumbent
 
-    @staticmethod
-    def extract(text: str) -> str | None:
-        return extract_answer(text)
+    def extract(self, text: str) -> str | None:
+        """An agent's answer. When the team is asked for a \\boxed{} answer (the
+        math tasks), only a complete final answer counts (grading.extract_answer
+        with final_only): a truncated response has none."""
+        return extract_answer(text, final_only="\\boxed" in self.config.instruction)
 
     # -- persistence ------------------------------------------------------------
     def save(self, path: str | Path) -> None:

@@ -1,6 +1,6 @@
 """Side-by-side runs on tiny agents: what SAT's design choices buy, over seeds.
 
-    python bench/compare.py updates  --seeds 0 1 2 --stages 12   # sequential vs joint, 3 agents vs 1, both protocols
+    python bench/compare.py updates  --seeds 0 1 2 --stages 15   # sequential vs joint, 3 agents vs 1, both protocols
     python bench/compare.py upgrades --seeds 0 1 2 --stages 6    # plug-and-play: continue / stronger / weaker
 
 Every arm of one seed starts from the same warm-started checkpoint (made once,
@@ -29,7 +29,7 @@ def base_run(out: Path, seed: int, agents: str, protocol: str, stages: int = 0) 
     """Warm start (and optionally a few SAT stages) once; arms resume from it."""
     run_dir = out / f"base-{agents.replace(' ', '')}-{protocol}-s{seed}-st{stages}"
     if not (run_dir / "latest.json").exists():
-        sat.run(sat.Config(agents=agents, protocol=protocol, seed=seed, stages=stages, out=str(run_dir)), **QUIET)
+        sat.run(sat.Config(agents=agents, protocol=protocol, seed=seed, stages=stages, out=str(run_dir), overwrite=True), **QUIET)
     return run_dir
 
 
@@ -37,7 +37,7 @@ def arm(base: Path, out: Path, name: str, total_stages: int, extra: list[str]) -
     run_dir = out / name
     if (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["stage"] >= total_stages:
         return read_metrics(run_dir)
-    argv = ["--resume", str(base), "--out", str(run_dir), "--stages", str(total_stages)] + extra
+    argv = ["--resume", str(base), "--out", str(run_dir), "--stages", str(total_stages), "--overwrite"] + extra  # redo a partial arm
     return sat.run(sat.parse_args(argv), **QUIET)
 
 

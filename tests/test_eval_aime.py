@@ -20,7 +20,7 @@ from tasks import Problem
 from team import Agent, Team, TeamConfig
 
 REPO = Path(__file__).resolve().parents[1]
-AIME24 = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime24.jsonl"
+AIME24 = Path(__file__).resolve().parents[1] / "data" / "aime24.jsonl"
 needs_aime = pytest.mark.skipif(not AIME24.exists(), reason=f"{AIME24} not found (the offline AIME24 copy)")
 
 

@@ -86,8 +86,8 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
 
 def test_upgrade_needs_resume_and_a_valid_slot(tmp_path, capsys):
     assert sat.main(["--upgrade", "2=tiny", "--stages", "1", "--out", str(tmp_path / "x"), "--warmup-steps", "0",
-                     "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 1
+                     "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 2  # refused before any work
     assert "--upgrade needs --resume" in capsys.readouterr().err
     sat.run(small_config(tmp_path, stages=1), **QUIET)
-    assert sat.main(["--resume", str(tmp_path / "run"), "--upgrade", "5=tiny"]) == 1
+    assert sat.main(["--resume", str(tmp_path / "run"), "--upgrade", "5=tiny"]) == 2
     assert "out of range" in capsys.readouterr().err

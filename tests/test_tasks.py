@@ -87,6 +87,14 @@ CASES = [
     # nothing to grade
     ("", "5", False),
     ("\\boxed{}", "5", False),
+    # responses (issue 13): truncation, currency, self-corrections
+    ("so it is \\boxed{17", "17", False),  # unterminated box: truncated, never right
+    ("\\boxed{17", "17", False),
+    ("The answer is $\\$18.90$.", "18.90", True),  # escaped dollar inside math
+    ("The answer is $18.90.", "18.9", True),  # a currency sign
+    ("The answer is 12. Wait, actually 13.", "13", False),  # self-correction: no answer
+    ("The answer is 12. Wait, actually 13.", "12", False),
+    ("The answer is \\boxed{12}. Wait, actually 13.", "12", True),  # a closed box is the final answer
 ]
 
 # Where a single backend disagrees with the table, by design or by limitation.
@@ -112,7 +120,8 @@ def _table_params(backend):
 
 
 def _as_answer(pred):
-    return extract_answer(pred) if "\\boxed" in pred else pred
+    """A response (it has a box or an answer phrase) goes through extraction, math-benchmark rule."""
+    return extract_answer(pred, final_only=True) if "\\boxed" in pred or "answer is" in pred else pred
 
 
 def test_table_is_big_and_consistent():
@@ -193,7 +202,7 @@ def test_aime_integers(n):
     ("first \\boxed{1}, then \\boxed{2}", "2"),
     ("\\fbox{9}", "9"),
     ("$\\boxed 5$", "5"),
-    ("\\boxed{3} and a truncated \\boxed{4", "3"),  # unclosed box at the end: use the last complete one
+    ("\\boxed{3} and a truncated \\boxed{4", None),  # cut inside its final answer: none (3 may be what it corrects)
     ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are not grouping
     ("The final answer is $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
     ("so the final answer is 12. Done", "12"),
@@ -206,6 +215,30 @@ def test_aime_integers(n):
 ])
 def test_extract(text, expected):
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text,lenient,final", [
+    ("\\boxed{17", None, None),  # truncated inside the answer
+    ("we computed 17 and then", "17", None),  # a number mid-sentence is no final answer on math benchmarks
+    ("17", "17", None),  # the synthetic task's bare answer counts only without final_only
+    ("The answer is 12. Wait, actually 13.", None, None),  # self-corrected phrase: no answer in either mode
+    ("The answer is 12.", "12", "12"),
+    ("The answer is $\\$18.90$.", "\\$18.90", "\\$18.90"),
+    ("<think>\\boxed{7}</think>so \\boxed{8", None, None),  # cut after thinking, inside the box: not 7
+])
+def test_extract_final_only_and_truncation(text, lenient, final):
+    assert extract_answer(text) == lenient
+    assert extract_answer(text, final_only=True) == final
+
+
+def test_team_extract_uses_the_final_answer_rule_for_boxed_instructions():
+    from team import Team, TeamConfig
+    from tasks import BOXED_INSTRUCTION
+
+    boxed = Team([object()], TeamConfig(instruction=BOXED_INSTRUCTION))
+    bare = Team([object()], TeamConfig(instruction=""))
+    assert boxed.extract("so 17") is None and bare.extract("so 17") == "17"
+    assert boxed.extract("\\boxed{17") is None and bare.extract("\\boxed{17") is None
 
 
 def test_extract_think_block():

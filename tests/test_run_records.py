@@ -1,0 +1,178 @@
+"""Runs never lose their history: resume from a stage folder, a second run into
+the same folder, checkpoint integrity and pruning, and kill -9 at three points
+of a stage (rollout, update, checkpoint write) followed by --resume, each
+compared with a straight run (issue 13)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sat
+from records import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+SMALL = ["--agents", "tiny x2", "--warmup-steps", "20", "--batch-size", "32", "--group-size", "4", "--eval-size", "16",
+         "--epochs", "1", "--minibatch-size", "16", "--device", "cpu"]
+QUIET = dict(log=lambda *_: None)
+
+
+def strip_timing(records):
+    out = []
+    for r in records:
+        r = {k: v for k, v in r.items() if k not in TIMING_KEYS}
+        r["agents"] = [{k: v for k, v in a.items() if k not in TIMING_KEYS} for a in r.get("agents", [])]
+        out.append(r)
+    return out
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A straight 3-stage run: the reference every interrupted run must reproduce."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    return sat.run(sat.parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET), out
+
+
+# -- resume from a stage folder keeps the run's history -------------------------------------------
+def test_resume_from_a_stage_folder_keeps_rows_and_continues(straight, tmp_path):
+    records, _ = straight
+    out = tmp_path / "run"
+    sat.run(sat.parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET)
+    # rerun stage 3 from the stage-2 folder: rows 0..2 are kept, row 3 is recomputed identically
+    resumed = sat.run(sat.parse_args(["--resume", str(out / "checkpoints" / "stage_0002"), "--stages", "3"]), **QUIET)
+    assert strip_timing(resumed) == strip_timing(records)
+    assert strip_timing(read_metrics(out)) == strip_timing(records)
+    # "resume" to the stage the folder already holds: nothing is rewritten, latest.json stays valid
+    sat.run(sat.parse_args(["--resume", str(out / "checkpoints" / "stage_0003"), "--stages", "3"]), **QUIET)
+    assert [r["stage"] for r in read_metrics(out)] == [0, 1, 2, 3]
+    assert latest_checkpoint(out).name == "stage_0003" and (latest_checkpoint(out) / "state.pt").exists()
+    more = sat.run(sat.parse_args(["--resume", str(out), "--stages", "4"]), **QUIET)
+    assert [r["stage"] for r in more] == [0, 1, 2, 3, 4] and strip_timing(more[:4]) == strip_timing(records)
+
+
+# -- a second run into the same folder is refused ---------------------------------------------------
+def test_second_run_into_the_same_out_is_refused_and_changes_nothing(straight, capsys):
+    _, out = straight
+    before = snapshot(out)
+    assert sat.main(SMALL + ["--stages", "1", "--out", str(out)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "already holds a run" in err and f"--resume {out}" in err and "--overwrite" in err and "\n" not in err
+    assert snapshot(out) == before
+
+
+def test_overwrite_replaces_the_run(tmp_path):
+    out = tmp_path / "run"
+    sat.run(sat.parse_args(SMALL + ["--stages", "1", "--warmup-steps", "5", "--out", str(out)]), **QUIET)
+    (out / "checkpoints" / "stage_0007").mkdir()  # debris of the old run must not survive
+    again = sat.run(sat.parse_args(SMALL + ["--stages", "0", "--warmup-steps", "5", "--out", str(out), "--overwrite"]), **QUIET)
+    assert [r["stage"] for r in again] == [0] and [r["stage"] for r in read_metrics(out)] == [0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["stage_0000"]
+    assert not (out / "progress.png").exists()  # --stages 0 writes no plot (and no longer announces one)
+    assert json.loads((out / "config.json").read_text())["overwrite"] is True
+    # a later --resume does not inherit --overwrite (it would delete the run it resumes)
+    assert sat.parse_args(["--resume", str(out), "--stages", "1"]).overwrite is False
+
+
+# -- checkpoints: pruning order and checksums ------------------------------------------------------
+def test_pruning_keeps_the_new_folder_and_the_one_before_it(tmp_path, straight):
+    _, run = straight
+    team_dir = latest_checkpoint(run)
+    from records import load_checkpoint
+    import torch
+
+    team, _, rng, controllers = load_checkpoint(team_dir, "cpu", torch.float32)
+    out = tmp_path / "r"
+    for stage in (5, 6):
+        save_checkpoint(out, stage, team, controllers, {}, rng, {})
+    save_checkpoint(out, 5, team, controllers, {}, rng, {}, suffix="_upgraded")
+    assert sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda n: stage_key(Path(n))) == \
+        ["stage_0005", "stage_0005_upgraded"]  # stage_0006 was a future the resumed run discards
+    save_checkpoint(out, 0, team, controllers, {}, rng, {})  # the old bug: stage_0000 sorted first and was deleted
+    assert latest_checkpoint(out).name == "stage_0000" and latest_checkpoint(out).is_dir()
+    assert verify_checkpoint(latest_checkpoint(out)) is not None
+
+
+def test_a_damaged_file_is_named_and_the_previous_stage_offered(straight, tmp_path):
+    _, run = straight
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    weights = copy / "checkpoints" / "stage_0003" / "team" / "agent_1" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: same size, wrong contents
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"stage_0003 is damaged: team/agent_1/model.safetensors does not match its "
+                                           r"checksum .*--resume .*stage_0002"):
+        verify_checkpoint(copy / "checkpoints" / "stage_0003")
+    assert verify_checkpoint(copy / "checkpoints" / "stage_0002") is not None
+
+
+# -- kill -9 at three points of a stage, then resume -----------------------------------------------
+class Watched:
+    """sat.py in a subprocess; stdout and stderr collected into files we can poll."""
+
+    def __init__(self, argv, folder: Path):
+        self.out_path, self.err_path = folder / "stdout.txt", folder / "stderr.txt"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, "sat.py", *argv], cwd=REPO, env=env,
+                                     stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"))
+
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def kill_when(self, condition, timeout=300.0) -> None:
+        end = time.time() + timeout
+        while time.time() < end:
+            if condition():
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"sat.py ended before the kill point:\n{self.stdout()}\n{self.stderr()[-2000:]}")
+            time.sleep(0.002)
+        self.proc.kill()
+        raise AssertionError("kill point never reached")
+
+
+def test_kill_9_in_rollout_update_and_checkpoint_write_then_resume_matches_a_straight_run(straight, tmp_path):
+    records, _ = straight
+    out = tmp_path / "run"
+    argv = SMALL + ["--stages", "3", "--out", str(out)]
+    resume = ["--resume", str(out), "--stages", "3"]
+
+    # 1. rollout: the stage-1 line is printed, stage 2 starts with its rollout
+    run = Watched(argv, tmp_path)
+    run.kill_when(lambda: any(line.split()[:1] == ["1"] for line in run.stdout().splitlines()))
+    assert latest_checkpoint(out).name == "stage_0001"
+
+    # 2. update: after resuming, the progress bar names agent 2: stage 2 is inside agent 2's update
+    (tmp_path / "second").mkdir()
+    run = Watched(resume, tmp_path / "second")
+    run.kill_when(lambda: "resumed from" in run.stdout() and "agent 2 (2/2)" in run.stderr())
+    assert latest_checkpoint(out).name == "stage_0001"
+
+    # 3. checkpoint write: the temporary stage folder exists, the rename has not happened
+    (tmp_path / "third").mkdir()
+    run = Watched(resume, tmp_path / "third")
+    run.kill_when(lambda: (out / "checkpoints" / ".stage_0002.tmp").exists())
+    assert (out / "checkpoints" / ".stage_0002.tmp").exists() and not (out / "checkpoints" / "stage_0002").exists()
+    assert latest_checkpoint(out).name == "stage_0001"  # the previous stage is intact and resumable
+    assert verify_checkpoint(latest_checkpoint(out)) is not None
+
+    resumed = sat.run(sat.parse_args(resume), **QUIET)
+    assert strip_timing(resumed) == strip_timing(records)
+    assert strip_timing(read_metrics(out)) == strip_timing(records)
+    assert not list((out / "checkpoints").glob(".*tmp"))  # the torn folder is gone
