@@ -11,8 +11,11 @@ rollout backends (``rollout.py`` and ``rollout_vllm.py``) and the update
 - padding helpers (left-padded contexts, right-padded responses) and the
   position ids that skip left padding, exactly as ``generate`` computes them;
 - ``response_hidden_states`` + ``token_logprobs_from_hidden``: log pi(a_t|s_t)
-  of the sampled tokens at the sampling temperature, the LM head applied in
-  chunks so [N, L, V] logits never exist at once;
+  of the sampled tokens at the sampling temperature, the LM head and the
+  log-softmax in fp32 (``head_logits``), applied in chunks so [N, L, V]
+  logits never exist at once;
+- ``turn_forward``: the one forward of a turn's rows at the turn's full width
+  that behaviour, training, KL and log rho all use (see the note above it);
 - ``measure_kl``: the exact per-state KL over the whole vocabulary at every
   position of an agent's responses, plus the new log-probabilities of the
   sampled tokens, from one forward of each model.
@@ -98,23 +101,38 @@ def response_hidden_states(model, context_ids, context_mask, response_ids, respo
     return out.last_hidden_state[:, lc - 1 : lc - 1 + lr]  # [N, Lr, H]
 
 
-def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
-    """log softmax(lm_head(h)/T)[target], the LM head applied to about
-    ``chunk_tokens`` positions (rows x columns) at a time, so a [n, c, V]
-    logits block stays small (4096 x 151936 x 4 B = 2.5 GB for Qwen3). With
-    gradients on, each chunk is recomputed in the backward pass
-    (checkpointing), so only the hidden states are kept."""
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the LM head: the hidden states and the head weight are
+    cast to fp32 before the matmul. A bf16 matmul would round every logit to 8
+    significant bits (an error of ~0.03 on a logit of 10, i.e. on the
+    log-probability itself), and it is the log-probabilities whose
+    differences are the ratios, the weights and the KL. [..., H] -> [..., V]"""
     head = model.get_output_embeddings()
+    bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+    return F.linear(hidden.float(), head.weight.float(), bias)
+
+
+def _head_chunks(hidden, chunk_tokens: int):
+    """Position slices covering about ``chunk_tokens`` (rows x columns) each."""
     n, length, _ = hidden.shape
     chunk = max(1, chunk_tokens // max(n, 1))  # positions per chunk
+    return [slice(s, s + chunk) for s in range(0, length, chunk)]
+
+
+def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
+    """log softmax(lm_head(h)/T)[target] in fp32 (``head_logits``), the LM head
+    applied to about ``chunk_tokens`` positions (rows x columns) at a time, so
+    a [n, c, V] logits block stays small (4096 x 151936 x 4 B = 2.5 GB for
+    Qwen3). With gradients on, each chunk is recomputed in the backward pass
+    (checkpointing), so only the hidden states are kept."""
 
     def piece(h, y):
-        logits = head(h).float() / temperature  # [n, c, V]
+        logits = head_logits(model, h) / temperature  # [n, c, V] fp32
         return torch.gather(F.log_softmax(logits, dim=-1), -1, y.unsqueeze(-1)).squeeze(-1)  # [n, c]
 
     parts = []
-    for s in range(0, length, chunk):
-        h, y = hidden[:, s : s + chunk], targets[:, s : s + chunk]
+    for sl in _head_chunks(hidden, chunk_tokens):
+        h, y = hidden[:, sl], targets[:, sl]
         if torch.is_grad_enabled() and h.requires_grad:
             parts.append(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False))
         else:
@@ -122,62 +140,81 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk
     return torch.cat(parts, dim=1)  # [n, Lr]
 
 
+# ---------------------------------------------------------------------------
+# The one log-prob path of a turn: full turn width, any grouping of rows
+# ---------------------------------------------------------------------------
+# Behaviour ("old") log-probs, the training forward and the KL measurement all
+# call ``turn_forward`` on rows of the SAME [N, Lc] + [N, Lr] tensors stored in
+# the Turn, never re-padded or trimmed per chunk: in bf16 the result of a row
+# depends on how much padding shares its batch (measured on CPU: 5e-3 in a
+# log-prob after adding 5 padding columns), while grouping different rows at
+# the same width gave bit-identical results. So the ratio is exactly 1 before
+# the first step, and log rho of an agent that did not move is exactly 0. The
+# cost is padding: every row runs at the turn's longest context + response.
+def turn_rows(turn_like, token_budget: int) -> int:
+    """Rows per forward chunk so that rows x (Lc + Lr) fits the token budget."""
+    ctx, _cmask, resp, _rmask = turn_like
+    return max(1, token_budget // (ctx.shape[1] + resp.shape[1]))
+
+
+def turn_forward(model, turn_like, idx, temperature: float):
+    """(log pi(a_t|s_t) [b, Lr] at ``temperature``, 0 on padding; final hidden
+    states [b, Lr, H]) for rows ``idx`` of a turn, at the turn's full width.
+    The canonical forward of every ratio (behaviour, training, KL, log rho)."""
+    device = next(model.parameters()).device
+    ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
+    hidden = response_hidden_states(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+    logp = token_logprobs_from_hidden(model, hidden, resp, temperature)  # [b, Lr] fp32
+    return logp * rmask, hidden
+
+
 def response_logprobs(model, context_ids, context_mask, response_ids, response_mask, temperature: float) -> torch.Tensor:
     """log pi(response_t | context, response_<t) at ``temperature``, 0 on padding. [N, Lr]"""
-    device = next(model.parameters()).device
-    args = [t.to(device) for t in (context_ids, context_mask, response_ids, response_mask)]
-    hidden = response_hidden_states(model, *args)  # [N, Lr, H]
-    logp = token_logprobs_from_hidden(model, hidden, args[2], temperature)  # [N, Lr]
-    return logp * args[3]
+    turn_like = (context_ids, context_mask, response_ids, response_mask)
+    return turn_forward(model, turn_like, slice(None), temperature)[0]
 
 
 @torch.no_grad()
 def batched_response_logprobs(model, turn_like, temperature: float, token_budget: int) -> torch.Tensor:
-    """``response_logprobs`` over all rows, in chunks that fit the token budget."""
-    ctx, cmask, resp, rmask = turn_like
-    width = ctx.shape[1] + resp.shape[1]
-    rows = max(1, token_budget // width)
+    """``turn_forward`` over all rows, in chunks of rows that fit the token
+    budget (the behaviour log-probs of a rollout). [N, Lr] fp32 on the host."""
+    resp = turn_like[2]
+    rows = turn_rows(turn_like, token_budget)
     out = torch.zeros(resp.shape, dtype=torch.float32)  # [N, Lr]
     for s in range(0, resp.shape[0], rows):
-        sl = slice(s, s + rows)
-        # trim padding columns shared by the whole chunk: cheaper and exact
-        c_keep = cmask[sl].any(0).nonzero()
-        r_len = int(rmask[sl].sum(1).max())
-        c0 = int(c_keep[0]) if len(c_keep) else ctx.shape[1] - 1
-        lp = response_logprobs(model, ctx[sl, c0:], cmask[sl, c0:], resp[sl, : max(r_len, 1)], rmask[sl, : max(r_len, 1)], temperature)
-        out[sl, : lp.shape[1]] = lp.float().cpu()
+        out[s : s + rows] = turn_forward(model, turn_like, slice(s, s + rows), temperature)[0].cpu()
     return out
 
 
 @torch.no_grad()
-def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
+def measure_kl(agent, reference, turn, temperature: float, token_budget: int, return_log_rho: bool = False):
     """Exact per-state KL(pi_j(.|s) || pi_j,cur(.|s)) at every position of agent
     j's responses, and the new log-probabilities of the sampled tokens, from
-    one forward of each model (paper, Section 3: the per-state KL; exact, not a sampled proxy).
-    Returns (per_state_kl [M], new_logprobs [N, Lr])."""
-    model, device = agent.model, agent.device
-    width = turn.context_ids.shape[1] + turn.response_ids.shape[1]
-    rows = max(1, token_budget // width)
-    kls, new_logp = [], torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
+    one forward of each model (paper, Section 3: the per-state KL; exact, not a
+    sampled proxy). Returns (per_state_kl [M], new_logprobs [N, Lr]) and, with
+    ``return_log_rho``, log rho = log pi_new - log pi_cur on the sampled tokens
+    [N, Lr] from the same two forwards (exactly 0 where the agent did not move):
+    what the later agents' truncated weights are built from (Section 5)."""
+    model = agent.model
+    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
+    rows = turn_rows(turn_like, token_budget)
+    kls, new_logp = [], torch.zeros(turn.response_ids.shape)  # [N, Lr]
+    cur_logp = torch.zeros(turn.response_ids.shape)  # [N, Lr]
     lo, hi = distributed.row_range(len(turn.texts))  # under torchrun: this rank's rows; gathered below
     for s in range(lo, hi, rows):
         sl = slice(s, min(s + rows, hi))
-        args = [t[sl].to(device) for t in (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
-        mask = args[3].bool()  # [b, Lr]
-        h_new = response_hidden_states(model, *args)[mask]  # [M_b, H] valid positions only
-        h_cur = response_hidden_states(reference, *args)[mask]  # [M_b, H]
-        head_new, head_cur = model.get_output_embeddings(), reference.get_output_embeddings()
-        targets = args[2][mask]  # [M_b]
-        lp_rows = []
-        for c in range(0, h_new.shape[0], 1024):  # chunk rows: [1024, V] logits at a time
-            logits_new = head_new(h_new[c : c + 1024]).float()  # [c, V]
-            kls.append(per_state_kl(logits_new, head_cur(h_cur[c : c + 1024]).float(), temperature=temperature).cpu())
-            lp = F.log_softmax(logits_new / temperature, -1).gather(-1, targets[c : c + 1024, None]).squeeze(-1)
-            lp_rows.append(lp.cpu())
-        block = torch.zeros(mask.shape)  # [b, Lr]
-        block[mask.cpu()] = torch.cat(lp_rows) if lp_rows else torch.zeros(0)
-        new_logp[sl] = block
+        lp_new, h_new = turn_forward(model, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
+        lp_cur, h_cur = turn_forward(reference, turn_like, sl, temperature)
+        new_logp[sl], cur_logp[sl] = lp_new.cpu(), lp_cur.cpu()
+        mask = turn.response_mask[sl].bool().to(h_new.device)  # [b, Lr]
+        h_new, h_cur = h_new[mask], h_cur[mask]  # [M_b, H] valid positions only
+        for c in range(0, h_new.shape[0], 1024):  # [1024, V] fp32 logits at a time
+            kls.append(per_state_kl(head_logits(model, h_new[c : c + 1024]), head_logits(reference, h_cur[c : c + 1024]),
+                                    temperature=temperature).cpu())
     kl = torch.cat(kls) if kls else torch.zeros(0)
     if distributed.active():  # rows are contiguous per rank: rank order is row order
         kl, new_logp = torch.cat(distributed.gather_objects(kl)), distributed.sum_ranks(new_logp)
+        cur_logp = distributed.sum_ranks(cur_logp)
+    if return_log_rho:
+        return kl, new_logp, (new_logp - cur_logp) * turn.response_mask
     return kl, new_logp

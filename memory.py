@@ -5,10 +5,13 @@ updated holds gradients, optimizer state and a frozen reference copy; the
 others are frozen weights. ``estimate_memory`` turns a model config into bytes
 per component so that a run can say at start whether it fits, and why not:
 
-    weights              every agent's weights (training copies, dtype_bytes each)
-    grads_optimizer      gradients + AdamW m, v of the agents trained at once
-                         (sequential: one agent; joint: all of them)
-    reference            the frozen pi_j,cur copy used for the exact per-state KL
+    weights              every agent's weights (the bf16 weights the forward uses, dtype_bytes each)
+    master_weights       fp32 master weights of the agents trained at once (bf16 runs; 0 in fp32):
+                         team.MasterWeightAdamW steps them, so lr 1e-5 updates are not rounded away
+    grads_optimizer      fp32 gradients (on the master) + fp32 AdamW m, v of the agents trained
+                         at once (sequential: one agent; joint: all of them), + one transient
+                         bf16 gradient of the largest tensor before it is added into fp32
+    reference            the frozen pi_j,cur copy (copy.deepcopy per update) for the exact per-state KL
     trust_region_copies  parameter snapshots of the line search (theta_cur, theta_new)
     activations          one micro-batch's saved activations + the LM-head logits chunk
     kv_cache             KV cache of the rollout (HF generate, or the vLLM engines)
@@ -17,7 +20,7 @@ per component so that a run can say at start whether it fits, and why not:
 Two peaks are what must fit, because vLLM sleeps during training and the
 optimizer is gone during rollouts:
 
-    peak_training = weights + grads_optimizer + reference + trust_region_copies + activations
+    peak_training = weights + master_weights + grads_optimizer + reference + trust_region_copies + activations
     peak_rollout  = weights + engine_weights + kv_cache
 
 Parameters are counted exactly from the config (Qwen3 layout: embeddings,
@@ -32,14 +35,15 @@ from __future__ import annotations
 
 GiB = 1024 ** 3
 
-PHASES = ("weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights")
+PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights")
 PEAKS = {
-    "peak_training": ("weights", "grads_optimizer", "reference", "trust_region_copies", "activations"),
+    "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations"),
     "peak_rollout": ("weights", "engine_weights", "kv_cache"),
 }
 # One-line fixes, per component, for check_fits.
 FIXES = {
     "weights": "put fewer or smaller agents on this GPU",
+    "master_weights": "use --update sequential (joint keeps fp32 master weights of every agent) or a smaller model",
     "grads_optimizer": "use --update sequential (joint keeps optimizer state for every agent) or a smaller model",
     "reference": "use --update sequential (joint keeps a reference copy of every agent) or a smaller model",
     "trust_region_copies": "use a smaller model (the line search keeps theta_cur and theta_new)",
@@ -49,7 +53,8 @@ FIXES = {
 }
 PHASE_NOTES = {
     "weights": "all agents, training copies",
-    "grads_optimizer": "grads + AdamW m, v of the agents updated at once",
+    "master_weights": "fp32 master of the agents updated at once",
+    "grads_optimizer": "fp32 grads + AdamW m, v of the agents updated at once",
     "reference": "frozen pi_cur copy for the exact KL",
     "trust_region_copies": "line-search snapshots theta_cur, theta_new",
     "activations": "one micro-batch + LM-head logits chunk",
@@ -124,10 +129,17 @@ def activation_bytes_per_token(config, dtype_bytes: int = 2, gradient_checkpoint
 
 
 def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """LM head on one position: the low-precision logits, their fp32 copy,
-    the tempered logits and the log-softmax (and as much again in backward,
-    which the chunk recomputes one at a time)."""
-    return model_dims(config)["vocab"] * (dtype_bytes + 3 * 4)
+    """LM head on one position, in fp32 (logprobs.head_logits): the fp32
+    logits, the tempered logits and the log-softmax (and as much again in
+    backward, which the chunk recomputes one at a time). ``dtype_bytes`` is
+    kept for callers; the head no longer produces low-precision logits."""
+    return model_dims(config)["vocab"] * 3 * 4
+
+
+def head_fp32_bytes(config) -> int:
+    """The fp32 copy of the LM head weight that ``head_logits`` makes per chunk."""
+    d = model_dims(config)
+    return d["vocab"] * d["hidden"] * 4
 
 
 # ---------------------------------------------------------------------------
@@ -147,12 +159,15 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         min(micro_batch_tokens, 1024). Note: rollout.token_logprobs_from_hidden
         chunks 1024 positions of *every row* of the micro-batch, so today's
         code needs rows * min(1024, row length) here.
-    optimizer_bytes_per_param: AdamW m and v; 8 assumes fp32 state (an upper
-        bound: torch's AdamW keeps them in the parameters' dtype, 2 * dtype_bytes).
+    optimizer_bytes_per_param: AdamW m and v in fp32 (they live on the fp32
+        master weights of a bf16 agent, on the fp32 parameters otherwise).
+    dtype_bytes < 4 adds the fp32 master weights (4 B per trained parameter);
+    gradients are fp32 either way (4 B).
     gpus: processes under torchrun (one GPU each); the figures are per rank.
         With gpus > 1 the agent being trained is an fp32 copy sharded by FSDP2
         (``distributed.shard_model``): fp32 master weights, fp32 gradients and
-        AdamW m, v, 16 bytes a parameter, divided by gpus. Everything else is
+        AdamW m, v, 16 bytes a parameter, divided by gpus (counted in
+        grads_optimizer; master_weights is then 0). Everything else is
         held whole on every rank (frozen agents and the reference generate or
         measure the KL locally), so it does not shrink with gpus.
     """
@@ -167,6 +182,9 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     params = count_parameters(model_config)
     trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
     weight_bytes = params * dtype_bytes
+    d = model_dims(model_config)
+    largest_tensor = max(d["vocab"] * d["hidden"], d["hidden"] * d["intermediate"])  # embedding or an MLP matrix
+    transient_grad = largest_tensor * dtype_bytes if dtype_bytes < 4 else 0  # a bf16 grad before its fp32 add
     rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
     chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, 1024)
     train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
@@ -174,11 +192,13 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     kl_check = 1024 * 2 * logits_bytes_per_token(model_config, dtype_bytes)
     estimate = {
         "weights": n_agents * weight_bytes,
-        "grads_optimizer": (trained * params * (dtype_bytes + optimizer_bytes_per_param) if gpus == 1
+        "master_weights": trained * params * 4 if dtype_bytes < 4 and gpus == 1 else 0,
+        "grads_optimizer": (trained * params * (4 + optimizer_bytes_per_param) + transient_grad if gpus == 1
                             else -(-trained * params * (4 + 4 + optimizer_bytes_per_param) // gpus)),  # FSDP2 shard
         "reference": trained * weight_bytes,
         "trust_region_copies": trained * trust_region_copies * weight_bytes,
-        "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check),
+        "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check)
+        + head_fp32_bytes(model_config),
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
         "engine_weights": n_agents * weight_bytes if backend == "vllm" else 0,
     }
@@ -269,7 +289,9 @@ def check_run(cfg, team, log) -> None:
     est = estimate_memory(biggest.model.config, len(team), cfg.update,
                           micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
                           max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
-                          rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096)
+                          rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096,
+                          dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
+                          trust_region_copies=3 if cfg.kl_check_every else 2)  # + the in-loop inside snapshot
     available = available_bytes(cfg.device)
     log(format_table(est, available))
     if available is not None:

@@ -99,7 +99,7 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
     """The new model for an upgraded slot. A tiny spec gets its own (longer)
     warm start, standing in for a stronger pretrained model."""
-    dtype = torch.float32 if cfg.device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
     agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps

@@ -21,10 +21,15 @@ forward for the behaviour log-probabilities (rather than the sampler's) keeps
 sampler numerics out of the importance ratios, and it is what the vLLM
 backend must do too.
 
-Sampling is plain temperature (top_k disabled) with optional top_p. Note:
-with top_p < 1 the sampler draws from a truncated distribution while the
-log-probabilities are those of the untruncated tempered softmax (as in most
-RL-for-LLM libraries); the paper's setting is top_p = 1.0, where they agree.
+Sampling is the tempered softmax and nothing else: ``sampler_config`` sets
+every logits processor of ``generate`` to its neutral value, so nothing the
+checkpoint's ``generation_config`` ships (repetition_penalty, min_p,
+no_repeat_ngram_size, top_k, ...) reaches the sampler, and
+``check_sampler`` refuses to sample if a processor would still apply. top_p
+< 1 is allowed for evaluation only: a rollout that keeps behaviour
+log-probabilities refuses it, because the sampler would then draw from the
+nucleus-truncated distribution while the ratios, the weights and the KL use
+the untruncated one (the paper's setting is top_p = 1.0).
 
     python bench/rollout.py          # batched vs one-at-a-time, tokens/s
 """
@@ -41,6 +46,9 @@ from tasks import Problem
 from team import Team
 
 BACKENDS = ("hf", "vllm")
+TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus while the "
+                        "behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, tokens outside it never "
+                        "pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
 
 
 @dataclass
@@ -101,26 +109,103 @@ class TeamBatch:
 # ---------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------
-@torch.no_grad()
-def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
-    """Sample one response per context with Hugging Face ``generate``, batched.
+# Every GenerationConfig field that makes ``generate`` add a logits processor,
+# with the test for its neutral value. transformers fills each field left at
+# None from the checkpoint's generation_config, so "not set" is not neutral.
+NEUTRAL_SAMPLER_FIELDS = {
+    "top_k": lambda v: v in (None, 0), "min_p": lambda v: v is None, "typical_p": lambda v: v in (None, 1.0),
+    "epsilon_cutoff": lambda v: v in (None, 0.0), "eta_cutoff": lambda v: v in (None, 0.0), "top_h": lambda v: v is None,
+    "repetition_penalty": lambda v: v in (None, 1.0), "encoder_repetition_penalty": lambda v: v in (None, 1.0),
+    "no_repeat_ngram_size": lambda v: v in (None, 0), "encoder_no_repeat_ngram_size": lambda v: v in (None, 0),
+    "bad_words_ids": lambda v: v is None, "sequence_bias": lambda v: v is None, "min_length": lambda v: v in (None, 0),
+    "min_new_tokens": lambda v: v in (None, 0), "forced_bos_token_id": lambda v: v is None,
+    "forced_eos_token_id": lambda v: v is None, "remove_invalid_values": lambda v: v in (None, False),
+    "exponential_decay_length_penalty": lambda v: v is None, "suppress_tokens": lambda v: v is None,
+    "begin_suppress_tokens": lambda v: v is None, "guidance_scale": lambda v: v in (None, 1.0),
+    "watermarking_config": lambda v: v is None, "renormalize_logits": lambda v: v in (None, False),
+    "num_beams": lambda v: v in (None, 1), "penalty_alpha": lambda v: v is None, "dola_layers": lambda v: v is None,
+    "assistant_model": lambda v: v is None, "prompt_lookup_num_tokens": lambda v: v is None,
+}
+# The only processors plain tempered (nucleus) sampling may use.
+ALLOWED_PROCESSORS = {"TemperatureLogitsWarper", "TopPLogitsWarper"}
 
-    An explicit GenerationConfig replaces the checkpoint's own defaults
-    (Qwen3 ships top_k=20, temperature=0.6): the behaviour log-probabilities
-    assume plain tempered sampling, so nothing else may shape the distribution.
-    """
+
+def sampler_config(agent, sampling: SamplingConfig):
+    """The GenerationConfig of every HF rollout: the tempered softmax (and
+    top-p when < 1), every other processor at its neutral value, whatever the
+    checkpoint ships. Built from the global defaults, not from the
+    checkpoint's generation_config, and used as the model's generation_config
+    during ``generate`` (``_sampler``), so no field is filled from it."""
     from transformers import GenerationConfig
 
     tok = agent.tokenizer
     gen_cfg = GenerationConfig(
-        do_sample=True,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=0,
-        max_new_tokens=sampling.max_new_tokens,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
+        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, min_p=None, typical_p=1.0,
+        epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, num_beams=1,
+        remove_invalid_values=False, renormalize_logits=False, max_new_tokens=sampling.max_new_tokens,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
     )
+    return gen_cfg  # fields whose neutral value is None (min_p, bad_words_ids, ...) stay None: nothing fills them
+
+
+class _sampler:
+    """Use ``gen_cfg`` as the model's generation_config while sampling, so
+    transformers' merge of unset fields finds nothing of the checkpoint's."""
+
+    def __init__(self, model, gen_cfg):
+        self.model, self.gen_cfg = model, gen_cfg
+
+    def __enter__(self):
+        self.saved, self.model.generation_config = self.model.generation_config, self.gen_cfg
+        return self.gen_cfg
+
+    def __exit__(self, *exc):
+        self.model.generation_config = self.saved
+
+
+def check_sampler(agent, sampling: SamplingConfig) -> None:
+    """Refuse, in one line naming the field, a sampler that is not the plain
+    tempered softmax (plus top-p): every processor field at its neutral value,
+    and (where transformers exposes it) the processor list it would build
+    holds nothing but temperature and top-p."""
+    gen_cfg = sampler_config(agent, sampling)
+    merge = getattr(agent.model, "_prepare_generation_config", None)
+    if merge is not None:  # the config generate will really use: ours, merged as generate merges it
+        with _sampler(agent.model, gen_cfg):
+            try:
+                gen_cfg = merge(gen_cfg)[0]
+            except TypeError:  # the private signature changed: check our own config
+                pass
+    for name, neutral in NEUTRAL_SAMPLER_FIELDS.items():
+        value = getattr(gen_cfg, name, None)
+        if not neutral(value):
+            raise RuntimeError(f"agent '{agent.spec.name}': the sampler's {name}={value!r} would reshape the "
+                               f"distribution the behaviour log-probs assume; set it to its neutral value in rollout.sampler_config")
+    build = getattr(agent.model, "_get_logits_processor", None)
+    if build is None:
+        return
+    with _sampler(agent.model, gen_cfg):
+        from transformers import LogitsProcessorList
+
+        try:
+            procs = build(generation_config=gen_cfg, input_ids_seq_length=1, encoder_input_ids=None,
+                          prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device="cpu")
+        except TypeError:  # the private signature changed: the field check above still holds
+            return
+    extra = sorted({type(p).__name__ for p in procs} - ALLOWED_PROCESSORS)
+    if extra:
+        raise RuntimeError(f"agent '{agent.spec.name}': generate would apply {', '.join(extra)} on top of the tempered "
+                           "softmax; neutralise its field in rollout.sampler_config")
+
+
+@torch.no_grad()
+def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+    """Sample one response per context with Hugging Face ``generate``, batched,
+    from the tempered softmax only (``sampler_config``; Qwen3 ships top_k=20,
+    temperature=0.6, others repetition_penalty or min_p: none of it applies)."""
+    tok = agent.tokenizer
+    gen_cfg = sampler_config(agent, sampling)
     # Sort by length so each chunk pads little; restore the order afterwards.
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     widths = [len(contexts[i]) + sampling.max_new_tokens for i in order]
@@ -128,7 +213,8 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     for sl in chunks_by_budget(widths, sampling.token_budget):
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)
-        out = agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
+        with _sampler(agent.model, gen_cfg):
+            out = agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
         new = out[:, ids.shape[1]:].cpu()  # [n, <=max_new]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
@@ -179,6 +265,8 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     ``score=False`` skips the behaviour log-probabilities (left as zeros)."""
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1 (got {group_size})")
+    if score and sampling.top_p < 1:
+        raise ValueError(TOP_P_TRAINING_ERROR.format(top_p=sampling.top_p))
     flat = [p for p in problems for _ in range(group_size)]  # [N]
     group_ids = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     turns: list[Turn] = []

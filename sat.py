@@ -51,7 +51,8 @@ from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
                      record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
                      check_out_folder, clear_run_files, run_folder_of)
-from rollout import SamplingConfig, TeamBatch, after_rollout, default_backend, rollout, rollout_in_blocks, sync_weights
+from rollout import (TOP_P_TRAINING_ERROR, SamplingConfig, TeamBatch, after_rollout, check_sampler, default_backend, rollout,
+                     rollout_in_blocks, sync_weights)
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, parse_agents, resolve_agent_spec, warm_start
 from trust_region import (QuantileController, backtracking_line_search, certificate, dkw_upper_quantile,
@@ -62,6 +63,7 @@ ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
+DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
 
 
 # ---------------------------------------------------------------------------
@@ -97,6 +99,7 @@ class Config:
     resume: str | None = None
     overwrite: bool = False  # replace a run already in --out (otherwise refused)
     device: str | None = None  # default: cuda if available else cpu
+    dtype: str | None = None  # float32 | bfloat16 weights of every agent (default: bfloat16 on CUDA, float32 on CPU)
     backend: str | None = None  # hf | vllm (default: vllm when importable with CUDA, else hf)
     upgrade: list[str] = field(default_factory=list)  # "SLOT=MODEL", 1-based slots (plug-and-play)
     stage0_delta: float = 0.01  # Stage-0 radius delta_0 on the per-state KL quantile to the incumbent
@@ -130,6 +133,8 @@ class Config:
                 setattr(self, k, v)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.backend is None:
             self.backend = default_backend(self.device)
         return self
@@ -137,7 +142,8 @@ class Config:
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""
         choices = {"protocol": ("independent", "chain"), "order": ORDERS, "ratio": RATIOS, "adv": ADVANTAGES,
-                   "update": UPDATES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm")}
+                   "update": UPDATES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm"),
+                   "dtype": DTYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
@@ -150,6 +156,8 @@ class Config:
             raise ValueError(f"--quantile must be in (0, 1] (got {self.quantile})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_p < 1:
+            raise ValueError(TOP_P_TRAINING_ERROR.format(top_p=self.top_p))
         if self.beta < 0:
             raise ValueError(f"--beta must be >= 0 (got {self.beta})")
         if not 0 < self.eps_clip < 1:
@@ -282,7 +290,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads,
                                                                 {j: reference})[j])  # FSDP2 under torchrun
             # lines 10-11: quantile of the exact per-state KL > delta -> backtrack, raise beta
-            agent_records[j], new_logp = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
+            agent_records[j], log_rho = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
                                                        sampling, gamma, n_agents, len(batch))
             del reference
             # line 12: promote pi_j,cur <- pi_tar^j (the engine samples from the new weights from now on)
@@ -291,9 +299,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                 batch = team_rollout(team, problems, cfg.group_size, sampling, cfg)  # behaviour = pi_hat^i: no weights
                 after_rollout(team, batch, sampling)
                 cached = []
-            else:  # cache log rho on agent j's tokens for the later agents' weights
-                turn = batch.turns[j]
-                cached.append(((new_logp - turn.behaviour_logprobs) * turn.response_mask, turn.response_mask))
+            else:  # cache log rho on agent j's tokens (from the KL's forwards) for the later agents' weights
+                cached.append((log_rho, batch.turns[j].response_mask))
     # line 14: pi_cur <- the assembled team; the stage certificate (Theorem 4.4)
     record["agents"] = agent_records
     record["certificate"] = stage_certificate([a["certificate"] for a in agent_records])
@@ -323,22 +330,22 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
         interpolate_parameters(params, cur, new, frac)
 
     def measure() -> float:
-        kl, logp = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
-        measured.update(kl=kl, logp=logp)
+        kl, logp, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True)
+        measured.update(kl=kl, logp=logp, log_rho=log_rho)
         return quantile(kl, cfg.quantile) if kl.numel() else 0.0
 
     search = backtracking_line_search(apply_step, measure, cfg.delta, max_backtracks=cfg.max_backtracks)
     if not search["accepted"] and moved_inside:  # the anchor is a measured inside step: keep it
         search.update(accepted=True, kl_quantile=measure())
     elif not search["accepted"]:  # pi_cur restored: KL 0, new log-probs = behaviour
-        measured = {"kl": torch.zeros(1), "logp": turn.behaviour_logprobs.clone()}
+        measured = {"kl": torch.zeros(1), "logp": turn.behaviour_logprobs.clone(), "log_rho": torch.zeros(turn.response_mask.shape)}
     beta_used = controller.beta
     # beta reacts to the step that is kept (a rejection counts as a violation). Not to
     # the raw proposal: with --kl-check-every the proposal crosses delta by design.
     controller.update(search["kl_quantile"] if search["accepted"] else math.inf)
-    kl, new_logp = measured["kl"], measured["logp"]
+    kl = measured["kl"]
     mask = turn.response_mask
-    log_ratio_tok = (new_logp - turn.behaviour_logprobs) * mask  # [N, Lr]
+    log_ratio_tok = measured["log_rho"]  # [N, Lr] log pi_new - log pi_cur, from the forwards that measured the KL
     log_r_seq = masked_sum(log_ratio_tok, mask, dim=1).clamp(-20, 20)  # [N] sequence ratio of the accepted step
     w = inputs.log_w.exp()  # [N]
     surrogate = float((w * (log_r_seq.exp() - 1) * inputs.raw_adv).mean())  # E_new[A] - E_cur[A], reward units
@@ -356,7 +363,7 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
               "accepted": search["accepted"], "step_fraction": search["fraction"], "surrogate": surrogate,
               "zeta": zeta, "N": n_samples, "ess": float(w.sum() ** 2 / (w ** 2).sum()), "seq_kl_max": float(seq_kl.max()),
               "certificate": cert, **stats}
-    return record, new_logp
+    return record, log_ratio_tok
 
 
 # ---------------------------------------------------------------------------
@@ -369,7 +376,7 @@ def seed_everything(seed: int) -> random.Random:
 
 
 def build_team(cfg: Config, instruction: str) -> Team:
-    dtype = torch.float32 if cfg.device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, cfg.dtype)
     agents = [Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + k) for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
 
@@ -403,7 +410,7 @@ def run(cfg: Config, log=None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget, backend=cfg.backend)
-    dtype = torch.float32 if cfg.device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, cfg.dtype)
     if resume_from is not None:
         team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype)
         start = state["stage"]
@@ -432,6 +439,9 @@ def run(cfg: Config, log=None) -> list[dict]:
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
     check_run(cfg, team, log)
+    for agent in team.agents:
+        if cfg.backend == "hf":
+            check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending_upgrades = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
     if cfg.upgrade:
@@ -529,6 +539,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--resume", help="a run folder (or a checkpoints/stage_XXXX folder) to continue")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out (otherwise refused)")
     p.add_argument("--device")
+    p.add_argument("--dtype", choices=DTYPES, help="agent weights (default: bfloat16 on CUDA, float32 on CPU); "
+                   "bfloat16 trains the active agent on fp32 master weights")
     p.add_argument("--backend", choices=["hf", "vllm"])
     p.add_argument("--upgrade", action="append", help="SLOT=MODEL: replace agent SLOT (1-based) by MODEL, then continue SAT")
     p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,

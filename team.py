@@ -16,6 +16,9 @@ Agent specs (``parse_agents``):
     "tiny-6L"                a tiny model with 6 layers (stronger)
     "org/model" or a local checkpoint folder (one with config.json)
 
+Weights are float32 or bfloat16 (``--dtype``); a bf16 agent trains on fp32
+master weights (``MasterWeightAdamW``, Algorithm 1's OPTIMIZE step at lr 1e-5).
+
 A tiny agent is a real ``Qwen3ForCausalLM`` with a real (character-level)
 ``PreTrainedTokenizerFast`` and chat template: it goes through exactly the same
 code as a downloaded checkpoint, and ``save``/``Agent.load`` round-trip it.
@@ -176,6 +179,7 @@ class Agent:
         self.tokenizer = tokenizer
         self.optimizer: torch.optim.Optimizer | None = None
         self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
+        self.master_weights: list[torch.Tensor] | None = None  # fp32 master of a bf16 agent between turns (host)
         self.freeze()
 
     # -- loading / saving ---------------------------------------------------
@@ -218,12 +222,26 @@ class Agent:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def grad_parameters(self) -> list[torch.Tensor]:
+        """The tensors that hold this agent's gradients while it trains: the
+        fp32 master weights of a bf16 agent, else the model's own parameters
+        (for gradient clipping)."""
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            return self.optimizer.master
+        return list(self.model.parameters())
+
     def freeze(self, offload_optimizer: bool = False) -> None:
         """No gradients, no optimizer on the accelerator. With
         ``offload_optimizer`` the AdamW moments are kept on the host for the
         agent's next turn; otherwise they are dropped."""
         if offload_optimizer and self.optimizer is not None:
             self.saved_optimizer_state = _to_cpu(self.optimizer.state_dict())
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            self.master_weights = self.optimizer.release()  # fp32 master to the host, hooks removed
         self.model.zero_grad(set_to_none=True)  # a frozen agent holds no gradient buffers
         self.model.eval()
         self.model.requires_grad_(False)
@@ -235,11 +253,17 @@ class Agent:
         form a second group at 10x the learning rate."""
         self.model.requires_grad_(True)
         self.model.train()
-        groups = [{"params": list(self.model.parameters()), "lr": lr}]
-        if extra_params is not None:
-            groups.append({"params": list(extra_params), "lr": 10 * lr})
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        params = list(self.model.parameters())
+        extra = list(extra_params) if extra_params is not None else []
+        if params[0].dtype == torch.float32:
+            groups = [{"params": params, "lr": lr}] + ([{"params": extra, "lr": 10 * lr}] if extra else [])
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        else:  # bf16 / fp16 weights: fp32 master weights, fp32 gradients and fp32 moments
+            self.optimizer = MasterWeightAdamW(params, self.master_weights, extra, lr=lr, weight_decay=weight_decay)
+            self.master_weights = None
+        groups = self.optimizer.param_groups
         saved = self.saved_optimizer_state
+        groups = [{"lr": g["lr"]} for g in groups]
         if saved is not None and len(saved["param_groups"]) != len(groups):
             warnings.warn(f"agent '{self.spec.name}': saved AdamW state has {len(saved['param_groups'])} parameter groups, "
                           f"this update has {len(groups)} (value head added or removed); starting from fresh moments")
@@ -267,6 +291,70 @@ class Agent:
         distributions only when these agree."""
         vocab = self.tokenizer.get_vocab()
         return len(vocab), hash(tuple(sorted(vocab.items())))
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW on fp32 master weights of a low-precision (bf16) model.
+
+    Why: at the paper's lr 1e-5 an AdamW step moves a weight by about 1e-5,
+    less than half a bf16 rounding step for any |w| > 2.6e-3 (bf16 keeps 8
+    significant bits), so stepping bf16 parameters directly rounds most
+    updates away. The standard fix (mixed precision with master weights) is
+    used here in the form that keeps ONE policy function: the model keeps its
+    bf16 weights, the forward and backward run on them (so the agent being
+    trained, its frozen reference pi_j,cur and the behaviour log-probs are the
+    same bf16 computation, and log r = 0 before the first step); each bf16
+    gradient is added into an fp32 gradient on the fp32 master as soon as
+    backward produces it (micro-batches accumulate in fp32, the bf16 buffer is
+    freed); AdamW keeps fp32 moments and steps the master; the master is then
+    rounded into the bf16 weights. Training the model itself in fp32 under
+    bf16 autocast was the alternative; it was not chosen because its forward
+    (fp32 embeddings, norms and residual stream) is a different function from
+    the bf16 forward of the reference and the sampler.
+
+    Between the agent's turns the master stays on the host (``release``), so
+    updates smaller than a bf16 step keep accumulating across stages. An
+    element whose bf16 weight no longer equals round(master) (the line search
+    backtracked or rejected the step, or the weights were loaded anew) restarts
+    from its bf16 value. Per trained parameter on the accelerator: bf16 weight
+    2 B + fp32 master 4 B + fp32 gradient 4 B + fp32 m, v 8 B (memory.py)."""
+
+    def __init__(self, params: list[torch.Tensor], master: list[torch.Tensor] | None, extra: list[torch.Tensor],
+                 lr: float, weight_decay: float = 0.0):
+        self.model_params = params
+        with torch.no_grad():
+            if master is None or len(master) != len(params) or any(m.shape != p.shape for m, p in zip(master, params)):
+                master = [p.detach().float() for p in params]
+            else:  # keep the fp32 residual only where the bf16 weight is still round(master)
+                master = [torch.where(m.to(p.device, p.dtype) == p, m.to(p.device), p.float()) for m, p in zip(master, params)]
+        self.master = [m.detach().clone().requires_grad_(True) for m in master]
+        groups = [{"params": self.master, "lr": lr}] + ([{"params": extra, "lr": 10 * lr}] if extra else [])
+        super().__init__(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._to_master(m)) for p, m in zip(params, self.master)]
+
+    @staticmethod
+    def _to_master(m: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:  # bf16 grad -> fp32 grad on the master; free the bf16 buffer
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad.float())
+            p.grad = None
+        return hook
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for p, m in zip(self.model_params, self.master):
+            p.copy_(m)  # round to nearest into the bf16 weights the forward uses
+        return loss
+
+    def release(self) -> list[torch.Tensor]:
+        """Remove the gradient hooks; return the master weights on the host."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return [m.detach().to("cpu", copy=True) if m.is_cuda else m.detach() for m in self.master]
 
 
 def _to_cpu(obj):

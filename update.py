@@ -35,7 +35,7 @@ import torch
 
 import distributed
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
-from logprobs import measure_kl, response_hidden_states, token_logprobs_from_hidden
+from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
 from team import Agent, Team
 from trust_region import QuantileController, kl_penalty, quantile
@@ -195,12 +195,14 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             stats[j]["clip_tokens"], stats[j]["tokens"] = distributed.sum_ranks(
                 torch.tensor([stats[j]["clip_tokens"], stats[j]["tokens"]], dtype=torch.float64)).tolist()
             stats[j]["ratio"] = [r for part in distributed.gather_objects(stats[j]["ratio"]) for r in part]
+            stats[j]["step0_log_ratio_max"] = max(distributed.gather_objects(stats[j].get("step0_log_ratio_max", 0.0)))
         tokens = stats[j]["tokens"]
         stats[j] = {"loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
                     "ratio_mean": float(np.mean(stats[j]["ratio"])), "ratio_min": float(np.min(stats[j]["ratio"])),
                     "ratio_max": float(np.max(stats[j]["ratio"])), "grad_norm": float(np.mean(stats[j]["grad_norm"])),
                     "train_tokens_per_s": tokens / max(time.time() - start, 1e-9), "inner_steps": stats[j]["steps"],
-                    "early_stopped": stats[j]["early_stopped"], "anchor": inside.get(j)}
+                    "early_stopped": stats[j]["early_stopped"], "anchor": inside.get(j),
+                    "step0_log_ratio_max": stats[j].get("step0_log_ratio_max", 0.0)}
     return stats
 
 
@@ -230,8 +232,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
     """One optimizer step on the minibatch ``idx``, accumulated over
     micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
     turn = inp.turn
-    width = turn.context_ids.shape[1] + int(turn.response_mask[idx].sum(1).max())
-    rows = max(1, cfg.token_budget // width)
+    rows = turn_rows((turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask), cfg.token_budget)
     lo, hi = distributed.row_range(len(idx))  # under torchrun: this rank's rows of the minibatch
     world = distributed.STATE.world  # FSDP2 averages gradients over ranks; the loss is a sum over them
     opt.zero_grad(set_to_none=True)
@@ -241,7 +242,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
         loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, stats) * (len(micro) / len(idx))
         (loss * world if world > 1 else loss).backward()
         total += loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), 1.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(agent.grad_parameters(), 1.0)  # fp32 master grads of a bf16 agent
     opt.step()
     stats["loss"].append(float(distributed.sum_ranks(torch.tensor(total, dtype=torch.float64))) if world > 1 else total)
     stats["grad_norm"].append(distributed.as_float(grad_norm))
@@ -249,20 +250,21 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
 
 def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, value_head,
                       stats: dict) -> torch.Tensor:
-    """-E[w * min(r A, clip(r) A)] + beta * KL penalty (+ value loss) on rows ``idx``."""
+    """-E[w * min(r A, clip(r) A)] + beta * KL penalty (+ value loss) on rows ``idx``.
+
+    The log-probs come from ``logprobs.turn_forward``, the function (full turn
+    width, fp32 LM head) that computed the behaviour log-probs, so before the
+    first step log r = 0 up to kernel nondeterminism (exactly 0 on CPU); the
+    largest |log r| of the first step is logged as ``step0_log_ratio_max``."""
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
-    keep = rmask.sum(0) > 0
-    rmask = rmask[:, keep]  # trim padding columns shared by the micro-batch
-    ctx, cmask = turn.context_ids[idx].to(device), turn.context_mask[idx].to(device)  # [b, Lc]
-    resp = turn.response_ids[idx][:, keep.cpu()].to(device)  # [b, Lr]
-    behaviour = turn.behaviour_logprobs[idx][:, keep.cpu()].to(device)  # [b, Lr]
-    hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
-    logp = token_logprobs_from_hidden(agent.model, hidden, resp, cfg.temperature)  # [b, Lr]
+    behaviour = turn.behaviour_logprobs[idx].to(device)  # [b, Lr]
+    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
+    logp, hidden = turn_forward(agent.model, turn_like, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
     log_ratio = (logp - behaviour) * rmask  # [b, Lr]
-    adv = inp.adv[idx].to(device)
-    if adv.dim() == 2:
-        adv = adv[:, keep.cpu()]  # [b, Lr]
+    if stats["steps"] == 0:  # before any update: a health check of the one log-prob path
+        stats["step0_log_ratio_max"] = max(stats.get("step0_log_ratio_max", 0.0), float(log_ratio.detach().abs().max()))
+    adv = inp.adv[idx].to(device)  # [b] or [b, Lr]
     surr, clipped, ratio = clipped_surrogate(log_ratio, rmask, adv, cfg.ratio, cfg.eps_clip)
     weights = inp.log_w[idx].to(device).exp()  # [b] truncated importance weights, <= 1
     policy_loss = -(weights * surr).mean()
@@ -270,7 +272,7 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     loss = policy_loss + beta * kl
     if value_head is not None:  # token-level value regression toward the GAE returns
         values = value_head(hidden.float()).squeeze(-1)  # [b, Lr]
-        loss = loss + 0.5 * masked_mean((values - inp.returns[idx][:, keep.cpu()].to(device)) ** 2, rmask)
+        loss = loss + 0.5 * masked_mean((values - inp.returns[idx].to(device)) ** 2, rmask)
     stats["clip_tokens"] += float(clipped.sum())
     stats["tokens"] += float(rmask.sum())
     stats["ratio"].append(ratio[rmask > 0].detach().float().mean().item() if ratio.dim() == 2 else ratio.detach().float().mean().item())

@@ -67,14 +67,19 @@ def estimate(**kw):
 
 def test_joint_costs_n_agents_times_the_optimizer_and_reference():
     seq, joint = estimate(update="sequential"), estimate(update="joint")
-    for phase in ("grads_optimizer", "reference", "trust_region_copies"):
+    for phase in ("master_weights", "reference", "trust_region_copies"):
         assert joint[phase] == 3 * seq[phase] > 0
+    assert joint["grads_optimizer"] > 2.9 * seq["grads_optimizer"]  # + one transient bf16 gradient, not per agent
     for phase in ("weights", "activations", "kv_cache", "engine_weights"):
         assert joint[phase] == seq[phase]
     assert joint["peak_training"] > seq["peak_training"] and joint["peak_rollout"] == seq["peak_rollout"]
     params = memory.count_parameters(memory.QWEN3_DIMS["qwen3-4b"])
     assert seq["weights"] == 3 * params * 2
-    assert seq["grads_optimizer"] == params * (2 + 8)  # bf16 grads + fp32 m, v
+    embedding = 151936 * 2560
+    assert seq["master_weights"] == params * 4  # fp32 master of the one agent in training
+    assert seq["grads_optimizer"] == params * (4 + 8) + embedding * 2  # fp32 grads + fp32 m, v + one bf16 grad
+    fp32 = estimate(dtype_bytes=4)
+    assert fp32["master_weights"] == 0 and fp32["grads_optimizer"] == params * (4 + 8)  # fp32 weights are the master
 
 
 def test_estimate_is_monotone_and_backend_aware():

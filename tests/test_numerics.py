@@ -1,0 +1,213 @@
+"""Paper-scale numerics on CPU: bf16 agents with fp32 master weights, the
+sampler that is the tempered softmax and nothing else, top-p refused for
+training, and the one log-prob path (ratio exactly 1 before the first step,
+log rho exactly 0 for an agent that did not move)."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import sat
+import update
+from logprobs import batched_response_logprobs, left_pad, measure_kl, right_pad
+from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+from trust_region import QuantileController
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |x| (8 significant bits)."""
+    exp = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -126)))
+    return 2.0 ** (exp - 7)
+
+
+def synthetic_turn(agent: Agent, n: int = 32, seed: int = 0, max_ctx: int = 8, max_resp: int = 6, budget: int = 1 << 14) -> Turn:
+    """n random contexts and responses of the tiny vocabulary, behaviour log-probs from the agent itself."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = [torch.randint(6, 100, (int(torch.randint(3, max_ctx, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    resp = [torch.randint(6, 100, (int(torch.randint(1, max_resp, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    c, cm = left_pad(ctx, agent.tokenizer.pad_token_id)
+    r, rm = right_pad(resp, agent.tokenizer.pad_token_id)
+    logp = batched_response_logprobs(agent.model, (c, cm, r, rm), 1.0, budget)
+    return Turn(0, c, cm, r, rm, logp, [""] * n, [None] * n, torch.zeros(n, dtype=torch.bool))
+
+
+def train_cfg(**kw):
+    cfg = dict(lr=1e-5, epochs=16, minibatch_size=32, token_budget=1 << 14, ratio="seq-mean", eps_clip=0.2,
+               kl_estimator="k3_new", adv="grpo", temperature=1.0, kl_check_every=0, gradient_checkpointing=False,
+               keep_optimizer_state=False, delta=1.0, quantile=0.99)
+    cfg.update(kw)
+    return SimpleNamespace(**cfg)
+
+
+def sixteen_steps(agent: Agent, cfg) -> dict:
+    """16 AdamW steps at lr 1e-5 through update.train_agents (the run's own update)."""
+    turn = synthetic_turn(agent)
+    adv = torch.tensor([1.0, -1.0] * 16)  # [32] fixed advantages: a consistent gradient
+    zeros = torch.zeros(32)
+    inputs = update.UpdateInputs(turn, adv, adv, zeros, zeros)
+    team = Team([agent])
+    controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
+    return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)})[0]
+
+
+# -- 1. bf16 weights with an fp32 master copy --------------------------------------------
+def test_bf16_agent_learns_at_lr_1e5_like_the_fp32_reference():
+    """Fails on a bare-bf16 AdamW (about 15% of the weights move, by one
+    rounding step); with fp32 master weights nearly all move, and the bf16
+    result is the fp32 reference update up to bf16 resolution."""
+    low = Agent.load("tiny", dtype=torch.bfloat16, seed=3)
+    ref = Agent(low.spec, copy.deepcopy(low.model).float(), low.tokenizer)  # same start, exactly, in fp32
+    before = [p.detach().clone() for p in low.model.parameters()]
+    start = [p.detach().clone() for p in ref.model.parameters()]
+    stats = sixteen_steps(low, train_cfg())
+    sixteen_steps(ref, train_cfg())
+    assert stats["inner_steps"] == 16
+    after = list(low.model.parameters())
+    moved = sum(int((a != b).sum()) for a, b in zip(after, before)) / sum(p.numel() for p in before)
+    assert moved >= 0.9, f"only {moved:.1%} of the bf16 weights moved"
+    ref_after = list(ref.model.parameters())
+    master = low.master_weights  # fp32, kept on the host between the agent's turns
+    assert master is not None and all(m.dtype == torch.float32 for m in master)
+    # the bf16 weights are the fp32 master rounded to nearest: the only loss is bf16 resolution
+    assert all(torch.equal(a, m.to(torch.bfloat16)) for a, m in zip(after, master))
+    # and they sit within one bf16 ulp of the fp32 reference run, up to the drift that bf16
+    # gradients cause (Adam turns a small gradient's sign into a full lr step): 4 lr
+    close = torch.cat([((a.float() - r).abs() <= bf16_ulp(r) + 4e-5).flatten() for a, r in zip(after, ref_after)])
+    assert close.float().mean() >= 0.99
+    # the unrounded step of the master is the reference step (the same update, not a rounded-away one)
+    step_m = torch.cat([(m - s).flatten() for m, s in zip(master, start)])
+    step_r = torch.cat([(r.detach() - s).flatten() for r, s in zip(ref_after, start)])
+    assert torch.cosine_similarity(step_m, step_r, dim=0) > 0.99
+    assert (step_m - step_r).abs().median() <= 0.5e-5
+    assert step_r.abs().max() > 15e-5  # the reference did take 16 steps of about lr
+
+
+def test_master_weights_persist_between_turns_and_restart_where_the_weights_changed():
+    agent = Agent.load("tiny", dtype=torch.bfloat16, seed=1)
+    sixteen_steps(agent, train_cfg(epochs=2))
+    master = [m.clone() for m in agent.master_weights]
+    residual = sum(int((m != m.to(torch.bfloat16).float()).sum()) for m in master)
+    assert residual > 0  # sub-ulp progress that bf16 alone would have lost
+    with torch.no_grad():  # e.g. the line search kept half the step: this tensor's bf16 values changed
+        first = next(agent.model.parameters())
+        first.add_(bf16_ulp(first.float()).to(first.dtype) * 4)
+    opt = agent.start_training(1e-5)
+    assert torch.equal(opt.master[0], first.float())  # changed weights restart from their bf16 value
+    assert all(torch.equal(m, s) for m, s in zip(opt.master[1:], master[1:]))  # the others keep their fp32 residual
+    agent.freeze()
+    assert agent.optimizer is None and all(p.grad is None for p in agent.model.parameters())
+
+
+# -- 2. the sampler is the tempered softmax, whatever the checkpoint ships ------------------
+def test_sampler_ignores_the_checkpoints_generation_config():
+    """repetition_penalty 1.3, min_p 0.2 and no_repeat_ngram_size 2 in the
+    checkpoint: first-token frequencies still match the teacher-forced
+    tempered softmax (chi-square), and the start-up check passes."""
+    torch.manual_seed(0)
+    agent = Agent.load("tiny", seed=5)
+    with torch.no_grad():
+        agent.model.model.norm.weight.mul_(4.0)  # top token 0.32 (a context token): min_p 0.2 would cut 46% of the mass
+    gc = agent.model.generation_config
+    gc.repetition_penalty, gc.min_p, gc.no_repeat_ngram_size = 1.3, 0.2, 2
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=1, token_budget=1 << 16)
+    check_sampler(agent, sampling)  # would name the field if a processor still applied
+    ctx = [10, 11, 12, 10, 13, 14, 15, 10]  # repeated tokens: repetition penalty and no-repeat-ngram would act
+    with torch.no_grad():
+        probs = torch.softmax(agent.model(torch.tensor([ctx])).logits[0, -1].double() / 0.7, -1)  # [V]
+    n = 20000
+    pad = agent.tokenizer.pad_token_id  # a sampled pad is stripped from the response: count it back
+    first = torch.tensor([r[0] if r else pad for r in generate_hf(agent, [ctx] * n, sampling)])
+    counts = torch.bincount(first, minlength=len(probs)).double()  # [V]
+    big = probs * n >= 5  # Pearson's chi-square on the cells with expected count >= 5, the rest pooled
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([probs[big] * n, (probs[~big] * n).sum()[None]])
+    assert float(1 - probs[big].sum()) < 0.5 and int(big.sum()) >= 5  # the test has power: many cells
+    p_value = chisquare(obs.numpy(), exp.numpy()).pvalue
+    tv = 0.5 * float((counts / n - probs).abs().sum())
+    assert p_value > 1e-4 and tv < 0.03, (p_value, tv)
+    assert gc.repetition_penalty == 1.3  # the checkpoint's own config is left as it was
+
+
+def test_check_sampler_names_the_offending_field(monkeypatch):
+    import rollout as rollout_mod
+
+    agent = Agent.load("tiny")
+    real = rollout_mod.sampler_config
+
+    def leaky(a, s):
+        cfg = real(a, s)
+        cfg.repetition_penalty = 1.05
+        return cfg
+
+    monkeypatch.setattr(rollout_mod, "sampler_config", leaky)
+    with pytest.raises(RuntimeError, match="repetition_penalty=1.05") as err:
+        check_sampler(agent, SamplingConfig(temperature=1.0))
+    assert "\n" not in str(err.value)
+
+
+# -- 3. top_p < 1 is for evaluation only ------------------------------------------------------
+def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
+    team = Team([Agent.load("tiny")], TeamConfig())
+    problems = arithmetic_problems(2, seed=0)
+    nucleus = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=3)
+    with pytest.raises(ValueError, match="--top-p 0.9 < 1 cannot be used for training") as err:
+        rollout(team, problems, 2, nucleus)  # keeps behaviour log-probs: refused
+    assert "\n" not in str(err.value) and "--top-p 1" in str(err.value)
+    assert len(rollout(team, problems, 2, nucleus, score=False)) == 4  # evaluation: fine
+    with pytest.raises(ValueError, match="cannot be used for training"):
+        sat.Config(top_p=0.9, device="cpu").apply_preset().validate()
+    assert sat.main(["--top-p", "0.9", "--out", str(tmp_path / "r")]) == 2
+
+
+def test_dtype_option_defaults_and_errors():
+    assert sat.Config(device="cpu").apply_preset().dtype == "float32"
+    assert sat.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype 'float16' is not one of"):
+        sat.Config(device="cpu", dtype="float16").apply_preset().validate()
+    with pytest.raises(SystemExit):
+        sat.parse_args(["--dtype", "float16"])
+
+
+# -- 4. one log-prob path in bf16 ----------------------------------------------------------------
+def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_zero(tmp_path):
+    torch.manual_seed(0)
+    team = Team([Agent.load("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], TeamConfig())
+    cfg = sat.Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
+                     token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    problems = arithmetic_problems(12, seed=1)
+    # an agent that did not move: exact KL 0 and log rho 0 at every token, new log-probs = behaviour, bit for bit
+    batch = rollout(team, problems, cfg.group_size, sampling)
+    for j, agent in enumerate(team.agents):
+        kl, new_logp, log_rho = measure_kl(agent, copy.deepcopy(agent.model), batch.turns[j], cfg.temperature,
+                                           cfg.token_budget, return_log_rho=True)
+        assert kl.numel() == batch.turns[j].num_tokens and torch.equal(kl, torch.zeros_like(kl))
+        assert torch.equal(log_rho, torch.zeros_like(log_rho))
+        assert torch.equal(new_logp, batch.turns[j].behaviour_logprobs)
+    # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
+    # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+    import random
+
+    record = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(0))
+    for rec in record["agents"]:
+        assert rec["step0_log_ratio_max"] < 1e-3
+    assert all(a.dtype == torch.bfloat16 for a in team.agents)
+
+
+def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
+    """Contexts of 3-19 and responses of 1-11 tokens; behaviour in chunks of
+    8 rows, training in shuffled micro-batches of 16: the old per-chunk
+    trimming gave max |log r| = 4e-3 here; one layout gives < 1e-3 (0 on CPU)."""
+    agent = Agent.load("tiny", dtype=torch.bfloat16, seed=0)
+    turn = synthetic_turn(agent, n=48, max_ctx=20, max_resp=12, budget=256)
+    adv = torch.tensor([1.0, -1.0] * 24)
+    zeros = torch.zeros(48)
+    cfg = train_cfg(epochs=1, minibatch_size=16, lr=1e-3)
+    stats = update.train_agents(Team([agent]), [0], {0: update.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
+                                {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}, {}, {0: copy.deepcopy(agent.model)})[0]
+    assert stats["inner_steps"] == 3 and stats["step0_log_ratio_max"] < 1e-3
