@@ -519,16 +519,27 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         check_context(team, benches, cfg.max_new_tokens)
         log(f"team: {', '.join(identity['agents'])} | protocol {identity['protocol']} | thinking "
             f"{'on' if identity['enable_thinking'] else 'off'} | {device}/{backend} | {pending} of {total} samples to generate")
-        with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True) as pbar:
-            for bench, prob_idx, samples, chunk, missing in todo:
-                problems = [benches[bench][i] for i in prob_idx]
-                seed_all(chunk_seed(cfg.seed, bench, prob_idx[0], chunk))
-                batch = rollout(team, problems, len(samples), sampling, score=False)
-                # a half-written chunk is regenerated whole (same seed, same samples); only its missing rows are added
-                rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol) if row_key(r) not in written]
-                append_rows(pred_path, rows)
-                written.update(row_key(r) for r in rows)
-                pbar.update(missing)
+        if backend == "vllm":
+            import rollout_vllm
+
+            rollout_vllm.configure(n_engines=len(team), seed=cfg.seed)  # one engine per agent, sized for the team
+        try:
+            with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True) as pbar:
+                for bench, prob_idx, samples, chunk, missing in todo:
+                    problems = [benches[bench][i] for i in prob_idx]
+                    seed_all(chunk_seed(cfg.seed, bench, prob_idx[0], chunk))
+                    batch = rollout(team, problems, len(samples), sampling, score=False)
+                    # a half-written chunk is regenerated whole (same seed, same samples); only its missing rows are added
+                    rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol)
+                            if row_key(r) not in written]
+                    append_rows(pred_path, rows)
+                    written.update(row_key(r) for r in rows)
+                    pbar.update(missing)
+        finally:
+            if backend == "vllm":
+                import rollout_vllm
+
+                rollout_vllm.shutdown()
     per_bench = summarize(read_predictions(pred_path), benches, cfg.k)
     summary = {"setting": {**identity, "k": cfg.k, "limit": cfg.limit, "batch_problems": cfg.batch_problems,
                            "sample_chunk": cfg.sample_chunk or cfg.k},

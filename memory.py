@@ -109,6 +109,16 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * dtype_bytes
 
 
+def cpu_kv_cache_bytes(config, dtype_bytes: int, max_model_len: int, sequences: int = 16,
+                       floor: int = 64 << 20, cap: int = 4 << 30) -> int:
+    """A CPU vLLM engine's KV cache (``kv_cache_memory_bytes``): room for
+    ``sequences`` sequences of ``max_model_len`` tokens (vLLM needs at least
+    one), within [floor, cap]. Tiny agents (4 layers, 2 KV heads of 32, fp32,
+    2,048 positions): 64 MiB."""
+    want = kv_bytes_per_token(config, dtype_bytes) * int(max_model_len) * int(sequences)
+    return int(min(max(want, floor), cap))
+
+
 def activation_bytes_per_token(config, dtype_bytes: int = 2, gradient_checkpointing: bool = True) -> int:
     """Saved-for-backward bytes of the decoder stack for one token.
 
@@ -281,8 +291,13 @@ QWEN3_DIMS = {
 def check_run(cfg, team, log) -> None:
     """For a run (``sat.Config`` and its team) on CUDA: print what each phase
     needs against what the GPU has, refuse with a clear message if it cannot
-    fit, and size the vLLM engines from what training leaves."""
+    fit, and size the vLLM engines from what training leaves. On CPU only the
+    vLLM engines are configured (their KV cache is sized per engine)."""
     if not cfg.device.startswith("cuda"):
+        if cfg.backend == "vllm":
+            import rollout_vllm
+
+            rollout_vllm.configure(n_engines=len(team), seed=cfg.seed, health_logprobs=True)
         return
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response

@@ -234,7 +234,7 @@ def default_backend(device: str) -> str:
 
 def generate(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
     if sampling.backend == "vllm":
-        import rollout_vllm  # lazy: an optional GPU extra
+        import rollout_vllm  # lazy: an optional extra (CUDA or CPU vLLM)
 
         return rollout_vllm.generate_vllm(agent, contexts, sampling)
     return generate_hf(agent, contexts, sampling)

@@ -1,4 +1,4 @@
-"""vLLM rollout backend: one sleeping engine per agent, weights pushed from memory.
+"""vLLM rollout backend: one engine per agent, weights pushed from memory, on CUDA or CPU.
 
 Paper, Section 3 / Algorithm 1 ("collect rollouts under pi_cur"; after each
 promotion the promoted agent samples from its new weights): the same joint
@@ -11,35 +11,36 @@ are then computed by the training model (``rollout.agent_turn``), so vLLM's
 numerics never enter the importance ratios; ``logprob_health`` measures how far
 vLLM's own log-probabilities are from them, as a health metric to log.
 
-Design (one GPU, colocated training and rollout):
+One code path for both devices; what differs is decided once per engine from
+vLLM's platform (``engine_kwargs``, ``vllm_weights.payload_for``):
 
-- One engine per distinct agent (keyed by the Agent object), created lazily,
-  one after another, each with an explicit ``gpu_memory_utilization`` from
-  ``engine_memory_fractions``: the memory left after what training keeps
-  resident during rollouts is split among the engines.
-- Each engine runs in its own process (vLLM's default). That matters: vLLM's
-  sleep-mode allocator is one per process, so engines sharing a process would
-  sleep and wake together.
-- Sleep mode around training: ``sleep_all()`` before an agent's update
-  (level 1: weights backed up to CPU, KV cache freed), ``wake_for_rollout(agent)``
-  before generating (done by ``generate_vllm`` itself).
-- Weights move from memory, never from disk. An engine is created from the
-  agent's checkpoint (its architecture; a tiny in-memory agent is written to
-  a temporary folder first) and then immediately receives the agent's
-  in-memory weights. After a promotion, ``sync_weights(agent)`` pushes the new
-  weights (wake the weights, load them, wake the KV cache, reset the prefix
-  cache); if the engine is asleep the push happens at its next wake. A level-1
-  sleep backs up whatever the engine holds, i.e. the last pushed weights, so a
-  wake never brings the disk weights back.
+- One engine per distinct agent (keyed by the Agent object), created lazily.
+  Each runs in its own processes (vLLM's default; on CPU vLLM requires it).
+  Start-up spawns them, so a script that drives engines must guard its entry
+  point (``if __name__ == "__main__":``), as ``sat.py`` and ``eval_aime.py`` do.
+- Memory: on CUDA each engine gets an explicit ``gpu_memory_utilization``
+  from ``engine_memory_fractions`` (what training leaves, split among the
+  engines). On CPU that argument would be the fraction of *host* memory to
+  reserve (vLLM refuses its default 0.92 when other processes hold memory),
+  so the KV cache is sized in bytes instead (``memory.cpu_kv_cache_bytes``;
+  ``VLLM_CPU_KVCACHE_SPACE``, in GiB, still overrides it), and the engine
+  runs eagerly (no torch.compile at start-up).
+- Sleep mode around training, where the platform has it (CUDA): ``sleep_all()``
+  before an agent's update (level 1: weights backed up to CPU, KV cache
+  freed), ``wake_for_rollout(agent)`` before generating. vLLM refuses
+  ``enable_sleep_mode`` on CPU: there every engine stays resident and
+  ``sleep_all()`` is a no-op (said once in the log).
+- Weights move from memory, never from disk (``vllm_weights``). An engine is
+  created from the agent's checkpoint (its architecture; a tiny in-memory
+  agent is written to a temporary folder first) and then immediately receives
+  the agent's in-memory weights. After a promotion, ``sync_weights(agent)``
+  pushes the new weights (and resets the prefix cache: cached prompt KV was
+  computed by the old weights); if the engine is asleep the push happens at
+  its next wake, so no KV cache is allocated while another agent trains.
 - Versions: every agent has a weight version that moves whenever its weights'
-  fingerprint (per-parameter float64 sums) changes; every engine records the
-  version it holds; ``generate_vllm`` asserts they agree before sampling.
-- Transport: CUDA IPC handles of the training parameters (no copy), pickled
-  by us into one bytes object, go to the engine's worker through
-  ``collective_rpc`` and a small worker extension (``WeightSyncExtension``)
-  that calls the model's ``load_weights``. Bytes pass vLLM's own message
-  encoding as they are, so no insecure-serialization switch is needed. With
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engine) tensors are passed directly.
+  fingerprint changes; every engine records the version it holds; every
+  generate call checks they agree and refuses to sample from stale weights
+  (an agent changed without ``sync_weights``).
 
 vLLM is an optional extra: it is imported only inside the functions that
 drive an engine, so ``import rollout_vllm`` and every pure helper here work
@@ -48,9 +49,9 @@ without it (and are tested without it).
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
-import pickle
 import tempfile
 import weakref
 from dataclasses import dataclass, field
@@ -59,18 +60,18 @@ from pathlib import Path
 import torch
 
 from logprobs import cut_at_eos
+from memory import cpu_kv_cache_bytes
+from vllm_weights import (EXTENSION_CLS, VersionBook, check_in_sync, payload_for, weights_fingerprint,
+                          weights_for_vllm)
 
 WAKE_TAGS = ("weights", "kv_cache")
-EXTENSION_CLS = "rollout_vllm.WeightSyncExtension"  # imported by name inside each engine process
 SEED_MODULUS = 2 ** 31 - 1
-# Wrappers that prefix parameter names without changing the model
-# (torch.compile, DistributedDataParallel, FSDP1).
-WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
-# Memory fractions
+# Memory fractions (CUDA)
 # ---------------------------------------------------------------------------
 def engine_memory_fractions(n_engines: int, train_fraction: float, reserve: float = 0.05,
                             min_fraction: float = 0.02) -> list[float]:
@@ -105,7 +106,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, seed: int, max_model_len: int,
-                  logprobs: bool = False) -> dict:
+                  logprobs: bool = False, device: str = "cuda", sleep_mode: bool = True,
+                  kv_cache_bytes: int | None = None) -> dict:
     """Arguments of ``vllm.LLM`` for one agent's engine.
 
     - skip_tokenizer_init: prompts arrive as token ids and responses leave as
@@ -113,25 +115,33 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
     - generation_config="vllm": ignore the checkpoint's sampling defaults
       (Qwen3 ships top_k=20 and extra eos ids); the behaviour log-probabilities
       assume plain tempered sampling with the tokenizer's one eos.
-    - enable_sleep_mode: free the GPU for training between rollouts.
+    - CUDA: ``gpu_memory_utilization`` and sleep mode (free the GPU for
+      training between rollouts). CPU: a KV cache of ``kv_cache_bytes``, no
+      sleep mode (vLLM refuses it there), eager execution.
     - processed log-probabilities (after temperature) when the health metric is on,
       so they are comparable with the training model's tempered log-probabilities.
     """
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1] (got {memory_fraction})")
     kwargs = dict(
         model=str(model_path),
         skip_tokenizer_init=True,
         dtype=dtype_name(dtype),
         seed=int(seed),
-        gpu_memory_utilization=float(memory_fraction),
-        enable_sleep_mode=True,
         enable_prefix_caching=True,
         max_model_len=int(max_model_len),
         generation_config="vllm",
         tensor_parallel_size=1,
         worker_extension_cls=EXTENSION_CLS,
     )
+    if device == "cpu":
+        if not kv_cache_bytes or kv_cache_bytes <= 0:
+            raise ValueError(f"a CPU engine needs a KV cache size in bytes (got kv_cache_bytes={kv_cache_bytes})")
+        kwargs.update(kv_cache_memory_bytes=int(kv_cache_bytes), enforce_eager=True)
+    else:
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1] (got {memory_fraction})")
+        kwargs["gpu_memory_utilization"] = float(memory_fraction)
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
     if logprobs:
         kwargs["logprobs_mode"] = "processed_logprobs"
     return kwargs
@@ -257,165 +267,59 @@ def logprob_health(vllm_logprobs: list[list[float]], hf_logprobs: torch.Tensor, 
     return float((v - hf).abs()[valid].mean())
 
 
-# ---------------------------------------------------------------------------
-# Weights (pure): names, tensors, fingerprints, versions
-# ---------------------------------------------------------------------------
-def vllm_weight_name(name: str, tie_word_embeddings: bool) -> str | None:
-    """The checkpoint name vLLM's ``load_weights`` expects for one HF
-    parameter name, or None for what must not be sent.
-
-    vLLM's model classes load *checkpoint* names (``model.layers.0.self_attn.q_proj.weight``)
-    and fuse q/k/v and gate/up themselves, so the HF names pass through;
-    wrapper prefixes are stripped, RoPE buffers are dropped (vLLM computes
-    its own), and with tied embeddings ``lm_head`` is dropped (it is the
-    embedding matrix; the checkpoint has no such tensor)."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    if "rotary_emb." in name:
-        return None
-    if tie_word_embeddings and name.startswith("lm_head."):
-        return None
-    return name
 
 
-def weights_for_vllm(model) -> list[tuple[str, torch.Tensor]]:
-    """(vLLM name, tensor) for every parameter to push; the tensors are the
-    training parameters themselves (detached, no copy)."""
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    out = []
-    for name, p in model.named_parameters():
-        target = vllm_weight_name(name, tied)
-        if target is not None:
-            out.append((target, p.detach()))
-    return out
-
-
-@torch.no_grad()
-def weights_fingerprint(model) -> tuple[float, ...]:
-    """Per-parameter float64 sums: any optimizer step or line-search
-    interpolation changes them, a bit-exact restore gives them back. One
-    read of the weights (milliseconds on a GPU), one host sync."""
-    sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
-    return tuple(torch.stack(sums).tolist()) if sums else ()
-
-
-class VersionBook:
-    """Weight versions per key (agent): 0 at the first observation, +1 each
-    time an observed fingerprint differs from the previous one."""
-
-    def __init__(self):
-        self._seen: dict = {}  # key -> (version, fingerprint)
-
-    def observe(self, key, fingerprint) -> int:
-        version, seen = self._seen.get(key, (-1, None))
-        if seen is None or fingerprint != seen:
-            version += 1
-        self._seen[key] = (version, fingerprint)
-        return version
-
-    def version(self, key) -> int | None:
-        return self._seen[key][0] if key in self._seen else None
-
-
-def check_in_sync(engine_version: int, agent_version: int, name: str) -> None:
-    """The invariant checked before every generate call."""
-    if engine_version != agent_version:
-        raise RuntimeError(
-            f"agent {name}: its vLLM engine holds weight version {engine_version} but the agent is at version "
-            f"{agent_version}; call rollout_vllm.sync_weights(agent) after promoting it"
-        )
+def scored_logprobs(prompt_logprobs, prompt_ids, start: int) -> list[float]:
+    """The log-probabilities vLLM assigned to ``prompt_ids[start:]`` as part
+    of a prompt (``RequestOutput.prompt_logprobs``: None for the first token,
+    then one map token id -> Logprob per position)."""
+    values = []
+    for pos in range(start, len(prompt_ids)):
+        entry = prompt_logprobs[pos][int(prompt_ids[pos])]
+        values.append(float(getattr(entry, "logprob", entry)))
+    return values
 
 
 # ---------------------------------------------------------------------------
 # Sleep / wake / push plans (pure): which engine calls, in which order
 # ---------------------------------------------------------------------------
-def plan_wake(awake: set[str], stale: bool) -> list[str]:
-    """Make an engine ready to sample the agent's current weights.
-    Stale weights are loaded between waking the weights and waking the KV
-    cache (never with a KV cache allocated for nothing), and the prefix cache
-    is reset whenever the weights changed or the KV cache was freed."""
+def plan_wake(awake: set[str], load: bool) -> list[str]:
+    """Make an engine ready to sample. ``load``: push the agent's weights
+    (a new engine, or a push deferred while it slept). They are loaded
+    between waking the weights and waking the KV cache (never with a KV cache
+    allocated for nothing), and the prefix cache is reset whenever the
+    weights changed or the KV cache was freed."""
     actions = []
     if "weights" not in awake:
         actions.append("wake:weights")
-    if stale:
+    if load:
         actions.append("load")
     if "kv_cache" not in awake:
         actions.append("wake:kv_cache")
-    if stale or "kv_cache" not in awake:
+    if load or "kv_cache" not in awake:
         actions.append("reset_prefix_cache")
     return actions
 
 
 def plan_sync(awake: set[str], stale: bool) -> list[str]:
-    """After a promotion: push now if the engine's weights are on the GPU;
-    if the engine sleeps (training time) the push waits for its next wake,
-    so no KV cache is allocated while another agent trains."""
-    if not stale or "weights" not in awake:
+    """After a promotion: push now if the engine's weights are resident;
+    if the engine sleeps (training time) the push is deferred to its next
+    wake (``plan_wake(load=True)``), so no KV cache is allocated while
+    another agent trains."""
+    if not stale:
         return []
+    if "weights" not in awake:
+        return ["defer"]
     return ["load", "reset_prefix_cache"] if "kv_cache" in awake else ["load"]
 
 
-def plan_sleep(awake: set[str]) -> list[str]:
-    """Level-1 sleep. A half-awake engine is first woken fully: vLLM ignores
-    sleep() while any of its memory is still asleep."""
-    if not awake:
+def plan_sleep(awake: set[str], sleep_mode: bool = True) -> list[str]:
+    """Level-1 sleep; nothing where the platform has no sleep mode (CPU).
+    A half-awake engine is first woken fully: vLLM ignores sleep() while its
+    weights are still asleep."""
+    if not awake or not sleep_mode:
         return []
     return [f"wake:{tag}" for tag in WAKE_TAGS if tag not in awake] + ["sleep"]
-
-
-# ---------------------------------------------------------------------------
-# Worker side: runs inside each engine process (no vLLM import needed)
-# ---------------------------------------------------------------------------
-def _materialize(obj):
-    """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args)."""
-    if isinstance(obj, torch.Tensor):
-        return obj
-    rebuild, args = obj
-    return rebuild(*args)
-
-
-def _unpack(payload) -> list:
-    """(name, tensor-or-handle) pairs: as sent in-process, or from the bytes of ``ipc_payload``
-    (written by our own training process, hence safe to unpickle)."""
-    return pickle.loads(payload) if isinstance(payload, (bytes, bytearray)) else list(payload)
-
-
-def _engine_model(worker):
-    """The worker's nn.Module, unwrapped from a CUDA-graph wrapper if any."""
-    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
-    unwrap = getattr(model, "unwrap", None)
-    return unwrap() if callable(unwrap) else model
-
-
-class WeightSyncExtension:
-    """Mixed into vLLM's GPU worker via ``worker_extension_cls``; its methods
-    are called by name with ``LLM.collective_rpc``."""
-
-    def sat_load_weights(self, payload) -> list[str] | None:
-        """Load (name, tensor-or-IPC-handle) pairs into the engine's model.
-        Returns the engine parameters that were NOT loaded (must be empty),
-        or None when this vLLM's load_weights does not report what it loaded."""
-        weights = [(name, _materialize(obj)) for name, obj in _unpack(payload)]
-        model = _engine_model(self)
-        loaded = model.load_weights(weights=weights)
-        torch.cuda.synchronize()  # the trainer may overwrite the shared memory right after we return
-        del weights
-        if loaded is None:
-            return None
-        return sorted(set(name for name, _ in model.named_parameters()) - set(loaded))
-
-
-def ipc_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
-    """CUDA IPC handles for the engine process, pickled into one bytes
-    object: the engine maps the training parameters' memory instead of
-    receiving a copy."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return pickle.dumps([(name, reduce_tensor(t)) for name, t in named_tensors])
 
 
 def engine_in_process() -> bool:
@@ -433,16 +337,29 @@ class Engine:
     agent_ref: weakref.ref
     max_model_len: int
     version: int = -1  # -1: weights from disk, never pushed: always stale
+    pending: bool = False  # a push was requested while the engine slept
     awake: set = field(default_factory=lambda: set(WAKE_TAGS))  # a new engine is awake
 
 
 def _prepare_environment() -> None:
-    """Before the first engine starts: let the engine processes import this
-    module (the worker extension) whatever their working directory."""
+    """Before the first engine starts: let the engine processes import the
+    worker extension whatever their working directory; keep vLLM's
+    processes talking over loopback (one node); quiet vLLM's info logs
+    unless the user asked for them."""
     here = str(Path(__file__).resolve().parent)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def engine_platform() -> tuple[str, bool]:
+    """(device type, sleep mode available) of the installed vLLM's platform."""
+    from vllm.platforms import current_platform  # optional extra
+
+    device = "cpu" if current_platform.is_cpu() else str(getattr(current_platform, "device_type", "cuda"))
+    return device, bool(current_platform.is_sleep_mode_available())
 
 
 def engine_source(agent, tmp_root: str) -> str:
@@ -467,16 +384,20 @@ class EngineRegistry:
     """The engines of one run, keyed by agent object."""
 
     def __init__(self, n_engines: int = 3, train_fraction: float = 0.5, reserve: float = 0.05, seed: int = 0,
-                 max_model_len: int | None = None, health_logprobs: bool = False, **engine_overrides):
+                 max_model_len: int | None = None, health_logprobs: bool = False, kv_cache_bytes: int | None = None,
+                 **engine_overrides):
         self.fraction = engine_memory_fractions(n_engines, train_fraction, reserve)[0]
         self.n_engines = n_engines
         self.seed = seed
         self.max_model_len = max_model_len
         self.health_logprobs = health_logprobs
+        self.kv_cache_bytes = kv_cache_bytes  # CPU engines; None: cpu_kv_cache_bytes
         self.engine_overrides = engine_overrides
         self.engines: dict[int, Engine] = {}
         self.book = VersionBook()
         self.last_logprobs: dict[int, list[list[float]]] = {}
+        self.device: str | None = None
+        self.sleep_mode = True
         self._tmp = tempfile.TemporaryDirectory(prefix="sat_vllm_")
 
     # -- engines ----------------------------------------------------------------
@@ -496,12 +417,18 @@ class EngineRegistry:
 
     def _create(self, agent) -> Engine:
         _prepare_environment()
-        from vllm import LLM  # optional GPU extra
+        from vllm import LLM  # optional extra
 
+        if self.device is None:
+            self.device, self.sleep_mode = engine_platform()
+            if not self.sleep_mode:
+                log.warning("vLLM has no sleep mode on %s: engines stay resident and sleep_all() does nothing", self.device)
         path = engine_source(agent, self._tmp.name)
         max_len = self.max_model_len or default_max_model_len(agent)
         dtype = next(agent.model.parameters()).dtype
-        kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len, self.health_logprobs)
+        kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
+        kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
+                               self.health_logprobs, self.device, self.sleep_mode, kv_bytes)
         kwargs.update(self.engine_overrides)
         eng = Engine(LLM(**kwargs), path, agent.spec.name, weakref.ref(agent), max_len)
         self.engines[id(agent)] = eng
@@ -538,7 +465,9 @@ class EngineRegistry:
                 eng.awake.add(tag)
             elif action == "load":
                 self._push(eng, agent)
-                eng.version = version
+                eng.version, eng.pending = version, False
+            elif action == "defer":
+                eng.pending = True
             elif action == "reset_prefix_cache":
                 eng.llm.reset_prefix_cache()  # cached KV was computed by other weights, or freed
             elif action == "sleep":
@@ -549,8 +478,9 @@ class EngineRegistry:
 
     def _push(self, eng: Engine, agent) -> None:
         named = weights_for_vllm(agent.model)
-        payload = named if engine_in_process() else ipc_payload(named)
-        torch.cuda.synchronize()  # IPC readers do not follow our stream order: finish the writes first
+        payload = payload_for(named, engine_in_process())
+        if any(t.is_cuda for _, t in named):
+            torch.cuda.synchronize()  # IPC readers do not follow our stream order: finish the writes first
         results = eng.llm.collective_rpc("sat_load_weights", args=(payload,))
         missing = results[0] if results else None
         if missing:
@@ -558,9 +488,11 @@ class EngineRegistry:
                                f"(e.g. {missing[:3]}): the weight names do not match this model class")
 
     def wake_for_rollout(self, agent) -> Engine:
+        """Wake the agent's engine, pushing its weights if it is new or a push was deferred."""
         eng = self.engine(agent)
-        version = self.agent_version(agent)
-        self._run(eng, agent, plan_wake(eng.awake, eng.version != version), version)
+        load = eng.version < 0 or eng.pending
+        version = self.agent_version(agent) if load else eng.version
+        self._run(eng, agent, plan_wake(eng.awake, load), version)
         return eng
 
     def sync_weights(self, agent) -> None:
@@ -570,11 +502,11 @@ class EngineRegistry:
 
     def sleep_all(self) -> None:
         for eng in self.engines.values():
-            self._run(eng, None, plan_sleep(eng.awake), eng.version)
+            self._run(eng, None, plan_sleep(eng.awake, self.sleep_mode), eng.version)
 
     # -- generation -------------------------------------------------------------
     def generate(self, agent, contexts: list[list[int]], sampling) -> list[list[int]]:
-        from vllm import SamplingParams  # optional GPU extra
+        from vllm import SamplingParams  # optional extra
 
         eng = self.wake_for_rollout(agent)
         self.assert_in_sync(agent)
@@ -588,6 +520,21 @@ class EngineRegistry:
             self.last_logprobs[id(agent)] = outputs_to_logprobs(outputs, responses)
         return responses
 
+    def score(self, agent, contexts: list[list[int]], responses: list[list[int]], check: bool = True) -> list[list[float]]:
+        """The engine's log-probabilities (temperature 1) of given responses
+        after their contexts, as prompt log-probabilities. ``check=False``
+        skips the version check, to look at what a stale engine holds."""
+        from vllm import SamplingParams  # optional extra
+
+        eng = self.wake_for_rollout(agent)
+        if check:
+            self.assert_in_sync(agent)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        prompts = build_requests([list(c) + list(r) for c, r in zip(contexts, responses)])
+        outputs = eng.llm.generate(prompts, params, use_tqdm=False)
+        return [scored_logprobs(o.prompt_logprobs, p["prompt_token_ids"], len(c))
+                for o, p, c in zip(outputs, prompts, contexts)]
+
 
 # ---------------------------------------------------------------------------
 # Module-level API used by rollout.py and sat.py
@@ -597,8 +544,8 @@ _REGISTRY: EngineRegistry | None = None
 
 def configure(**kwargs) -> EngineRegistry:
     """(Re)create the run's engine registry: n_engines, train_fraction,
-    reserve, seed, max_model_len, health_logprobs, and any vllm.LLM overrides.
-    Closes the engines of a previous configuration."""
+    reserve, seed, max_model_len, health_logprobs, kv_cache_bytes (CPU), and
+    any vllm.LLM overrides. Closes the engines of a previous configuration."""
     global _REGISTRY
     if _REGISTRY is not None:
         _REGISTRY.shutdown()
@@ -619,7 +566,8 @@ def generate_vllm(agent, contexts: list[list[int]], sampling) -> list[list[int]]
 
 
 def sync_weights(agent) -> None:
-    """Call after promoting ``agent``: its engine gets the new weights (now, or at its next wake)."""
+    """Call after changing ``agent``'s weights (a promotion): its engine gets
+    them now, or at its next wake if it sleeps."""
     if _REGISTRY is not None and id(agent) in _REGISTRY.engines:
         _REGISTRY.sync_weights(agent)
 
@@ -629,7 +577,7 @@ def wake_for_rollout(agent):
 
 
 def sleep_all() -> None:
-    """Call before training: every engine to level-1 sleep."""
+    """Call before training: every engine to level-1 sleep (a no-op on CPU)."""
     if _REGISTRY is not None:
         _REGISTRY.sleep_all()
 

@@ -1,7 +1,7 @@
-"""The vLLM backend's pure parts, on CPU and without vLLM installed.
+"""The vLLM backend's pure parts (``rollout_vllm``, ``vllm_weights``), without vLLM installed.
 
-What needs vLLM and a GPU (an engine sampling, sleeping and receiving weights)
-is in the last test, which is skipped unless both are present.
+What needs vLLM (real engines sampling, scoring and receiving weights, on CPU
+or CUDA) is in ``test_vllm_engine.py``, skipped where vLLM is absent.
 """
 import importlib
 import inspect
@@ -14,7 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import memory
 import rollout_vllm as rv
+import vllm_weights as vw
 from logprobs import cut_at_eos, right_pad
 from rollout import SamplingConfig
 
@@ -37,6 +39,7 @@ def test_import_and_pure_helpers_do_not_import_vllm():
         "rv.sampling_kwargs(SamplingConfig(), 1, 2)\n"
         "rv.engine_kwargs('m', 0.2, torch.bfloat16, 0, 128)\n"
         "rv.build_requests([[1, 2]])\n"
+        "import vllm_weights; vllm_weights.cpu_payload([('w', torch.ones(2))])\n"
         "assert 'vllm' not in sys.modules, 'vllm was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(importlib.import_module("rollout").__file__.rsplit("/", 1)[0]))
@@ -65,14 +68,38 @@ def test_engine_kwargs():
     assert kw["enable_sleep_mode"] is True and kw["skip_tokenizer_init"] is True
     assert kw["generation_config"] == "vllm"  # the checkpoint's top_k=20 etc. must not shape sampling
     assert kw["max_model_len"] == 4096 and kw["seed"] == 7 and "logprobs_mode" not in kw
+    assert "kv_cache_memory_bytes" not in kw
     assert rv.engine_kwargs("m", 0.2, torch.float32, 0, 8, logprobs=True)["logprobs_mode"] == "processed_logprobs"
     # the worker extension is importable by the name the engine process will use
     module, cls = kw["worker_extension_cls"].rsplit(".", 1)
-    assert getattr(importlib.import_module(module), cls) is rv.WeightSyncExtension
+    assert getattr(importlib.import_module(module), cls) is vw.WeightSyncExtension
     with pytest.raises(ValueError):
         rv.engine_kwargs("m", 0.2, torch.int8, 0, 8)
     with pytest.raises(ValueError):
         rv.engine_kwargs("m", 0.0, torch.bfloat16, 0, 8)
+
+
+def test_engine_kwargs_on_cpu():
+    """On CPU gpu_memory_utilization would be a share of host memory (the
+    default 0.92 is refused) and sleep mode is refused: a KV cache in bytes,
+    no sleep mode, eager execution."""
+    kw = rv.engine_kwargs("m", 0.25, torch.float32, 0, 256, device="cpu", sleep_mode=False, kv_cache_bytes=64 << 20)
+    assert kw["kv_cache_memory_bytes"] == 64 << 20 and kw["enforce_eager"] is True
+    assert "gpu_memory_utilization" not in kw and "enable_sleep_mode" not in kw
+    with pytest.raises(ValueError, match="KV cache size"):
+        rv.engine_kwargs("m", 0.25, torch.float32, 0, 256, device="cpu", sleep_mode=False)
+
+
+def test_cpu_kv_cache_bytes():
+    from team import Agent
+
+    cfg = Agent.load("tiny").model.config  # 4 layers, 2 KV heads of 32
+    assert memory.kv_bytes_per_token(cfg, 4) == 2 * 4 * 2 * 32 * 4
+    assert memory.cpu_kv_cache_bytes(cfg, 4, 2048) == 64 << 20  # 16 sequences of 2,048 tokens
+    assert memory.cpu_kv_cache_bytes(cfg, 4, 16) == 64 << 20  # floor
+    big = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=12288, vocab_size=151936)
+    assert memory.cpu_kv_cache_bytes(big, 2, 32768) == 4 << 30  # cap
 
 
 def test_sampling_kwargs_match_the_hf_sampler():
@@ -153,11 +180,11 @@ def test_outputs_to_logprobs_and_health():
 
 # -- weight names and tensors --------------------------------------------------------------
 def test_vllm_weight_name_mapping():
-    assert rv.vllm_weight_name("model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
-    assert rv.vllm_weight_name("_orig_mod.module.model.norm.weight", False) == "model.norm.weight"
-    assert rv.vllm_weight_name("lm_head.weight", tie_word_embeddings=True) is None
-    assert rv.vllm_weight_name("lm_head.weight", tie_word_embeddings=False) == "lm_head.weight"
-    assert rv.vllm_weight_name("model.rotary_emb.inv_freq", False) is None
+    assert vw.vllm_weight_name("model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
+    assert vw.vllm_weight_name("_orig_mod.module.model.norm.weight", False) == "model.norm.weight"
+    assert vw.vllm_weight_name("lm_head.weight", tie_word_embeddings=True) is None
+    assert vw.vllm_weight_name("lm_head.weight", tie_word_embeddings=False) == "lm_head.weight"
+    assert vw.vllm_weight_name("model.rotary_emb.inv_freq", False) is None
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -170,7 +197,7 @@ def test_weights_for_vllm_are_the_checkpoint_tensors(tied, tmp_path):
     model.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         on_disk = {k: f.get_tensor(k) for k in f.keys()}
-    pushed = rv.weights_for_vllm(model)
+    pushed = vw.weights_for_vllm(model)
     assert sorted(n for n, _ in pushed) == sorted(on_disk)
     assert ("lm_head.weight" in on_disk) == (not tied)
     params = dict(model.named_parameters())
@@ -185,37 +212,39 @@ def test_ipc_rebuild_signature_is_what_the_worker_calls():
 
     assert "storage_handle" in inspect.signature(rebuild_cuda_tensor).parameters
     t = torch.ones(3)
-    assert rv._materialize(t) is t  # in-process engines get the tensors themselves
+    assert vw._materialize(t) is t  # in-process engines get the tensors themselves
     # what crosses the process boundary is plain bytes, unpacked to (name, handle) pairs
     payload = pickle.dumps([("w", (torch.ones, (2,)))])
-    (name, obj), = rv._unpack(payload)
-    assert name == "w" and torch.equal(rv._materialize(obj), torch.ones(2))
-    assert rv._unpack([("w", t)]) == [("w", t)]
+    (name, obj), = vw._unpack(payload)
+    assert name == "w" and torch.equal(vw._materialize(obj), torch.ones(2))
+    assert vw._unpack([("w", t)]) == [("w", t)]
 
 
 # -- versions -------------------------------------------------------------------------------
 def test_fingerprint_and_versions_follow_the_weights():
     model = tiny_model(tied=True)
-    book = rv.VersionBook()
-    v0 = book.observe("a", rv.weights_fingerprint(model))
-    assert v0 == 0 and book.observe("a", rv.weights_fingerprint(model)) == 0  # unchanged: same version
+    book = vw.VersionBook()
+    v0 = book.observe("a", vw.weights_fingerprint(model))
+    assert v0 == 0 and book.observe("a", vw.weights_fingerprint(model)) == 0  # unchanged: same version
     saved = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
-    v1 = book.observe("a", rv.weights_fingerprint(model))
+    v1 = book.observe("a", vw.weights_fingerprint(model))
     assert v1 == 1
     with torch.no_grad():  # a one-element change is seen too
         next(model.parameters())[0, 0] += 1e-3
-    assert book.observe("a", rv.weights_fingerprint(model)) == 2
+    assert book.observe("a", vw.weights_fingerprint(model)) == 2
     with torch.no_grad():  # a bit-exact restore (line search rejecting) is a new version of old weights
         for p, s in zip(model.parameters(), saved):
             p.copy_(s)
-    assert book.observe("a", rv.weights_fingerprint(model)) == 3
+    assert book.observe("a", vw.weights_fingerprint(model)) == 3
     assert book.version("a") == 3 and book.version("b") is None
-    rv.check_in_sync(3, 3, "agent 1")
-    with pytest.raises(RuntimeError, match="sync_weights"):
-        rv.check_in_sync(2, 3, "agent 1")
+    vw.check_in_sync(3, 3, "agent 1")
+    with pytest.raises(RuntimeError, match="stale weights.*sync_weights"):
+        vw.check_in_sync(2, 3, "agent 1")
+    with pytest.raises(RuntimeError, match="never pushed"):
+        vw.check_in_sync(-1, 0, "agent 1")
 
 
 # -- sleep / wake / push plans -----------------------------------------------------------------
@@ -223,80 +252,121 @@ ALL = set(rv.WAKE_TAGS)
 
 
 def test_plan_wake():
-    # the brief's order after a promotion: wake weights, load, wake KV, reset the prefix cache
-    assert rv.plan_wake(set(), stale=True) == ["wake:weights", "load", "wake:kv_cache", "reset_prefix_cache"]
-    assert rv.plan_wake(set(), stale=False) == ["wake:weights", "wake:kv_cache", "reset_prefix_cache"]
-    assert rv.plan_wake(ALL, stale=True) == ["load", "reset_prefix_cache"]  # a new engine: push at once
-    assert rv.plan_wake(ALL, stale=False) == []
-    assert rv.plan_wake({"weights"}, stale=True) == ["load", "wake:kv_cache", "reset_prefix_cache"]
+    # a deferred push at the next wake: wake weights, load, wake KV, reset the prefix cache
+    assert rv.plan_wake(set(), load=True) == ["wake:weights", "load", "wake:kv_cache", "reset_prefix_cache"]
+    assert rv.plan_wake(set(), load=False) == ["wake:weights", "wake:kv_cache", "reset_prefix_cache"]
+    assert rv.plan_wake(ALL, load=True) == ["load", "reset_prefix_cache"]  # a new engine: push at once
+    assert rv.plan_wake(ALL, load=False) == []
+    assert rv.plan_wake({"weights"}, load=True) == ["load", "wake:kv_cache", "reset_prefix_cache"]
 
 
 def test_plan_sync_and_sleep():
-    assert rv.plan_sync(set(), stale=True) == []  # asleep (training): pushed at the next wake
+    assert rv.plan_sync(set(), stale=True) == ["defer"]  # asleep (training): pushed at the next wake
     assert rv.plan_sync(ALL, stale=True) == ["load", "reset_prefix_cache"]
     assert rv.plan_sync({"weights"}, stale=True) == ["load"]
-    assert rv.plan_sync(ALL, stale=False) == []
+    assert rv.plan_sync(ALL, stale=False) == [] and rv.plan_sync(set(), stale=False) == []
     assert rv.plan_sleep(ALL) == ["sleep"] and rv.plan_sleep(set()) == []
     assert rv.plan_sleep({"weights"}) == ["wake:kv_cache", "sleep"]  # vLLM ignores sleep() while half asleep
+    assert rv.plan_sleep(ALL, sleep_mode=False) == []  # CPU: no sleep mode, engines stay resident
 
 
-def test_wake_then_sleep_never_loads_from_disk():
-    """Walk a stage through the plans: a stale engine is always loaded from
-    memory before it samples, and no plan ever reloads the checkpoint."""
-    awake, version, agent_version = set(ALL), -1, 0  # a new engine holds disk weights
-    log = []
-    for step in ("rollout", "train", "promote", "rollout", "train", "rollout"):
+@pytest.mark.parametrize("sleep_mode", [True, False])
+def test_wake_then_sleep_never_loads_from_disk(sleep_mode):
+    """Walk stages through the plans (as the registry runs them): every
+    rollout samples the agent's current weights, pushed from memory, whether
+    the engine sleeps during training (CUDA) or stays resident (CPU)."""
+    awake, version, pending, agent_version = set(ALL), -1, False, 0  # a new engine holds disk weights
+    for step in ("rollout", "train", "promote", "rollout", "train", "promote", "rollout", "train", "rollout"):
         if step == "promote":
             agent_version += 1
             plan = rv.plan_sync(awake, version != agent_version)
         elif step == "train":
-            plan = rv.plan_sleep(awake)
+            plan = rv.plan_sleep(awake, sleep_mode)
         else:
-            plan = rv.plan_wake(awake, version != agent_version)
+            plan = rv.plan_wake(awake, version < 0 or pending)
         for a in plan:
             if a.startswith("wake:"):
                 awake.add(a[5:])
             elif a == "sleep":
                 awake.clear()
             elif a == "load":
-                version = agent_version
-        log.append((step, plan))
+                version, pending = agent_version, False
+            elif a == "defer":
+                pending = True
         if step == "rollout":
             assert version == agent_version and awake == ALL
-    assert all("reload" not in a for _, plan in log for a in plan)
+        if step == "train":
+            assert awake == (ALL if not sleep_mode else set())
 
 
-# -- vLLM itself (GPU only) ------------------------------------------------------------------------
-def test_vllm_engine_end_to_end():
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("vLLM engines need a CUDA GPU")
-    from rollout import SamplingConfig as SC
-    from logprobs import batched_response_logprobs, left_pad
-    from team import Agent
+# -- transport and the engine-side loader (a stand-in worker, no vLLM) ----------------------------
+def test_cpu_payload_is_bytes_that_unpack_to_equal_tensors():
+    model = tiny_model(tied=True)
+    named = vw.weights_for_vllm(model)
+    payload = vw.payload_for(named, in_process=False)
+    assert isinstance(payload, bytes)  # vLLM forwards bytes unchanged (tensors it would not)
+    back = [(n, vw._materialize(o)) for n, o in vw._unpack(memoryview(payload))]
+    assert [n for n, _ in back] == [n for n, _ in named]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for (_, a), (_, b) in zip(back, named))
+    assert vw.payload_for(named, in_process=True) is named  # in-process engines get the tensors themselves
 
-    agent = Agent.load("tiny", device="cuda", dtype=torch.bfloat16, seed=0)
-    reg = rv.configure(n_engines=1, train_fraction=0.5, health_logprobs=True, enforce_eager=True)
-    try:
-        sampling = SC(temperature=1.0, max_new_tokens=8, backend="vllm")
-        contexts = [agent.encode_prompt([{"role": "user", "content": f"{a}+{a}"}]) for a in range(10, 18)]
-        tok = agent.tokenizer
 
-        def health():
-            resp = rv.generate_vllm(agent, contexts, sampling)
-            assert all(len(r) <= 8 for r in resp) and all(tok.eos_token_id not in r[:-1] for r in resp)
-            ctx, cmask = left_pad(contexts, tok.pad_token_id)
-            ids, mask = right_pad(resp, tok.pad_token_id)
-            hf = batched_response_logprobs(agent.model, (ctx, cmask, ids, mask), 1.0, 1 << 14)
-            return rv.logprob_health(rv.last_logprobs(agent), hf, mask)
+class StandInModel(torch.nn.Module):
+    """vLLM's model contract, as the extension uses it: load_weights takes
+    (name, tensor) pairs and returns the names it loaded."""
 
-        assert health() < 0.05  # engine created from disk, then given the in-memory weights
-        with torch.no_grad():
-            for p in agent.model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        rv.sleep_all()
-        rv.sync_weights(agent)  # asleep: pushed at the next wake
-        assert health() < 0.05  # sampled from the new weights, not the backed-up old ones
-        reg.assert_in_sync(agent)
-    finally:
-        rv.shutdown()
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(2, 2, bias=False)
+        self.b = torch.nn.Linear(2, 2, bias=False)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, t in weights:
+            self.get_parameter(name).data.copy_(t)
+            loaded.add(name)
+        return loaded
+
+
+class StandInWorker(vw.WeightSyncExtension):
+    def __init__(self):
+        self.model = StandInModel()
+        self.model_runner = SimpleNamespace(get_model=lambda: self.model)
+        self.reloads = 0
+
+    def get_model(self):
+        return self.model
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        self.reloads += 1
+        self.model.load_weights(weights_iterator)
+
+
+def test_extension_reloads_and_reports_missing_parameters():
+    worker = StandInWorker()
+    payload = vw.cpu_payload([("a.weight", torch.ones(2, 2)), ("b.weight", 2 * torch.ones(2, 2))])
+    assert worker.sat_load_weights(payload) == [] and worker.reloads == 1
+    assert torch.equal(worker.model.b.weight, 2 * torch.ones(2, 2))
+    assert "load_weights" not in vars(worker.model)  # the recording wrapper is gone again
+    assert worker.sat_load_weights(vw.cpu_payload([("a.weight", torch.zeros(2, 2))])) == ["b.weight"]
+
+
+def test_refresh_packed_copies_reprocesses_modules_that_keep_their_weight():
+    calls = []
+    method = SimpleNamespace(process_weights_after_loading=lambda m: calls.append(m))
+    model = torch.nn.Module()
+    model.head = torch.nn.Linear(2, 2)
+    model.head.cpu_linear, model.head.quant_method = object(), method  # keeps its weight: refreshed
+    model.proj = torch.nn.Linear(2, 2)
+    model.proj.cpu_linear, model.proj.quant_method = object(), method
+    model.proj.weight = torch.nn.Parameter(torch.empty(0))  # weight moved into the kernel's copy: reloaded already
+    model.plain = torch.nn.Linear(2, 2)  # no CPU kernel (CUDA): untouched
+    assert vw.refresh_packed_copies(model) == ["head"] and calls == [model.head]
+
+
+def test_scored_logprobs_reads_the_response_part_of_prompt_logprobs():
+    lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731
+    prompt = [3, 4, 5, 6]
+    prompt_logprobs = [None, {4: lp(-0.4)}, {5: lp(-0.5), 9: lp(-2.0)}, {6: -0.6}]
+    assert rv.scored_logprobs(prompt_logprobs, prompt, 2) == [-0.5, -0.6]

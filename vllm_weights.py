@@ -1,0 +1,223 @@
+"""Weights for the vLLM engines: names, versions, transport, and the engine-side loader.
+
+Paper, Algorithm 1, line 12 (promote pi_j,cur <- pi_tar^j): from the moment an
+agent is promoted, every later rollout (the next stage's, or the resampled one
+with ``--resample``) must sample from the promoted weights. This module holds
+what that takes with vLLM, split from ``rollout_vllm.py`` (the engines):
+
+- names: the checkpoint names vLLM's model classes load (``vllm_weight_name``);
+- versions: a fingerprint of the training weights and a version per agent,
+  so a generate call can refuse an engine that holds other weights;
+- transport, by device: on CUDA the engine maps the training parameters by
+  IPC handles (no copy); on CPU the tensors themselves travel, pickled by us
+  into one bytes object (vLLM's message encoding passes bytes as they are,
+  but not tensors whose memory it does not own); in-process engines get the
+  tensors directly;
+- ``WeightSyncExtension``: mixed into vLLM's worker (``worker_extension_cls``)
+  and called by name through ``LLM.collective_rpc``. It reloads with the
+  worker's ``reload_weights`` (layerwise reload: the post-load processing of
+  each layer runs again, which CPU kernels need because they keep repacked
+  copies of the weights) and reports any parameter that was not loaded.
+
+Only this process's own payloads are unpickled by the engine. Nothing here
+imports vLLM, so the module and its tests run without it.
+"""
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+EXTENSION_CLS = "vllm_weights.WeightSyncExtension"  # imported by name inside each engine process
+# Wrappers that prefix parameter names without changing the model
+# (torch.compile, DistributedDataParallel, FSDP1).
+WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")
+
+
+# ---------------------------------------------------------------------------
+# Names and tensors
+# ---------------------------------------------------------------------------
+def vllm_weight_name(name: str, tie_word_embeddings: bool) -> str | None:
+    """The checkpoint name vLLM's ``load_weights`` expects for one HF
+    parameter name, or None for what must not be sent.
+
+    vLLM's model classes load *checkpoint* names (``model.layers.0.self_attn.q_proj.weight``)
+    and fuse q/k/v and gate/up themselves, so the HF names pass through;
+    wrapper prefixes are stripped, RoPE buffers are dropped (vLLM computes
+    its own), and with tied embeddings ``lm_head`` is dropped (it is the
+    embedding matrix; the checkpoint has no such tensor)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    if "rotary_emb." in name:
+        return None
+    if tie_word_embeddings and name.startswith("lm_head."):
+        return None
+    return name
+
+
+def weights_for_vllm(model) -> list[tuple[str, torch.Tensor]]:
+    """(vLLM name, tensor) for every parameter to push; the tensors are the
+    training parameters themselves (detached, no copy)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    out = []
+    for name, p in model.named_parameters():
+        target = vllm_weight_name(name, tied)
+        if target is not None:
+            out.append((target, p.detach()))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Versions
+# ---------------------------------------------------------------------------
+@torch.no_grad()
+def weights_fingerprint(model) -> tuple[float, ...]:
+    """Per-parameter float64 sums: any optimizer step or line-search
+    interpolation changes them, a bit-exact restore gives them back. One
+    read of the weights (milliseconds on a GPU), one host sync."""
+    sums = [p.detach().sum(dtype=torch.float64) for p in model.parameters()]
+    return tuple(torch.stack(sums).tolist()) if sums else ()
+
+
+class VersionBook:
+    """Weight versions per key (agent): 0 at the first observation, +1 each
+    time an observed fingerprint differs from the previous one."""
+
+    def __init__(self):
+        self._seen: dict = {}  # key -> (version, fingerprint)
+
+    def observe(self, key, fingerprint) -> int:
+        version, seen = self._seen.get(key, (-1, None))
+        if seen is None or fingerprint != seen:
+            version += 1
+        self._seen[key] = (version, fingerprint)
+        return version
+
+    def version(self, key) -> int | None:
+        return self._seen[key][0] if key in self._seen else None
+
+
+def check_in_sync(engine_version: int, agent_version: int, name: str) -> None:
+    """The invariant checked before every generate call: an engine never
+    samples from weights other than the agent's current ones."""
+    if engine_version != agent_version:
+        held = "its checkpoint's weights (never pushed)" if engine_version < 0 else f"weight version {engine_version}"
+        raise RuntimeError(
+            f"agent {name}: its vLLM engine holds {held} but the agent is at version {agent_version}: refusing to "
+            "sample from stale weights; call rollout_vllm.sync_weights(agent) after changing the agent's weights"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Transport (trainer side)
+# ---------------------------------------------------------------------------
+def ipc_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """CUDA IPC handles for the engine process, pickled into one bytes
+    object: the engine maps the training parameters' memory instead of
+    receiving a copy."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps([(name, reduce_tensor(t)) for name, t in named_tensors])
+
+
+def cpu_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The tensors themselves (their data), pickled into one bytes object.
+    vLLM cannot forward raw tensors from its message decoder to the worker
+    process (their memory belongs to the received message), so they travel
+    as bytes, which it forwards unchanged."""
+    return pickle.dumps([(name, t.detach().cpu().contiguous()) for name, t in named_tensors])
+
+
+def payload_for(named_tensors: list[tuple[str, torch.Tensor]], in_process: bool):
+    """What ``collective_rpc`` carries: the tensors (in-process engine),
+    IPC handles (CUDA tensors), or the tensors' bytes (CPU tensors)."""
+    if in_process:
+        return named_tensors
+    on_cuda = any(t.is_cuda for _, t in named_tensors)
+    return ipc_payload(named_tensors) if on_cuda else cpu_payload(named_tensors)
+
+
+# ---------------------------------------------------------------------------
+# Engine side: runs inside each engine's worker process
+# ---------------------------------------------------------------------------
+def _materialize(obj):
+    """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    rebuild, args = obj
+    return rebuild(*args)
+
+
+def _unpack(payload) -> list:
+    """(name, tensor-or-handle) pairs: as sent in-process, or from the bytes of a payload
+    (written by our own training process, hence safe to unpickle)."""
+    if isinstance(payload, memoryview):
+        payload = payload.tobytes()
+    return pickle.loads(payload) if isinstance(payload, (bytes, bytearray)) else list(payload)
+
+
+def _engine_model(worker):
+    """The worker's nn.Module, unwrapped from a CUDA-graph wrapper if any."""
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    unwrap = getattr(model, "unwrap", None)
+    return unwrap() if callable(unwrap) else model
+
+
+def refresh_packed_copies(model) -> list[str]:
+    """CPU kernels keep a repacked copy of some weights next to the weight
+    itself (the embedding / tied LM head); a layerwise reload processes a
+    tied matrix once, through the embedding, so the LM head's copy would keep
+    the old values. Re-run the post-load processing of every module that
+    still holds its weight and a CPU kernel. Returns their names."""
+    refreshed = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel() > 0
+                and hasattr(method, "process_weights_after_loading")):
+            method.process_weights_after_loading(module)
+            refreshed.append(name)
+    return refreshed
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker via ``worker_extension_cls``; its methods
+    are called by name with ``LLM.collective_rpc``."""
+
+    def sat_load_weights(self, payload) -> list[str] | None:
+        """Load (name, tensor-or-IPC-handle) pairs into the engine's model.
+        Returns the engine parameters that were NOT loaded (must be empty),
+        or None when this vLLM's load_weights does not report what it loaded."""
+        weights = [(name, _materialize(obj)) for name, obj in _unpack(payload)]
+        model = _engine_model(self)
+        expected = {name for name, _ in model.named_parameters()}
+        loaded: list = []
+        reload = getattr(self, "reload_weights", None)
+        if callable(reload):
+            # The layerwise reload calls model_runner.get_model().load_weights: record what it returns.
+            target = self.model_runner.get_model()
+            original = target.load_weights
+
+            def recording(*args, **kwargs):
+                result = original(*args, **kwargs)
+                loaded.append(result)
+                return result
+
+            target.load_weights = recording
+            try:
+                reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+            finally:
+                del target.load_weights
+            refresh_packed_copies(model)
+        else:  # an older worker without layerwise reload
+            loaded.append(model.load_weights(weights=weights))
+        if any(t.is_cuda for _, t in weights):
+            torch.cuda.synchronize()  # the trainer may overwrite the shared memory right after we return
+        del weights
+        if not loaded or loaded[0] is None:
+            return None
+        return sorted(expected - set(loaded[0]))
