@@ -227,9 +227,12 @@ def truncation_bias(
 
     W can be astronomically large (a sum of thousands of log-ratios), so both weights are
     exponentiated from log space after capping the log at `log_cap` (default log 1e6):
-    beyond that the estimate is dominated by a handful of trajectories anyway, and an
-    inf would make the certificate meaningless. The cap makes the value a (conservative
-    in scale) truncated estimate of the true bias.
+    an inf would make the certificate meaningless. The cap is NOT conservative: it
+    lowers W where W > 1e6, so whenever it binds the returned value can be smaller
+    than the uncapped estimate (and the certificate's bias term too optimistic).
+    ``sat.finish_update`` logs how many rows hit the cap (``zeta_capped_rows``); a
+    non-zero count means the weights have collapsed and zeta should not be trusted
+    (``--reuse regenerate`` needs no weights, so zeta is then exactly 0).
 
     Args:
         log_w_full: [B] log W from `full_log_weights`.
