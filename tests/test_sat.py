@@ -154,7 +154,7 @@ def strip_timing(records):
     dict(protocol="independent"),
     dict(protocol="chain", order="greedy"),
     dict(update="joint", order="random"),
-    dict(protocol="chain", resample=True, ratio="token", adv="gae"),
+    dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"),
 ])
 def test_stage_loop_end_to_end(tmp_path, overrides):
     cfg = small_config(tmp_path, **overrides)
