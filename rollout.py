@@ -99,6 +99,7 @@ class TeamBatch:
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward in {0, 1}
     agent_correct: torch.Tensor = field(default=None)  # [n_agents, N] each agent's own answer right?
+    counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: see counterfactual_baselines
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -192,8 +193,39 @@ def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) ->
     return [team.prompt_ids(k, p, []) for p in flat]
 
 
-def score_team(team: Team, flat: list[Problem], turns: list[Turn]):
-    """(team answers, team rewards [N], agent_correct [n_agents, N]) of the joint trajectories."""
+def counterfactual_baselines(answers: list[list[str | None]], flat: list[Problem], group_ids: torch.Tensor) -> torch.Tensor:
+    """b_k(tau): agent k's counterfactual baseline in the independent protocol. [n_agents, N]
+
+    The team reward of tau with agent k's answer swapped for each of its other
+    answers to the same problem (its other G - 1 trajectories of the group),
+    averaged. Agent k's answers to one prompt are i.i.d. draws of pi_k and
+    independent of the other agents' answers, so b_k(tau) is an unbiased
+    estimate of E[R | the others' answers in tau] that does not depend on
+    agent k's own answer in tau: R - b_k is a valid (variance-reduced) advantage
+    for agent k that removes the noise of the other agents' answers."""
+    n_agents, cache = len(answers[0]), {}
+
+    def reward(ans: tuple, gold: str) -> float:
+        if (ans, gold) not in cache:
+            cache[ans, gold] = vote_reward(list(ans), gold)
+        return cache[ans, gold]
+
+    out = torch.zeros(n_agents, len(flat))  # [n_agents, N]
+    for g in torch.unique(group_ids).tolist():
+        idx = (group_ids == g).nonzero().flatten().tolist()
+        if len(idx) < 2:
+            continue
+        gold = flat[idx[0]].answer
+        for k in range(n_agents):
+            for t in idx:
+                swaps = [tuple(answers[t][:k]) + (answers[u][k],) + tuple(answers[t][k + 1:]) for u in idx if u != t]
+                out[k, t] = sum(reward(a, gold) for a in swaps) / len(swaps)
+    return out
+
+
+def score_team(team: Team, flat: list[Problem], turns: list[Turn], group_ids: torch.Tensor):
+    """(team answers, team rewards [N], agent_correct [n_agents, N], counterfactual baselines
+    [n_agents, N] or None) of the joint trajectories."""
     answers = [[t.answers[i] for t in turns] for i in range(len(flat))]
     team_answers = [team.team_answer(a) for a in answers]
     if team.protocol == "independent":  # expected correctness of the vote under a uniform tie-break
@@ -201,7 +233,8 @@ def score_team(team: Team, flat: list[Problem], turns: list[Turn]):
     else:  # chain: the last agent's answer is the team's
         rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
     agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])
-    return team_answers, rewards.float(), agent_correct
+    counterfactual = counterfactual_baselines(answers, flat, group_ids) if team.protocol == "independent" else None
+    return team_answers, rewards.float(), agent_correct, counterfactual
 
 
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, score: bool = True) -> TeamBatch:
@@ -214,7 +247,7 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     turns: list[Turn] = []
     for k in range(len(team)):
         turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, score))
-    return TeamBatch(flat, group_ids, turns, *score_team(team, flat, turns))
+    return TeamBatch(flat, group_ids, turns, *score_team(team, flat, turns, group_ids))
 
 
 def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig) -> tuple[TeamBatch, int]:
@@ -234,7 +267,7 @@ def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig) -
     redo = range(j, len(team)) if team.protocol == "chain" else [j]
     for k in redo:
         turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling)
-    return TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns)), len(redo) * len(batch)
+    return TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids)), len(redo) * len(batch)
 
 
 def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, seed: int,

@@ -66,6 +66,7 @@ RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
 REUSES = ("weights", "regenerate")
+BASELINES = ("counterfactual", "group")
 ESS_WARN_RATIO = 0.1  # warn (once per run) when an agent's ESS of the weights falls below this fraction of N
 
 
@@ -86,6 +87,7 @@ class Config:
     order: str = "static"  # static | random | greedy (weakest agent on this batch first)
     ratio: str = "seq-mean"  # seq (the paper) | seq-mean (GSPO-style) | token (PPO)
     adv: str = "grpo"  # grpo (group-relative) | gae (token-level with a value head)
+    baseline: str = "counterfactual"  # counterfactual (independent protocol: R - the vote with the agent's other answers) | group
     reuse: str | None = None  # weights (the paper: one rollout, truncated weights) | regenerate (redraw what a promotion changed)
     update: str = "sequential"  # sequential (SAT) | joint (all agents at once, no weights)
     delta: float | None = None  # trust-region radius on the per-state KL quantile
@@ -142,7 +144,7 @@ class Config:
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""
         choices = {"protocol": ("independent", "chain"), "order": ORDERS, "ratio": RATIOS, "adv": ADVANTAGES,
-                   "update": UPDATES, "reuse": REUSES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm")}
+                   "update": UPDATES, "reuse": REUSES, "baseline": BASELINES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
@@ -543,6 +545,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--reuse", choices=REUSES, help="weights: one rollout per stage, truncated importance weights (the paper; "
                    "tiny default); regenerate: after each promotion redraw the turns it changed (paper-preset default)")
     p.add_argument("--resample", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", choices=BASELINES, help="counterfactual (default; independent protocol only): agent j's advantage "
+                   "is R minus the vote with its other answers to the prompt swapped in; group: the group mean (Eq. (2))")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
                    help="keep each agent's AdamW moments on the host between its turns (default: off)")

@@ -233,3 +233,22 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
     assert [a["ess_ratio"] for a in rec["agents"]] == [1.0, 1.0, 1.0] and all(a["zeta"] == 0.0 for a in rec["agents"])
     assert rec["generations"] == 16 * 3 + 16 * 2  # the rollout, then one turn per promotion except the last
 
+
+
+def test_counterfactual_baseline_brute_force_and_independent_of_own_answer():
+    from rollout import counterfactual_baselines
+    from tasks import Problem
+
+    gold = Problem(id="p", problem="1+4", answer="5")
+    answers = [["5", "6", "7"], ["6", "6", "5"], ["5", "5", None], ["8", "6", "7"]]  # one group of G = 4, 3 agents
+    b = counterfactual_baselines(answers, [gold] * 4, torch.zeros(4, dtype=torch.long))
+    for k in range(3):
+        for t in range(4):
+            swapped = [answers[t][:k] + [answers[u][k]] + answers[t][k + 1:] for u in range(4) if u != t]
+            assert b[k, t].item() == pytest.approx(sum(vote_reward(a, "5") for a in swapped) / 3)
+    # b_k(tau) does not read agent k's own answer in tau: changing it moves only the others' baselines
+    changed = [list(a) for a in answers]
+    changed[0][1] = "5"
+    b2 = counterfactual_baselines(changed, [gold] * 4, torch.zeros(4, dtype=torch.long))
+    assert b2[1, 0] == b[1, 0]
+    assert b2[0, 0].item() == pytest.approx(5 / 9) and b[0, 0].item() == pytest.approx(1 / 9)
