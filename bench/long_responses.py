@@ -44,6 +44,7 @@ def digit_reward(batch: TeamBatch) -> TeamBatch:
     """Synthetic team reward in [0, 1]: the fraction of digit characters over the agents' responses."""
     frac = torch.tensor([[sum(c.isdigit() for c in text) / max(len(text), 1) for text in t.texts] for t in batch.turns])  # [n, N]
     batch.rewards = frac.mean(0).float()  # [N]
+    batch.counterfactual = None  # baselines of the vote do not apply to this reward: group mean (Eq. (2))
     return batch
 
 
