@@ -14,8 +14,11 @@ response is exactly L tokens long. The arithmetic task's reward is ~0 for random
 agents, so the bench swaps in a synthetic, learnable team reward: the fraction
 of digits in the three responses (rescored after every regeneration). Printed
 per agent, in update order: ESS/N of its weights and the mean per-token KL of
-its accepted update (the update's size), plus the stage's generations and the
-seconds spent generating.
+its accepted update (the update's size; AdamW normalises the gradient's scale,
+so small weights alone do not shrink it: the later agents then move on a
+handful of rows), and its own gain in the synthetic objective (a fresh rollout
+of the final team against the stage's rollout), plus the stage's generations
+and the seconds spent generating.
 
     python bench/long_responses.py                        # L = 16, 64, 256
     python bench/long_responses.py --lengths 16 64 256 512 --batch-size 64
@@ -40,10 +43,15 @@ from team import Agent, Team, TeamConfig  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 
+def digit_fractions(batch: TeamBatch) -> torch.Tensor:
+    """[n_agents, N] fraction of digit characters in each agent's response."""
+    return torch.tensor([[sum(c.isdigit() for c in text) / max(len(text), 1) for text in t.texts] for t in batch.turns])
+
+
 def digit_reward(batch: TeamBatch) -> TeamBatch:
-    """Synthetic team reward in [0, 1]: the fraction of digit characters over the agents' responses."""
-    frac = torch.tensor([[sum(c.isdigit() for c in text) / max(len(text), 1) for text in t.texts] for t in batch.turns])  # [n, N]
-    batch.rewards = frac.mean(0).float()  # [N]
+    """Synthetic team reward in [0, 1]: the fraction of digit characters over the agents' responses.
+    It is a sum over agents, so agent k's contribution to J is its own mean digit fraction / 3."""
+    batch.rewards = digit_fractions(batch).mean(0).float()  # [N]
     batch.counterfactual = None  # baselines of the vote do not apply to this reward: group mean (Eq. (2))
     return batch
 
@@ -73,7 +81,8 @@ def one_stage(length: int, reuse: str, args) -> dict:
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(3)}
     problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=args.seed)
     rollout, regenerate = sat.rollout, sat.regenerate
-    sat.rollout = lambda *a, **k: digit_reward(rollout(*a, **k))
+    first = []
+    sat.rollout = lambda *a, **k: first.append(digit_reward(rollout(*a, **k))) or first[-1]
     sat.regenerate = lambda *a, **k: (lambda out: (digit_reward(out[0]), out[1]))(regenerate(*a, **k))
     try:
         with warnings.catch_warnings():
@@ -83,6 +92,10 @@ def one_stage(length: int, reuse: str, args) -> dict:
             rec["wall"] = time.time() - t0
     finally:
         sat.rollout, sat.regenerate = rollout, regenerate
+    # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
+    # after (a fresh rollout of the final team on the same problems, 2N trajectories)
+    after = rollout(team, problems, 2 * cfg.group_size, sampling, score=False)
+    rec["gain"] = (digit_fractions(after).mean(1) - digit_fractions(first[0]).mean(1)).tolist()  # [n_agents]
     return rec
 
 
@@ -91,15 +104,15 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--modes", nargs="+", default=["weights", "regenerate"], choices=sat.REUSES)
     p.add_argument("--batch-size", type=int, default=64, help="joint trajectories (16 prompts x G = 4)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"3 random tiny agents, independent protocol, N = {args.batch_size}, every response exactly L tokens, "
           f"synthetic digit-fraction reward, lr {args.lr}, {args.epochs} epochs")
     print(f"{'L':>5} {'reuse':>10} | {'ESS/N agent 1/2/3':>20} | {'token KL of the update 1/2/3':>30} | "
-          f"{'later/first':>11} | {'generations':>11} {'gen s':>6} {'stage s':>7}")
+          f"{'later/first':>11} | {'digit-fraction gain 1/2/3':>25} | {'generations':>11} {'gen s':>6} {'stage s':>7}")
     for length in args.lengths:
         for reuse in args.modes:
             rec = one_stage(length, reuse, args)
@@ -107,7 +120,8 @@ def main() -> None:
             ess = "/".join(f"{a['ess_ratio']:.3f}" for a in ag)
             kl = "/".join(f"{a['kl_mean']:.2e}" for a in ag)
             later = min(ag[1]["kl_mean"], ag[2]["kl_mean"]) / max(ag[0]["kl_mean"], 1e-30)
-            print(f"{length:>5} {reuse:>10} | {ess:>20} | {kl:>30} | {later:>11.2f} | {rec['generations']:>11} "
+            gain = "/".join(f"{g:+.3f}" for g in rec["gain"])
+            print(f"{length:>5} {reuse:>10} | {ess:>20} | {kl:>30} | {later:>11.2f} | {gain:>25} | {rec['generations']:>11} "
                   f"{rec['generation_seconds']:>6.1f} {rec['wall']:>7.1f}", flush=True)
 
 
