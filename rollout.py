@@ -310,7 +310,9 @@ def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
     offsets = torch.tensor([0] + [len(set(p.group_ids.tolist())) for p in parts]).cumsum(0)  # [n_parts + 1]
     return TeamBatch([x for p in parts for x in p.problems], torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]),
                      turns, [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
-                     torch.cat([p.agent_correct for p in parts], dim=1))
+                     torch.cat([p.agent_correct for p in parts], dim=1),
+                     None if any(p.counterfactual is None for p in parts)  # per group, and blocks hold whole groups
+                     else torch.cat([p.counterfactual for p in parts], dim=1))
 
 
 # ---------------------------------------------------------------------------
