@@ -105,7 +105,7 @@ def test_regenerate_independent_redraws_only_the_promoted_turn_from_the_promoted
     problem = arithmetic_problems(1, seed=3)[0]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=1)
     torch.manual_seed(0)
-    batch = rollout(team, [problem], group_size=3000, sampling=sampling)
+    batch = rollout(team, [problem] * 300, group_size=10, sampling=sampling)  # 3000 rows, groups of 10
     old_probs = first_token_probs(team.agents[0], batch)
     promote(team.agents[0])
     new_probs = first_token_probs(team.agents[0], batch)

@@ -75,7 +75,7 @@ def run_finish_update(team, batch, scale, cfg, max_backtracks):
     cfg.max_backtracks = max_backtracks
     record, _ = sat.finish_update(team, j, reference, inputs, {"loss": 0.0}, cfg,
                                   QuantileController(delta=cfg.delta, quantile=cfg.quantile), SamplingConfig(temperature=1.0),
-                                  gamma=0.5, n_agents=2, n_samples=len(batch))
+                                  n_agents=2, batch=batch)
     return agent, original, record
 
 
