@@ -6,6 +6,7 @@
 - `truncated_log_weights`         log prod min(1, rho_t) over the already-updated agents' tokens
 - `full_log_weights`              log prod rho_t (untruncated, for the bias estimate)
 - `truncation_bias`               zeta: how much truncating the weights moves the surrogate
+- `credit_correlation`            an agent's advantages against its own correctness (logged)
 """
 
 from __future__ import annotations
@@ -249,3 +250,14 @@ def truncation_bias(
     big_w = log_w_full.double().clamp_max(log_cap).exp()  # [B]
     small_w = log_w_trunc.double().clamp_max(log_cap).exp()  # [B]
     return abs(((big_w - small_w) * ratio.double() * adv.double()).mean().item())
+
+
+def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None:
+    """Pearson correlation between an agent's advantages and its own correctness
+    over the batch (None when either is constant): how much of the team credit
+    an agent receives tracks whether it was right."""
+    a = (adv if adv.dim() == 1 else adv.mean(1)).double()  # [N]
+    c = correct.double()  # [N]
+    a, c = a - a.mean(), c - c.mean()
+    denom = float((a.square().sum() * c.square().sum()).sqrt())
+    return float((a * c).sum()) / denom if denom > 0 else None

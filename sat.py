@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import distributed
-from advantage import LOG_WEIGHT_CAP, masked_sum, truncation_bias
+from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from logprobs import measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
@@ -316,17 +316,6 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
         record["certificate"]["kind"] = "sum of per-agent bounds: not a bound for a simultaneous update"
     record["seconds"] = time.time() - t0
     return record
-
-
-def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None:
-    """Pearson correlation between an agent's advantages and its own correctness
-    over the batch (None when either is constant): how much of the team credit
-    an agent receives tracks whether it was right."""
-    a = (adv if adv.dim() == 1 else adv.mean(1)).double()  # [N]
-    c = correct.double()  # [N]
-    a, c = a - a.mean(), c - c.mean()
-    denom = float((a.square().sum() * c.square().sum()).sqrt())
-    return float((a * c).sum()) / denom if denom > 0 else None
 
 
 _warned: set[str] = set()

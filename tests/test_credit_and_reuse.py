@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import sat
 import trust_region as tr
+from advantage import credit_correlation
 from grading import answers_match, majority_vote, vote_reward
 from logprobs import batched_response_logprobs
 from rollout import SamplingConfig, regenerate, rollout
@@ -81,9 +82,9 @@ def test_later_agents_get_credit_for_being_right():
 
 
 def test_credit_correlation_exact():
-    assert sat.credit_correlation(torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, 0.0, 1.0, 0.0])) == pytest.approx(1.0)
-    assert sat.credit_correlation(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.0, 0.0, 1.0, 0.0])) == pytest.approx(0.5 / (5 * 0.75) ** 0.5)  # sum(a c) / sqrt(sum a^2 sum c^2), centred
-    assert sat.credit_correlation(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])) is None
+    assert credit_correlation(torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, 0.0, 1.0, 0.0])) == pytest.approx(1.0)
+    assert credit_correlation(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.0, 0.0, 1.0, 0.0])) == pytest.approx(0.5 / (5 * 0.75) ** 0.5)  # sum(a c) / sqrt(sum a^2 sum c^2), centred
+    assert credit_correlation(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])) is None
 
 
 # -- --reuse regenerate is exact -------------------------------------------------------------
