@@ -6,6 +6,7 @@
 - `truncated_log_weights`         log prod min(1, rho_t) over the already-updated agents' tokens
 - `full_log_weights`              log prod rho_t (untruncated, for the bias estimate)
 - `truncation_bias`               zeta: how much truncating the weights moves the surrogate
+- `credit_correlation`            an agent's advantages against its own correctness (logged)
 """
 
 from __future__ import annotations
@@ -227,9 +228,12 @@ def truncation_bias(
 
     W can be astronomically large (a sum of thousands of log-ratios), so both weights are
     exponentiated from log space after capping the log at `log_cap` (default log 1e6):
-    beyond that the estimate is dominated by a handful of trajectories anyway, and an
-    inf would make the certificate meaningless. The cap makes the value a (conservative
-    in scale) truncated estimate of the true bias.
+    an inf would make the certificate meaningless. The cap is NOT conservative: it
+    lowers W where W > 1e6, so whenever it binds the returned value can be smaller
+    than the uncapped estimate (and the certificate's bias term too optimistic).
+    ``sat.finish_update`` logs how many rows hit the cap (``zeta_capped_rows``); a
+    non-zero count means the weights have collapsed and zeta should not be trusted
+    (``--reuse regenerate`` needs no weights, so zeta is then exactly 0).
 
     Args:
         log_w_full: [B] log W from `full_log_weights`.
@@ -246,3 +250,14 @@ def truncation_bias(
     big_w = log_w_full.double().clamp_max(log_cap).exp()  # [B]
     small_w = log_w_trunc.double().clamp_max(log_cap).exp()  # [B]
     return abs(((big_w - small_w) * ratio.double() * adv.double()).mean().item())
+
+
+def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None:
+    """Pearson correlation between an agent's advantages and its own correctness
+    over the batch (None when either is constant): how much of the team credit
+    an agent receives tracks whether it was right."""
+    a = (adv if adv.dim() == 1 else adv.mean(1)).double()  # [N]
+    c = correct.double()  # [N]
+    a, c = a - a.mean(), c - c.mean()
+    denom = float((a.square().sum() * c.square().sum()).sqrt())
+    return float((a * c).sum()) / denom if denom > 0 else None

@@ -330,7 +330,7 @@ def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: ra
                          "correct": bool(batch.agent_correct[k, i]), "tokens": tokens[k], "truncated": truncated[k]})
         source = team_source(answers, batch.team_answers[i], protocol)
         rows.append({**base, "who": "team", "text": f"team answer from {source or 'no agent (no answer)'}",
-                     "source": source, "answer": batch.team_answers[i], "correct": bool(batch.rewards[i]),
+                     "source": source, "answer": batch.team_answers[i], "correct": answers_match(batch.team_answers[i], problem.answer),
                      "tokens": sum(tokens), "truncated": any(truncated)})  # the team sample's cost: all its agents' tokens
     return rows
 

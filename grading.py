@@ -10,13 +10,15 @@ be wrong; the matcher prefers a false negative when unsure (``answers_match``).
 - ``normalize_answer`` / ``answers_match``: a built-in normaliser with exact
   rational comparison, and math-verify where it is installed,
 - ``grade`` does both; ``majority_vote`` is the team answer of the
-  independent protocol.
+  independent protocol (displayed, maj@K); ``vote_reward`` is its team reward:
+  the expected correctness of the vote under a uniform tie-break.
 """
 from __future__ import annotations
 
 import re
 import threading
 from fractions import Fraction
+import random
 from functools import lru_cache
 
 
@@ -321,14 +323,8 @@ def grade(text: str, gold: str, backend: str = "auto") -> tuple[str | None, bool
     return pred, answers_match(pred, gold, backend)
 
 
-def majority_vote(answers: list[str | None]) -> str | None:
-    """The most common answer among the agents', compared after normalisation.
-
-    None and empty answers abstain; if all abstain the result is None. A tie is
-    won by the answer given first (lowest agent index), so the result never
-    depends on dict or set order. Returns the answer as first written, so the
-    caller can grade it like any agent's answer.
-    """
+def _vote_counts(answers: list[str | None]) -> tuple[dict[str, int], dict[str, str]]:
+    """Votes per normalised answer and each key's first spelling (None and empty abstain)."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}  # key -> first original string; insertion order = first index
     for ans in answers:
@@ -337,10 +333,42 @@ def majority_vote(answers: list[str | None]) -> str | None:
         key = normalize_answer(ans)
         counts[key] = counts.get(key, 0) + 1
         first.setdefault(key, ans)
+    return counts, first
+
+
+def majority_vote(answers: list[str | None], rng: random.Random | None = None) -> str | None:
+    """The most common answer among the agents', compared after normalisation.
+
+    None and empty answers abstain; if all abstain the result is None. A tie is
+    won by the answer given first (lowest agent index) when ``rng`` is None, so
+    the result never depends on dict or set order; with ``rng`` the winner is
+    drawn uniformly among the tied answers (seeded, so still reproducible).
+    Returns the answer as first written, so the caller can grade it like any
+    agent's answer. Training does not use this for the reward: see
+    ``vote_reward``, which does not favour the earliest agent.
+    """
+    counts, first = _vote_counts(answers)
     if not counts:
         return None
     best = max(counts.values())
-    for key, ans in first.items():  # earliest first, so the first maximal key wins ties
-        if counts[key] == best:
-            return ans
-    return None  # unreachable
+    tied = [ans for key, ans in first.items() if counts[key] == best]  # earliest first
+    return tied[0] if rng is None else rng.choice(tied)
+
+
+def vote_reward(answers: list[str | None], gold: str, backend: str = "auto") -> float:
+    """The team reward of the independent protocol: the expected correctness of
+    the majority vote under a uniform tie-break, i.e. among the answers tied for
+    the most votes, the fraction that are correct (0 when every agent abstains).
+
+    Deterministic and symmetric in the agents: permuting ``answers`` never
+    changes it. With ties going to the earliest agent instead, agent 1 alone
+    decides every three-way disagreement and the later agents are credited
+    mostly for not agreeing on a wrong answer. Without ties it equals the
+    plain 0/1 correctness of the vote.
+    """
+    counts, first = _vote_counts(answers)
+    if not counts:
+        return 0.0
+    best = max(counts.values())
+    tied = [ans for key, ans in first.items() if counts[key] == best]
+    return sum(answers_match(a, gold, backend) for a in tied) / len(tied)

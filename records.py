@@ -268,7 +268,9 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax2.plot(stages, [r["measured_change"] for r in trained], "k*", label="measured change (held-out)")
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.set_xlabel("stage")
-    ax2.set_title("stage certificate (reward units)")
+    joint = any("kind" in r["certificate"] for r in trained)  # --update joint: per-agent bounds summed, not a bound
+    ax2.set_title("sum of per-agent bounds: NOT a bound for a joint update" if joint else "stage certificate (reward units)",
+                  fontsize=9 if joint else None)
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "progress.png", dpi=110)

@@ -11,7 +11,16 @@ Face ``generate`` here, vLLM in ``rollout_vllm.py``).
 N = B * G joint trajectories; per trajectory its group id (= problem index),
 per agent turn the context ids, response ids and mask, behaviour
 log-probabilities, the extracted answers, the team answer and the team reward
-(1 if the team answer is right, else 0, shared by every agent's tokens).
+(shared by every agent's tokens): in the chain protocol 1 if the last agent's
+answer is right, else 0; in the independent protocol the expected correctness
+of the majority vote under a uniform tie-break (``grading.vote_reward``), so
+no agent is a dictator on a three-way disagreement.
+
+``regenerate(team, batch, j, sampling)`` (``--reuse regenerate``) redraws,
+after agent j's promotion, only what that promotion changed: agent j's turn in
+the independent protocol, agent j's turn and the turns after it in the chain
+protocol, so the batch is again exactly on-policy for the intermediate policy
+pi_hat^i of Eq. (1) and the later agents need no importance weights.
 
 Batched, never one sample at a time: each agent turn is one left-padded
 ``generate`` call over all N contexts (chunked by a token budget), and the
@@ -40,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 import distributed
-from grading import answers_match
+from grading import answers_match, vote_reward
 from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
 from tasks import Problem
 from team import Team
@@ -49,6 +58,7 @@ BACKENDS = ("hf", "vllm")
 TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus while the "
                         "behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, tokens outside it never "
                         "pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
+REWARD_RANGE = (0.0, 1.0)  # (R_min, R_max) of the team reward: the certificate's A_max = R_max - R_min
 
 
 @dataclass
@@ -97,6 +107,7 @@ class TeamBatch:
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward in {0, 1}
     agent_correct: torch.Tensor = field(default=None)  # [n_agents, N] each agent's own answer right?
+    counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: see counterfactual_baselines
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -260,6 +271,58 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated)
 
 
+def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) -> list[list[int]]:
+    """Agent k's context in every trajectory. Independent: the problem only;
+    chain: also the answers of agents 0..k-1 (``turns[:k]``) of the same trajectory."""
+    if team.protocol == "chain":
+        return [team.prompt_ids(k, p, [t.answers[i] for t in turns[:k]]) for i, p in enumerate(flat)]
+    return [team.prompt_ids(k, p, []) for p in flat]
+
+
+def counterfactual_baselines(answers: list[list[str | None]], flat: list[Problem], group_ids: torch.Tensor) -> torch.Tensor:
+    """b_k(tau): agent k's counterfactual baseline in the independent protocol. [n_agents, N]
+
+    The team reward of tau with agent k's answer swapped for each of its other
+    answers to the same problem (its other G - 1 trajectories of the group),
+    averaged. Agent k's answers to one prompt are i.i.d. draws of pi_k and
+    independent of the other agents' answers, so b_k(tau) is an unbiased
+    estimate of E[R | the others' answers in tau] that does not depend on
+    agent k's own answer in tau: R - b_k is a valid (variance-reduced) advantage
+    for agent k that removes the noise of the other agents' answers."""
+    n_agents, cache = len(answers[0]), {}
+
+    def reward(ans: tuple, gold: str) -> float:
+        if (ans, gold) not in cache:
+            cache[ans, gold] = vote_reward(list(ans), gold)
+        return cache[ans, gold]
+
+    out = torch.zeros(n_agents, len(flat))  # [n_agents, N]
+    for g in torch.unique(group_ids).tolist():
+        idx = (group_ids == g).nonzero().flatten().tolist()
+        if len(idx) < 2:
+            continue
+        gold = flat[idx[0]].answer
+        for k in range(n_agents):
+            for t in idx:
+                swaps = [tuple(answers[t][:k]) + (answers[u][k],) + tuple(answers[t][k + 1:]) for u in idx if u != t]
+                out[k, t] = sum(reward(a, gold) for a in swaps) / len(swaps)
+    return out
+
+
+def score_team(team: Team, flat: list[Problem], turns: list[Turn], group_ids: torch.Tensor):
+    """(team answers, team rewards [N], agent_correct [n_agents, N], counterfactual baselines
+    [n_agents, N] or None) of the joint trajectories."""
+    answers = [[t.answers[i] for t in turns] for i in range(len(flat))]
+    team_answers = [team.team_answer(a) for a in answers]
+    if team.protocol == "independent":  # expected correctness of the vote under a uniform tie-break
+        rewards = torch.tensor([vote_reward(a, p.answer) for a, p in zip(answers, flat)])  # [N]
+    else:  # chain: the last agent's answer is the team's
+        rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
+    agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])
+    counterfactual = counterfactual_baselines(answers, flat, group_ids) if team.protocol == "independent" else None
+    return team_answers, rewards.float(), agent_correct, counterfactual
+
+
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, score: bool = True) -> TeamBatch:
     """G joint trajectories for each of the B problems (paper, Section 3).
     ``score=False`` skips the behaviour log-probabilities (left as zeros)."""
@@ -271,14 +334,28 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     group_ids = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     turns: list[Turn] = []
     for k in range(len(team)):
-        # independent: every agent sees only the problem; chain: also the earlier answers
-        previous = [[t.answers[i] for t in turns] for i in range(len(flat))] if team.protocol == "chain" else [[] for _ in flat]
-        contexts = [team.prompt_ids(k, p, prev) for p, prev in zip(flat, previous)]
-        turns.append(agent_turn(team, k, contexts, sampling, score))
-    team_answers = [team.team_answer([t.answers[i] for t in turns]) for i in range(len(flat))]
-    rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
-    agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)] for t in turns])
-    return TeamBatch(flat, group_ids, turns, team_answers, rewards, agent_correct)
+        turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, score))
+    return TeamBatch(flat, group_ids, turns, *score_team(team, flat, turns, group_ids))
+
+
+def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig) -> tuple[TeamBatch, int]:
+    """After agent j is promoted (Algorithm 1, line 12), redraw what depends on it.
+
+    Independent protocol: only agent j's turn; the other agents' responses do
+    not depend on it, and given the problem the joint action is a product, so
+    (kept responses of the others, fresh response of the promoted agent j) is
+    an exact draw from pi_hat^i. Chain protocol: agent j's turn and every turn
+    after it (their contexts contain agent j's answer); the turns before j are
+    kept, being draws of agents that are the same in pi_hat^{i-1} and pi_hat^i.
+    The behaviour log-probabilities of the new turns are those of the sampling
+    models, so the batch needs no importance weights afterwards. Returns the
+    new batch (problems and group ids unchanged) and how many responses were
+    generated."""
+    turns = list(batch.turns)
+    redo = range(j, len(team)) if team.protocol == "chain" else [j]
+    for k in redo:
+        turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling)
+    return TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids)), len(redo) * len(batch)
 
 
 def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, seed: int,
@@ -321,7 +398,9 @@ def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
     offsets = torch.tensor([0] + [len(set(p.group_ids.tolist())) for p in parts]).cumsum(0)  # [n_parts + 1]
     return TeamBatch([x for p in parts for x in p.problems], torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]),
                      turns, [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
-                     torch.cat([p.agent_correct for p in parts], dim=1))
+                     torch.cat([p.agent_correct for p in parts], dim=1),
+                     None if any(p.counterfactual is None for p in parts)  # per group, and blocks hold whole groups
+                     else torch.cat([p.counterfactual for p in parts], dim=1))
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ improvement of every step and of the stage (the certificate logged per stage).
     python sat.py                                     # tiny team, CPU, a few minutes
     python sat.py --protocol chain                    # agents speak in turn
     python sat.py --update joint                      # the baseline SAT argues against
+    python sat.py --reuse regenerate                  # redraw what each promotion changed, no weights
     python sat.py --agents "Qwen3-4B x3"              # the paper preset on a GPU
     python sat.py --resume runs/sat                   # continue a run (more --stages)
     python sat.py --resume runs/sat/checkpoints/stage_0005 --stages 8   # redo from stage 5 (rows 0..5 kept)
@@ -37,6 +38,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -44,19 +46,19 @@ import numpy as np
 import torch
 
 import distributed
-from advantage import masked_sum, truncation_bias
+from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from logprobs import measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
                      record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
                      check_out_folder, clear_run_files, run_folder_of)
-from rollout import (TOP_P_TRAINING_ERROR, SamplingConfig, TeamBatch, after_rollout, check_sampler, default_backend, rollout,
-                     rollout_in_blocks, sync_weights)
+from rollout import (REWARD_RANGE, TOP_P_TRAINING_ERROR, SamplingConfig, TeamBatch, after_rollout, check_sampler,
+                     default_backend, regenerate, rollout, rollout_in_blocks, sync_weights)
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, parse_agents, resolve_agent_spec, warm_start
-from trust_region import (QuantileController, backtracking_line_search, certificate, dkw_upper_quantile,
-                          interpolate_parameters, quantile, stage_certificate)
+from trust_region import (QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters,
+                          quantile, stage_certificate, turn_certificate)
 from update import UpdateInputs, build_inputs, make_value_head, train_agents, train_sharded
 
 ORDERS = ("static", "random", "greedy")
@@ -64,6 +66,9 @@ RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
 DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
+REUSES = ("weights", "regenerate")
+BASELINES = ("counterfactual", "group")
+ESS_WARN_RATIO = 0.1  # warn (once per run) when an agent's ESS of the weights falls below this fraction of N
 
 
 # ---------------------------------------------------------------------------
@@ -83,7 +88,8 @@ class Config:
     order: str = "static"  # static | random | greedy (weakest agent on this batch first)
     ratio: str = "seq-mean"  # seq (the paper) | seq-mean (GSPO-style) | token (PPO)
     adv: str = "grpo"  # grpo (group-relative) | gae (token-level with a value head)
-    resample: bool = False  # fresh rollouts after each agent's update (TeamTR's fix)
+    baseline: str = "counterfactual"  # counterfactual (independent protocol: R - the vote with the agent's other answers) | group
+    reuse: str | None = None  # weights (the paper: one rollout, truncated weights) | regenerate (redraw what a promotion changed)
     update: str = "sequential"  # sequential (SAT) | joint (all agents at once, no weights)
     delta: float | None = None  # trust-region radius on the per-state KL quantile
     quantile: float = 0.99  # 1 - alpha
@@ -142,8 +148,8 @@ class Config:
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""
         choices = {"protocol": ("independent", "chain"), "order": ORDERS, "ratio": RATIOS, "adv": ADVANTAGES,
-                   "update": UPDATES, "kl_estimator": ("k1", "k2", "k3", "k3_new"), "backend": ("hf", "vllm"),
-                   "dtype": DTYPES}
+                   "update": UPDATES, "reuse": REUSES, "baseline": BASELINES, "kl_estimator": ("k1", "k2", "k3", "k3_new"),
+                   "backend": ("hf", "vllm"), "dtype": DTYPES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
@@ -201,11 +207,11 @@ def validate_run_inputs(cfg: "Config") -> None:
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores.
-TINY_PRESET = dict(task="arithmetic", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
+TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
                    max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128, token_budget=1 << 16,
                    kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
-PAPER_PRESET = dict(task="dapo-math-17k", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
+PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
                     max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 17,
                     kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True, eval_size=64, warmup_steps=0)
 
@@ -258,8 +264,11 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
               controllers: dict[int, QuantileController], value_heads: dict, rng: random.Random, pbar=None) -> dict:
     """One stage: roll out pi_cur, order the agents, then for each agent j =
     sigma(i) build its weighted advantages under pi_hat^{i-1}, optimise L_i,
-    hold the step inside the trust region, promote it, and cache log rho on its
-    tokens for the later agents' weights. Returns the stage's metrics record."""
+    hold the step inside the trust region, promote it, and either cache log rho
+    on its tokens for the later agents' weights (``--reuse weights``, the
+    paper) or redraw the turns the promotion changed (``--reuse regenerate``:
+    the batch stays exactly on-policy for pi_hat^i, at the price of extra
+    generation). Returns the stage's metrics record."""
     n_agents = len(team)
     t0 = time.time()
     # line 4: B <- ROLLOUT(pi_cur) (behaviour log-probs kept); sigma <- ORDERAGENTS(B)
@@ -268,7 +277,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     record = rollout_record(batch, rollout_seconds, health=after_rollout(team, batch, sampling))
     sigma = order_agents(batch, n_agents, cfg.order, rng)
     record["order"] = [k + 1 for k in sigma]
-    gamma = 0.0 if team.protocol == "independent" else 1.0 - 1.0 / n_agents  # turn-level discount of the certificate
+    generations, generation_seconds = len(batch) * n_agents, rollout_seconds
     cached: list[tuple[torch.Tensor, torch.Tensor]] = []  # log rho of the agents promoted this stage
     agent_records: list[dict] = [None] * n_agents
     if cfg.update == "joint":  # the baseline SAT argues against: every agent at once, no weights
@@ -277,7 +286,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
         train_stats = train_agents(team, sigma, inputs, cfg, controllers, value_heads, references)
         for j in sigma:
             agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], train_stats[j], cfg, controllers[j],
-                                             sampling, gamma, n_agents, len(batch))[0]
+                                             sampling, n_agents, batch)[0]
             sync_weights(team.agents[j], sampling)
     else:
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
@@ -291,25 +300,35 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                                                                 {j: reference})[j])  # FSDP2 under torchrun
             # lines 10-11: quantile of the exact per-state KL > delta -> backtrack, raise beta
             agent_records[j], log_rho = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
-                                                       sampling, gamma, n_agents, len(batch))
+                                                      sampling, n_agents, batch)
             del reference
             # line 12: promote pi_j,cur <- pi_tar^j (the engine samples from the new weights from now on)
             sync_weights(team.agents[j], sampling)
-            if cfg.resample and i < n_agents - 1:
-                batch = team_rollout(team, problems, cfg.group_size, sampling, cfg)  # behaviour = pi_hat^i: no weights
+            if i == n_agents - 1:
+                break
+            if cfg.reuse == "regenerate":  # redraw what the promotion changed: behaviour = pi_hat^i, no weights
+                t_gen = time.time()
+                # under torchrun rank 0 draws and every rank receives its batch (one process: just the call)
+                batch, generated = distributed.gather_objects(regenerate(team, batch, j, sampling) if distributed.is_main() else None)[0]
                 after_rollout(team, batch, sampling)
-                cached = []
+                generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             else:  # cache log rho on agent j's tokens (from the KL's forwards) for the later agents' weights
                 cached.append((log_rho, batch.turns[j].response_mask))
     # line 14: pi_cur <- the assembled team; the stage certificate (Theorem 4.4)
     record["agents"] = agent_records
+    record["generations"], record["generation_seconds"] = generations, generation_seconds
     record["certificate"] = stage_certificate([a["certificate"] for a in agent_records])
+    if cfg.update == "joint":  # Theorem 4.4 telescopes over sequential steps; a simultaneous update has no such sum
+        record["certificate"]["kind"] = "sum of per-agent bounds: not a bound for a simultaneous update"
     record["seconds"] = time.time() - t0
     return record
 
 
+_warned: set[str] = set()
+
+
 def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Config, controller: QuantileController,
-                  sampling: SamplingConfig, gamma: float, n_agents: int, n_samples: int):
+                  sampling: SamplingConfig, n_agents: int, batch: TeamBatch):
     """Trust-region check with backtracking, controller update, certificate.
 
     The step found by the optimiser is theta_new; if the (1-alpha) quantile of
@@ -355,13 +374,21 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     seq_kl = torch.zeros(len(mask))
     if search["accepted"] and kl.numel() == int(mask.sum()):
         seq_kl = torch.zeros(mask.shape).masked_scatter_(mask.bool(), kl).sum(1)  # [N]
-    cert = certificate(surrogate, float(seq_kl.max()), float(inputs.raw_adv.abs().max()), gamma, zeta=zeta,
-                       n_samples=n_samples, n_agents=n_agents)
+    n_samples = len(batch)
+    # per-step bound in episode units, both protocols (trust_region.turn_certificate); A_max = R_max - R_min
+    cert = turn_certificate(surrogate, REWARD_RANGE[1] - REWARD_RANGE[0], zeta=zeta, n_samples=n_samples, n_agents=n_agents)
+    ess = float(w.sum() ** 2 / (w ** 2).sum())
+    if ess < ESS_WARN_RATIO * n_samples and "ess" not in _warned:
+        _warned.add("ess")
+        warnings.warn(f"agent {j + 1}: effective sample size of the sequence-aware weights is {ess:.1f} of N = {n_samples} "
+                      f"(< {ESS_WARN_RATIO:.0%}); later agents get little gradient: consider --reuse regenerate", stacklevel=2)
     record = {"agent": j + 1, "kl_mean": float(kl.mean()), "kl_quantile": search["kl_quantile"], "kl_max": float(kl.max()),
               "kl_quantile_dkw": dkw_upper_quantile(kl, cfg.quantile),  # upper bound on the true quantile (DKW)
               "delta": cfg.delta, "beta": beta_used, "beta_next": controller.beta, "backtracks": search["backtracks"],
               "accepted": search["accepted"], "step_fraction": search["fraction"], "surrogate": surrogate,
-              "zeta": zeta, "N": n_samples, "ess": float(w.sum() ** 2 / (w ** 2).sum()), "seq_kl_max": float(seq_kl.max()),
+              "zeta": zeta, "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()), "N": n_samples, "ess": ess,
+              "ess_ratio": ess / n_samples, "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j]),
+              "seq_kl_max": float(seq_kl.max()),
               "certificate": cert, **stats}
     return record, log_ratio_tok
 
@@ -513,7 +540,11 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--order", choices=ORDERS)
     p.add_argument("--ratio", choices=RATIOS)
     p.add_argument("--adv", choices=ADVANTAGES)
-    p.add_argument("--resample", action="store_true")
+    p.add_argument("--reuse", choices=REUSES, help="weights: one rollout per stage, truncated importance weights (the paper; "
+                   "tiny default); regenerate: after each promotion redraw the turns it changed (paper-preset default)")
+    p.add_argument("--resample", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", choices=BASELINES, help="counterfactual (default; independent protocol only): agent j's advantage "
+                   "is R minus the vote with its other answers to the prompt swapped in; group: the group mean (Eq. (2))")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
                    help="keep each agent's AdamW moments on the host between its turns (default: off)")
@@ -547,6 +578,8 @@ def parse_args(argv=None) -> Config:
                    help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
     p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
+    if args.pop("resample", False):
+        p.error("--resample was replaced by --reuse regenerate (redraws only the turns a promotion changed)")
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
         cfg_path = (saved if (saved / "config.json").exists() else latest_checkpoint(saved).parent.parent) / "config.json"

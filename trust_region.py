@@ -584,6 +584,54 @@ def certificate(
     }
 
 
+def turn_certificate(
+    surrogate_advantage: float,
+    adv_max: float,
+    zeta: float = 0.0,
+    n_samples: int | None = None,
+    n_agents: int = 1,
+    delta_conf: float = 0.05,
+) -> dict:
+    """Per-step lower bound for an LLM team, in episode (reward) units, both protocols.
+
+    Here each agent acts exactly once per joint trajectory: agent k answers at
+    turn k. Write s_k for the state at turn k (the problem, plus in the chain
+    protocol the answers a_1..a_{k-1}; in the independent protocol just the
+    problem), d_k for its distribution, and R(tau) in [R_min, R_max] for the
+    team reward at the end. Step i of a stage changes only agent j = sigma(i),
+    from pi_j (in pi_hat^{i-1}) to pi_j' (in pi_hat^i); every other agent is
+    the same in both policies.
+
+    Finite-horizon difference lemma, exact (no discount, no occupancy term):
+      - d_j is produced by agents 1..j-1 (chain) or by nobody (independent): the
+        same under pi_hat^{i-1} and pi_hat^i, so the state distribution at the
+        changed agent's turn does not shift (this replaces Lemma 4.1's
+        occupancy-shift term, which is where 1/(1-gamma) and the KL enter
+        Theorem 4.2);
+      - Q_j(s_j, a) = E[R | s_j, a_j = a] is taken over agents j+1..n (chain; in
+        the independent protocol over the other agents' independent answers),
+        also the same under both policies.
+    Hence J(pi_hat^i) - J(pi_hat^{i-1}) = E_{s~d_j}[ E_{a~pi_j'} Q_j(s, a) - E_{a~pi_j} Q_j(s, a) ]
+                                       = E_{tau~pi_hat^{i-1}}[ (r_j(tau) - 1) (R(tau) - b(s_1)) ]
+    for any baseline b of the problem alone (E[r_j - 1 | s_j] = 0), with r_j the
+    sequence ratio of agent j's response. That right-hand side is the surrogate
+    L_i^SEQ of Section 3 computed by ``sat.finish_update`` (group-mean baseline,
+    truncated weights for pi_hat^{i-1}), already one episode's worth: it is not
+    multiplied by a horizon 1/(1-gamma) (the earlier turn-level MDP with
+    gamma = 1 - 1/n overstated it n-fold in the chain protocol).
+
+    What remains is the estimation error: the truncation bias zeta_i
+    (Theorem 4.2's zeta term) and the finite-sample term of Theorems 4.7/4.9,
+    A_max sqrt(log(2n/delta_conf) / (2N)), with A_max = R_max - R_min (an
+    advantage R - b with b a mean of rewards lies in [-(R_max - R_min),
+    R_max - R_min]; the sample maximum of |A| could understate it). This is
+    ``certificate`` at gamma = 0, which is what it returns; the occupancy penalty
+    is 0 by the argument above, whatever the KL.
+    """
+    return certificate(surrogate_advantage, 0.0, adv_max, 0.0, zeta=zeta, n_samples=n_samples,
+                       n_agents=n_agents, delta_conf=delta_conf)
+
+
 def stage_certificate(steps: list[dict]) -> dict:
     """Stage bound: the per-step certificates summed (J telescopes over the steps of a stage).
 

@@ -96,14 +96,20 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
 
     w(tau) = prod over the tokens of agents already updated this stage of
     min(1, rho_t), from their cached log-ratios (empty for the first agent, with
-    --resample, and with --update joint). Group advantages use w as weights, so
+    --reuse regenerate, and with --update joint). Group advantages use w as weights, so
     the baseline is an estimate under pi_hat_{i-1}, not under the stale pi_cur."""
     n = len(batch)
     log_w = truncated_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
     log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
     weights = log_w.exp()  # [N]
-    adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
-    raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights, normalize=False).float()  # [N]
+    if getattr(cfg, "baseline", "group") == "counterfactual" and batch.counterfactual is not None:
+        # R - b_j: the others' answers held fixed (rollout.counterfactual_baselines), then Eq. (2)'s normalisation
+        signal = batch.rewards - batch.counterfactual[j]  # [N], in [-(R_max - R_min), R_max - R_min]
+        adv = group_advantages(signal, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
+        raw_adv = signal.float()  # [N] reward units, for the certificate
+    else:
+        adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
+        raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights, normalize=False).float()  # [N]
     turn = batch.turns[j]
     returns = None
     if cfg.adv == "gae":

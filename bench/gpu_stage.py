@@ -111,6 +111,7 @@ def synthetic_reward(batch) -> None:
     varies within every group, so advantages and updates are not all zero."""
     first = torch.stack([t.response_ids[:, 0] for t in batch.turns]).sum(0)  # [N]
     batch.rewards = (first % 2).float()
+    batch.counterfactual = None  # the vote's counterfactual baselines do not apply to this reward: group mean
 
 
 @contextmanager

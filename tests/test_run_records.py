@@ -16,7 +16,7 @@ import sat
 from records import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds"}
 SMALL = ["--agents", "tiny x2", "--warmup-steps", "20", "--batch-size", "32", "--group-size", "4", "--eval-size", "16",
          "--epochs", "1", "--minibatch-size", "16", "--device", "cpu"]
 QUIET = dict(log=lambda *_: None)

@@ -14,7 +14,7 @@ from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController, quantile
 
-TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s"}
+TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds"}
 
 
 def small_config(tmp_path, **overrides) -> sat.Config:
@@ -75,7 +75,7 @@ def run_finish_update(team, batch, scale, cfg, max_backtracks):
     cfg.max_backtracks = max_backtracks
     record, _ = sat.finish_update(team, j, reference, inputs, {"loss": 0.0}, cfg,
                                   QuantileController(delta=cfg.delta, quantile=cfg.quantile), SamplingConfig(temperature=1.0),
-                                  gamma=0.5, n_agents=2, n_samples=len(batch))
+                                  n_agents=2, batch=batch)
     return agent, original, record
 
 
@@ -154,7 +154,7 @@ def strip_timing(records):
     dict(protocol="independent"),
     dict(protocol="chain", order="greedy"),
     dict(update="joint", order="random"),
-    dict(protocol="chain", resample=True, ratio="token", adv="gae"),
+    dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"),
 ])
 def test_stage_loop_end_to_end(tmp_path, overrides):
     cfg = small_config(tmp_path, **overrides)

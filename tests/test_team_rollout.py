@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from grading import answers_match, majority_vote
+from grading import answers_match, majority_vote, vote_reward
 from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
 from rollout import SamplingConfig, rollout
 from tasks import Problem, arithmetic_problems
@@ -144,7 +144,11 @@ def test_rollout_both_protocols(tiny_agents, protocol):
     for i in range(n):
         answers = [t.answers[i] for t in batch.turns]
         assert batch.team_answers[i] == team.team_answer(answers)
-        assert batch.rewards[i].item() == float(answers_match(batch.team_answers[i], batch.problems[i].answer))
+        gold = batch.problems[i].answer
+        if protocol == "chain":
+            assert batch.rewards[i].item() == float(answers_match(batch.team_answers[i], gold))
+        else:  # expected correctness of the vote under a uniform tie-break
+            assert batch.rewards[i].item() == pytest.approx(vote_reward(answers, gold))
     tok = team.agents[2].tokenizer
     ctx = tok.decode(batch.turns[2].context_ids[0][batch.turns[2].context_mask[0].bool()])
     if protocol == "chain":  # agent 3 read agents 1 and 2's answers of the same joint trajectory
