@@ -153,6 +153,8 @@ class Config:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
+            raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): a share of the start value, e.g. 0.1")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"--quantile must be in (0, 1] (got {self.quantile})")
         if not 0 < self.top_p <= 1:
