@@ -14,8 +14,12 @@ state by state, so Stage-0 *fits* it: pi_pre is kept frozen (the replacement's
 weights as loaded), lambda(s) is solved once per state, and the trainable copy
 minimises E_s KL(target(.|s) || pi_new(.|s)) toward these fixed targets until
 both (i) the (1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the
-mean fit KL(target || pi_new) <= the fit tolerance. Both are reported, in
-sample and on held-out states (rollouts of problems the fit never saw).
+mean fit KL(target || pi_new) <= the fit tolerance (a share of its start value).
+Both are reported, in sample and on held-out states (rollouts of problems
+the fit never saw). Targets on the ball's boundary cannot be fitted exactly,
+so when a converged fit's quantile sits just above delta_0 the targets are
+re-solved at radius 0.9 x the previous one (never below delta_0 / 2); the
+radius used is reported.
 
 Memory is bounded by budgets, not by the response length: rows go through the
 trunks in micro-batches of at most ``token_budget`` tokens, and the LM heads
