@@ -237,16 +237,16 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
             best, stall = (fit_mean, 0) if fit_mean < 0.99 * best else (best, stall + 1)
             since_shrink += 1
         converged = stall >= STAGE0_PATIENCE or (fit_mean <= fit_tol and since_shrink >= STAGE0_PATIENCE)
-        if converged and delta0 < q <= delta0 / STAGE0_SHRINK and radius * STAGE0_SHRINK >= 0.5 * delta0:
-            # The fit has converged but its tail sits just outside: the targets lie on the boundary
-            # of the ball, so fit error pushes about half the tight states out. Aim at a slightly
-            # smaller ball (the exact Eq. (7) projection at that radius), never below delta0 / 2.
+        if converged and q > delta0 and radius * STAGE0_SHRINK >= 0.5 * delta0:
+            # The fit has converged but its tail sits outside: the targets lie on the boundary
+            # of the ball, so fit error pushes the tight states out. Aim at a slightly smaller
+            # ball (the exact Eq. (7) projection at that radius), never below delta0 / 2.
             radius *= STAGE0_SHRINK
             new_model.eval()
             kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, radius, **args)
             new_model.train()
             best, stall, since_shrink = float("inf"), 0, 0
-            log(f"  stage-0 pass {passes}: fit converged, KL quantile {q:.4f} just above delta_0; targets now at radius {radius:.4f}")
+            log(f"  stage-0 pass {passes}: fit converged, KL quantile {q:.4f} above delta_0; targets now at radius {radius:.4f}")
         elif stall >= STAGE0_PATIENCE and lr_now > lr / 1000:  # Adam's noise floor at this lr: halve it
             for group in opt.param_groups:
                 group["lr"] *= 0.5
