@@ -217,6 +217,38 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     return estimate
 
 
+def stage0_bytes(model_config, n_agents: int, dtype_bytes: int = 2, micro_batch_tokens: int = 8192,
+                 logits_budget: int = 1 << 22, optimizer_bytes_per_param: int = 8,
+                 gradient_checkpointing: bool = True, live_blocks: int = 8) -> dict[str, int]:
+    """Stage-0 of a plug-and-play upgrade (``plug_and_play.fit_stage0``, paper Eqs. (6)-(7)), bytes:
+
+        peak_stage0 = n_agents * W          the team, the incumbent among them
+                    + 2 * W                 the replacement: trainable pi_new + frozen pi_pre
+                    + P * (b + opt)         pi_new's gradients + AdamW m, v
+                    + T * a + 2 * T * H * b one micro-batch of T tokens through pi_new (a = activation bytes
+                                            per token), hidden states of pi_pre and pi_cur
+                    + K * E * 4             LM-head blocks of E = logits_budget fp32 elements, K live at once
+                                            (three log-softmaxes, the target and its exp, the bisection's
+                                            mixture and KL terms, one gradient: K = 8)
+
+    W = P * b with P the replacement's parameter count (the incumbent is taken to be as large).
+    T (--token-budget) and E (plug_and_play.STAGE0_LOGITS_BUDGET) are budgets, so the
+    peak does not grow with the response length: a longer response only means fewer
+    rows per micro-batch and more head blocks one after the other."""
+    params = count_parameters(model_config)
+    weight = params * dtype_bytes
+    hidden = model_dims(model_config)["hidden"]
+    parts = {
+        "stage0_weights": (n_agents + 2) * weight,
+        "stage0_grads_optimizer": params * (dtype_bytes + optimizer_bytes_per_param),
+        "stage0_activations": micro_batch_tokens * (activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
+                                                    + 2 * hidden * dtype_bytes),
+        "stage0_logits_blocks": live_blocks * logits_budget * 4,
+    }
+    parts["peak_stage0"] = sum(parts.values())
+    return parts
+
+
 def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
     """Raise a one-line ValueError naming the peak that does not fit, its
     largest component and the fix; return None when everything fits."""
@@ -242,6 +274,9 @@ def format_table(estimate: dict[str, int], available: int | None = None) -> str:
         rows.append(f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}")
     for peak, parts in PEAKS.items():
         rows.append(f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}")
+    if "peak_stage0" in estimate:  # a plug-and-play upgrade: Stage-0 (stage0_bytes)
+        rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_new + pi_pre + grads/AdamW + "
+                    f"micro-batch + LM-head blocks (Stage-0 of --upgrade)")
     if available is not None:
         worst = max(estimate[p] for p in PEAKS)
         verdict = "fits" if worst <= available else "does NOT fit"
@@ -308,9 +343,15 @@ def check_run(cfg, team, log) -> None:
                           dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
                           trust_region_copies=3 if cfg.kl_check_every else 2)  # + the in-loop inside snapshot
     available = available_bytes(cfg.device)
+    if cfg.upgrade:  # Stage-0 of --upgrade (the replacement taken to be as large as the biggest agent)
+        est.update(stage0_bytes(biggest.model.config, len(team), micro_batch_tokens=cfg.token_budget,
+                                gradient_checkpointing=cfg.gradient_checkpointing))
     log(format_table(est, available))
     if available is not None:
         check_fits(est, available)
+        if est.get("peak_stage0", 0) > available:
+            raise ValueError(f"not enough accelerator memory for Stage-0 of --upgrade: about {est['peak_stage0'] / GiB:.1f} GiB "
+                             f"but {available / GiB:.1f} GiB are available; fix: use a smaller --token-budget or a smaller replacement")
     if cfg.backend == "vllm":
         import rollout_vllm
 

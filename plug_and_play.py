@@ -4,96 +4,331 @@ Paper, Section 5 ("plug-and-play upgrades", Eqs. (6)-(7)) and Section 4.3
 (plug-and-play invariance of the bound). Stage-0 projects the replacement
 pi_pre onto the per-state KL ball of radius delta_0 around the incumbent:
 
-    pi_new = argmin_pi E_s[ KL(pi(.|s) || pi_pre(.|s)) ]  s.t.  KL(pi(.|s) || pi_j,cur(.|s)) <= delta_0
-    pi_new(a|s)  ~  pi_pre(a|s)^(1/(1+lambda(s))) * pi_j,cur(a|s)^(lambda(s)/(1+lambda(s)))
+    pi_new = argmin_pi E_s[ KL(pi(.|s) || pi_pre(.|s)) ]  s.t.  KL(pi(.|s) || pi_j,cur(.|s)) <= delta_0   (Eq. (6))
+    pi_new(a|s)  ~  pi_pre(a|s)^(1/(1+lambda(s))) * pi_j,cur(a|s)^(lambda(s)/(1+lambda(s)))          (Eq. (7))
 
 with lambda(s) >= 0 found by bisection per state (``trust_region.
-geometric_mixture_projection``). Per-token mixing needs a shared vocabulary;
-a replacement with another tokenizer is refused (``team.check_same_vocabulary``).
-Then SAT continues with the new agent in the team.
+geometric_mixture_projection``): 0 where pi_pre is already inside, else the
+value that makes the constraint tight. A network cannot be set to Eq. (7)
+state by state, so Stage-0 *fits* it: pi_pre is kept frozen (the replacement's
+weights as loaded), lambda(s) is solved once per state, and the trainable copy
+minimises E_s KL(target(.|s) || pi_new(.|s)) toward these fixed targets until
+both (i) the (1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the
+mean fit KL(target || pi_new) <= the fit tolerance (a share of its start value).
+Both are reported, in sample and on held-out states (rollouts of problems
+the fit never saw). Targets on the ball's boundary cannot be fitted exactly,
+so when a converged fit's quantile sits just above delta_0 the targets are
+re-solved at radius 0.9 x the previous one (never below delta_0 / 2); the
+radius used is reported.
+
+Memory is bounded by budgets, not by the response length: rows go through the
+trunks in micro-batches of at most ``token_budget`` tokens, and the LM heads
+see at most ``logits_budget // V`` positions at a time (a [positions, V] block
+of ``logits_budget`` elements), recomputed in the backward pass. The peak
+formula is ``memory.stage0_bytes``.
+
+Each model reads a state through its own chat template: the replacement's
+contexts are rendered by its tokenizer, the incumbent's by its own; when they
+differ as token sequences the log says so. Per-token mixing needs a shared
+vocabulary; a replacement with another tokenizer is refused
+(``team.check_same_vocabulary``). Then SAT continues with the new agent.
 
     python sat.py --resume runs/sat --upgrade 2=tiny-6L --stages 12
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from logprobs import measure_kl, response_hidden_states
-from rollout import SamplingConfig, Turn, rollout
+from logprobs import left_pad, response_hidden_states
+from rollout import SamplingConfig, rollout
 from tasks import Problem
 from team import Agent, Team, check_same_vocabulary, warm_start
-from trust_region import QuantileController, geometric_mixture_projection, quantile
+from trust_region import QuantileController, geometric_mixture_at, geometric_mixture_projection, quantile
 from update import make_value_head
 
 # ``cfg`` below is the run's ``sat.Config``.
 
+STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
+STAGE0_HELDOUT_FRACTION = 0.25  # share of the Stage-0 problems whose states are held out of the fit
+STAGE0_SHRINK = 0.9  # target radius factor when a fit within tolerance still sits outside delta_0
+STAGE0_PATIENCE = 5  # passes without a 1% better fit before the Stage-0 learning rate is halved
+STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
 
-def state_logprobs(model, turn: Turn, rows: slice, temperature: float) -> torch.Tensor:
-    """Full-vocabulary log pi(.|s) at every valid response position of ``rows``. [M, V]"""
+
+# ---------------------------------------------------------------------------
+# States: one agent's turn, rendered by both models' chat templates
+# ---------------------------------------------------------------------------
+@dataclass
+class Stage0States:
+    """The states s of one slot: the same response prefixes after each model's
+    own rendering of the context (left-padded), shared response ids."""
+
+    ctx_new: torch.Tensor  # [N, Lc'] the replacement's template
+    cmask_new: torch.Tensor  # [N, Lc']
+    ctx_cur: torch.Tensor  # [N, Lc] the incumbent's template
+    cmask_cur: torch.Tensor  # [N, Lc]
+    resp: torch.Tensor  # [N, Lr] right-padded
+    rmask: torch.Tensor  # [N, Lr]
+
+    def rows(self, sl: slice) -> "Stage0States":
+        return Stage0States(*(t[sl] for t in (self.ctx_new, self.cmask_new, self.ctx_cur, self.cmask_cur, self.resp, self.rmask)))
+
+    def __len__(self) -> int:
+        return self.resp.shape[0]
+
+    @property
+    def num_states(self) -> int:
+        return int(self.rmask.sum())
+
+
+def _trim(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop left-padding columns that every row of the slice shares (exact, cheaper)."""
+    keep = mask.any(0).nonzero()
+    c0 = int(keep[0]) if len(keep) else ids.shape[1] - 1
+    return ids[:, c0:], mask[:, c0:]
+
+
+def _hidden(model, ctx, cmask, resp, rmask) -> torch.Tensor:
+    """Final hidden states at the valid response positions. [M, H]"""
     device = next(model.parameters()).device
-    args = [t[rows].to(device) for t in (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
-    hidden = response_hidden_states(model, *args)[args[3].bool()]  # [M, H]
-    return F.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, dim=-1)  # [M, V]
+    ctx, cmask = _trim(ctx, cmask)
+    width = max(1, int(rmask.sum(1).max()))
+    args = [t.to(device) for t in (ctx, cmask, resp[:, :width], rmask[:, :width])]
+    return response_hidden_states(model, *args)[args[3].bool()]  # [M, H]
 
 
-STAGE0_MARGIN = 0.5  # Stage-0 trains toward the projection onto the ball of radius 0.5 * delta_0
+def _logp(model, h: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(model.get_output_embeddings()(h).float() / temperature, dim=-1)  # [c, V]
+
+
+def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> list[slice]:
+    """Consecutive row slices of at most ``rows_per_step`` rows and about
+    ``token_budget`` (context + response) tokens: the trunks' activations do
+    not grow with the response length."""
+    width = max(states.ctx_new.shape[1], states.ctx_cur.shape[1]) + states.resp.shape[1]
+    rows = max(1, min(rows_per_step, token_budget // width))
+    return [slice(s, s + rows) for s in range(0, len(states), rows)]
+
+
+# ---------------------------------------------------------------------------
+# Stage-0 on given states: targets, the fit, the measurements
+# ---------------------------------------------------------------------------
+@torch.no_grad()
+def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
+                   temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET):
+    """Per state: KL(pi_new || pi_cur) and the fit KL(target || pi_new), exact over
+    the vocabulary; ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by
+    bisection when None. Returns (kl_cur [M], fit [M], t [M]) in row-major state order."""
+    kls, fits, ts = [], [], []
+    offset = 0
+    for sl in row_slices(states, len(states), token_budget):
+        part = states.rows(sl)
+        h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
+        h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
+        h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
+        step = max(1, logits_budget // new_model.get_output_embeddings().weight.shape[0])  # positions per head block
+        for c in range(0, h_new.shape[0], step):
+            logp_new = _logp(new_model, h_new[c : c + step], temperature)  # [c, V]
+            logp_pre = _logp(pre_model, h_pre[c : c + step], temperature)  # [c, V]
+            logp_cur = _logp(cur_model, h_cur[c : c + step], temperature)  # [c, V]
+            if t is None:  # lambda(s) = 0 (t = 1) where pi_pre is inside; bisection only where it is not
+                t_c = torch.ones(logp_pre.shape[0], dtype=logp_pre.dtype, device=logp_pre.device)  # [c]
+                out = (logp_pre.exp() * (logp_pre - logp_cur)).sum(-1) > delta0  # [c]
+                if bool(out.any()):
+                    _, lam = geometric_mixture_projection(logp_pre[out], logp_cur[out], delta0)  # [c_out]
+                    t_c[out] = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1.0 / (1.0 + lam)).to(t_c.dtype)
+            else:
+                t_c = t[offset + c : offset + c + logp_new.shape[0]].to(logp_new.device)  # [c]
+            target = geometric_mixture_at(logp_pre, logp_cur, t_c)  # [c, V] Eq. (7)
+            kls.append((logp_new.exp() * (logp_new - logp_cur)).sum(-1).cpu())  # [c] KL(new || cur)
+            fits.append((target.exp() * (target - logp_new)).sum(-1).cpu())  # [c] KL(target || new)
+            ts.append(t_c.cpu())
+        offset += h_new.shape[0]
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0))
+    return cat(kls).clamp_min(0.0), cat(fits).clamp_min(0.0), cat(ts)
+
+
+def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
+    """Sum over a block of states of KL(target || pi_new); the target (Eq. (7))
+    carries no gradient. Run under checkpointing: one block of logits at a time."""
+    with torch.no_grad():
+        logp_pre = F.log_softmax(head_pre(h_pre).float() / temperature, dim=-1)  # [c, V]
+        logp_cur = F.log_softmax(head_cur(h_cur).float() / temperature, dim=-1)  # [c, V]
+        target = geometric_mixture_at(logp_pre, logp_cur, t)  # [c, V]
+    logp_new = F.log_softmax(head_new(h_new).float() / temperature, dim=-1)  # [c, V]
+    return (target.exp() * (target - logp_new)).sum()
+
+
+def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
+             rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET) -> float:
+    """One pass over the fit states: per micro-batch of rows, minimise the mean
+    KL(target || pi_new) toward the fixed targets. Returns the mean loss."""
+    head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
+    step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
+    offset, losses = 0, []
+    for sl in row_slices(states, rows_per_step, token_budget):
+        part = states.rows(sl)
+        with torch.no_grad():
+            h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
+            h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
+        h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H] with grad
+        m = h_new.shape[0]
+        t_b = t[offset : offset + m].to(h_new.device)  # [M_b]
+        offset += m
+        if m == 0:
+            continue
+        total = sum(torch.utils.checkpoint.checkpoint(_fit_piece, head_new, head_pre, head_cur, h_new[c : c + step],
+                                                      h_pre[c : c + step], h_cur[c : c + step], t_b[c : c + step],
+                                                      temperature, use_reentrant=False)
+                    for c in range(0, m, step))
+        loss = total / m
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return sum(losses) / max(len(losses), 1)
+
+
+def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delta0: float, q_level: float, lr: float,
+               max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
+               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent") -> dict:
+    """Stage-0 (Eqs. (6)-(7)) on given states. ``new_model`` enters as pi_pre and
+    leaves aligned; a frozen copy keeps pi_pre. Stops when the (1-alpha) quantile
+    of KL(pi_new || pi_cur) over the fit states is <= delta0 and the mean fit
+    KL(target || pi_new) is <= fit_tol x its value at the start, KL(target || pi_pre)
+    (a relative tolerance; the absolute one is reported as ``fit_tol``). Targets
+    are the exact Eq. (7) projection onto radius delta0; only if a fit within
+    tolerance still has its quantile above delta0 (the targets sit on the
+    boundary, so fit error pushes about half of the tight states out) is the
+    target radius shrunk by STAGE0_SHRINK and lambda(s) solved again. Raises if the model is still outside
+    delta0 after ``max_passes``; if only the fit tolerance is missed, the (feasible)
+    model is kept and ``fit_ok`` is False."""
+    log = log or (lambda *_: None)
+    pre_model = copy.deepcopy(new_model).requires_grad_(False).eval()  # pi_pre, frozen
+    args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
+    kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, delta0, **args)
+    kl_held = measure_stage0(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held) else torch.zeros(0)
+    # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs float rounding when pi_pre is inside
+    fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
+    before = {"fit_mean_before": float(fit_kl.mean()) if fit_kl.numel() else 0.0,
+              "kl_quantile_before": quantile(kl, q_level) if kl.numel() else 0.0,
+              "heldout_kl_quantile_before": quantile(kl_held, q_level) if kl_held.numel() else 0.0,
+              "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
+    new_model.requires_grad_(True).train()
+    opt = torch.optim.AdamW(new_model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    best, stall, since_shrink = float("inf"), 0, 0
+    radius = delta0  # the targets' radius: delta0, shrunk only if a converged fit still sits outside delta0
+    for passes in range(max_passes + 1):
+        q = quantile(kl, q_level) if kl.numel() else 0.0
+        fit_mean = float(fit_kl.mean()) if fit_kl.numel() else 0.0
+        if passes % 10 == 0:
+            log(f"  stage-0 pass {passes}: KL(new||cur) quantile {q:.4f} (delta_0 {delta0}), "
+                f"fit KL(target||new) mean {fit_mean:.5f} (tol {fit_tol:.5f}), target radius {radius:.4f}, lr {opt.param_groups[0]['lr']:.2e}")
+        lr_now = opt.param_groups[0]["lr"]
+        if (q <= delta0 and (fit_mean <= fit_tol or lr_now <= lr / 1000)) or passes == max_passes:
+            break  # done (or inside delta0 with a fit that no longer improves: fit_ok says which)
+        if passes >= 1:
+            best, stall = (fit_mean, 0) if fit_mean < 0.99 * best else (best, stall + 1)
+            since_shrink += 1
+        converged = stall >= STAGE0_PATIENCE or (fit_mean <= fit_tol and since_shrink >= STAGE0_PATIENCE)
+        if converged and q > delta0 and radius * STAGE0_SHRINK >= 0.5 * delta0:
+            # The fit has converged but its tail sits outside: the targets lie on the boundary
+            # of the ball, so fit error pushes the tight states out. Aim at a slightly smaller
+            # ball (the exact Eq. (7) projection at that radius), never below delta0 / 2.
+            radius *= STAGE0_SHRINK
+            new_model.eval()
+            kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, radius, **args)
+            new_model.train()
+            best, stall, since_shrink = float("inf"), 0, 0
+            log(f"  stage-0 pass {passes}: fit converged, KL quantile {q:.4f} above delta_0; targets now at radius {radius:.4f}")
+        elif stall >= STAGE0_PATIENCE and lr_now > lr / 1000:  # Adam's noise floor at this lr: halve it
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+            best, stall = fit_mean, 0
+        fit_pass(new_model, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
+        new_model.eval()
+        kl, fit_kl, _ = measure_stage0(new_model, pre_model, cur_model, fit, t, delta0, **args)
+        new_model.train()
+    new_model.zero_grad(set_to_none=True)
+    new_model.requires_grad_(False).eval()
+    del opt
+    if q > delta0:
+        raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
+                           f"{passes} passes; raise --stage0-delta or --stage0-max-passes")
+    out = {**before, "kl_quantile": q, "kl_mean": float(kl.mean()) if kl.numel() else 0.0, "fit_mean": fit_mean,
+           "fit_quantile": quantile(fit_kl, q_level) if fit_kl.numel() else 0.0, "fit_tol": fit_tol,
+           "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0, "target_radius": radius,
+           "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
+    if len(held):
+        kl_h, fit_h, _ = measure_stage0(new_model, pre_model, cur_model, held, None, radius, **args)
+        out.update(heldout_states=held.num_states, heldout_kl_quantile=quantile(kl_h, q_level) if kl_h.numel() else 0.0,
+                   heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
+                   heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
+    del pre_model
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Stage-0 for a team slot
+# ---------------------------------------------------------------------------
+def slot_states(team: Team, slot: int, new_agent: Agent, batch) -> tuple[Stage0States, int]:
+    """The slot's states in both templates: the incumbent's rollout contexts and
+    the same messages rendered by the replacement's own chat template (chain
+    protocol: with the same earlier answers). Also returns how many rows the
+    two templates tokenise differently."""
+    turn = batch.turns[slot]
+    holder = Team(list(team.agents), team.config)
+    holder.agents[slot] = new_agent
+    previous = [[t.answers[i] for t in batch.turns[:slot]] if team.protocol == "chain" else [] for i in range(len(batch))]
+    contexts = [holder.prompt_ids(slot, p, prev) for p, prev in zip(batch.problems, previous)]
+    ctx_new, cmask_new = left_pad(contexts, new_agent.tokenizer.pad_token_id)  # [N, Lc']
+    differ = sum(ctx != turn.context_ids[i][turn.context_mask[i].bool()].tolist() for i, ctx in enumerate(contexts))
+    return Stage0States(ctx_new, cmask_new, turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask), differ
+
+
+def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[list[Problem], list[Problem]]:
+    """Distinct problems, split into fit and held-out (no problem in both)."""
+    unique = list({p.id: p for p in problems}.values())
+    n_held = int(round(heldout_fraction * len(unique))) if len(unique) > 1 else 0
+    n_held = min(max(n_held, 1 if len(unique) > 1 and heldout_fraction > 0 else 0), len(unique) - 1)
+    return unique[: len(unique) - n_held], unique[len(unique) - n_held :]
 
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg,
                  sampling: SamplingConfig, lr: float, log) -> dict:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around
-    the incumbent of ``slot``, on the team's current states (the stopping
-    test uses delta_0; the training target uses STAGE0_MARGIN * delta_0).
-
-    States: every position of the incumbent's responses in fresh rollouts of
-    the trained team. Each pass trains the new model toward the exact
-    geometric-mixture projection of itself onto the ball (pi_new ~ pi^(1/(1+l))
-    pi_cur^(l/(1+l)), lambda by bisection per state; trust_region), minimising
-    KL(projection || pi_new), until the (1-alpha) quantile of KL(pi_new ||
-    pi_cur) over those states is <= delta_0. Gives up with a clear error after
-    ``cfg.stage0_max_passes`` passes rather than letting an unaligned model in."""
+    the incumbent of ``slot`` by fitting the Eq. (7) projection of its frozen
+    self (``fit_stage0``). States: every position of the incumbent's responses
+    in fresh rollouts of the trained team (the states the team visits); a
+    quarter of the distinct problems is held out of the fit and only measured."""
     incumbent = team.agents[slot]
-    batch = rollout(team, problems, cfg.group_size, sampling)  # the trained team's states
-    turn = batch.turns[slot]
-    delta0 = cfg.stage0_delta
-    opt = new_agent.start_training(lr)
-    rows_per_step = max(1, cfg.minibatch_size)
-    history = []
-    mean_lambda = 0.0  # no training pass: pi_pre already inside, lambda = 0 at every state
-    for passes in range(cfg.stage0_max_passes + 1):
-        kl, _ = measure_kl(new_agent, incumbent.model, turn, cfg.temperature, cfg.token_budget)
-        q = quantile(kl, cfg.quantile)
-        history.append(q)
-        if q <= delta0:
-            break
-        if passes == cfg.stage0_max_passes:
-            raise RuntimeError(f"Stage-0 could not bring agent {slot + 1} ('{new_agent.spec.name}') inside delta_0={delta0}: "
-                               f"KL quantile still {q:.4f} after {passes} passes; raise --stage0-delta or --stage0-max-passes")
-        lambdas = []
-        for s in range(0, len(batch), rows_per_step):
-            rows = slice(s, s + rows_per_step)
-            with torch.no_grad():
-                logp_cur = state_logprobs(incumbent.model, turn, rows, cfg.temperature)  # [M, V]
-            logp_new = state_logprobs(new_agent.model, turn, rows, cfg.temperature)  # [M, V]
-            # aim at half the radius: the projection of a model just outside delta_0 sits
-            # on the boundary and gives a vanishing gradient; a margin ends Stage-0 in few passes
-            target, lam = geometric_mixture_projection(logp_new.detach(), logp_cur, STAGE0_MARGIN * delta0)  # [M, V], [M]
-            loss = (target.exp() * (target - logp_new)).sum(-1).mean()  # KL(projection || pi_new)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            lambdas.append(lam[torch.isfinite(lam)])
-        mean_lambda = float(torch.cat(lambdas).mean()) if lambdas else 0.0
-        if passes % 10 == 0:
-            log(f"  stage-0 pass {passes}: KL quantile {q:.4f} (delta_0 {delta0}), mean lambda {mean_lambda:.3f}")
+    fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
+    batch = rollout(team, fit_problems + held_problems, cfg.group_size, sampling)  # the trained team's states
+    states, differ = slot_states(team, slot, new_agent, batch)
+    if differ:
+        log(f"  stage-0: the replacement's chat template renders {differ} of {len(batch)} contexts as other tokens than "
+            f"the incumbent's; each model is evaluated on its own rendering")
+    n_fit = len(fit_problems) * cfg.group_size
+    fit, held = states.rows(slice(0, n_fit)), states.rows(slice(n_fit, len(states)))
+    fit_tol = getattr(cfg, "stage0_fit_tol", None)
+    fit_tol = STAGE0_FIT_TOL if fit_tol is None else fit_tol
     new_agent.freeze()
-    # mean_lambda: of the last training pass's projection targets (no extra forward for the log)
-    return {"kl_quantile": history[-1], "kl_quantile_before": history[0], "passes": passes, "states": int(turn.response_mask.sum()),
-            "mean_lambda": mean_lambda, "delta0": delta0}
+    if cfg.gradient_checkpointing:  # as in the update: trunk activations recomputed in the backward pass
+        new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes,
+                      fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget, log=log,
+                      label=f"agent {slot + 1} ('{new_agent.spec.name}')")
+    if cfg.gradient_checkpointing:
+        new_agent.model.gradient_checkpointing_disable()
+    new_agent.freeze()
+    info.update(template_differs=differ, contexts=len(batch))
+    return info
 
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
@@ -110,9 +345,11 @@ def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int
 
 
 def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig,
-                   controllers: dict, value_heads: dict, rng: random.Random, log) -> list[dict]:
+                   controllers: dict, value_heads: dict, rng: random.Random, log, evaluate=None) -> list[dict]:
     """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0; a
-    new agent gets a fresh controller (and a fresh value head with --adv gae)."""
+    new agent gets a fresh controller (and a fresh value head with --adv gae).
+    ``evaluate(team) -> dict``, when given, records the held-out accuracy of the
+    team with the unaligned replacement (before Stage-0) in the event."""
     events = []
     for item in cfg.upgrade:
         slot_text, _, spec = item.partition("=")
@@ -124,6 +361,13 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)
+        before = None
+        if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
+            holder = Team(list(team.agents), team.config)
+            holder.agents[slot] = new_agent
+            before = evaluate(holder)
+            log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement {before['eval_accuracy']:.3f}; "
+                f"agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
         prompts = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
         log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment (delta_0 = {cfg.stage0_delta})")
         t0 = time.time()
@@ -138,7 +382,10 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             value_heads[slot] = make_value_head(new_agent)
         event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
                  "seconds": time.time() - t0, "stage0": stage0}
-        log(f"  stage-0 done: KL quantile {stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} in "
-            f"{stage0['passes']} passes over {stage0['states']} states, mean lambda {stage0['mean_lambda']:.3f}")
+        if before is not None:
+            event["before_stage0"] = before
+        log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
+            f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {stage0.get('heldout_kl_quantile', float('nan')):.4f}), "
+            f"fit mean {stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'})")
         events.append(event)
     return events

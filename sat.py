@@ -110,6 +110,7 @@ class Config:
     upgrade: list[str] = field(default_factory=list)  # "SLOT=MODEL", 1-based slots (plug-and-play)
     stage0_delta: float = 0.01  # Stage-0 radius delta_0 on the per-state KL quantile to the incumbent
     stage0_max_passes: int = 200  # passes over the Stage-0 states before giving up (a clear error)
+    stage0_fit_tol: float | None = None  # Stage-0 stops once mean KL(target || pi_new) <= this x its start value (default 0.1)
     upgrade_warmup_steps: int | None = None  # warm start of a tiny replacement (default 2 x warmup_steps)
     # optimisation details
     epochs: int | None = None  # passes over the batch per agent update
@@ -158,6 +159,8 @@ class Config:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
+            raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): a share of the start value, e.g. 0.1")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"--quantile must be in (0, 1] (got {self.quantile})")
         if not 0 < self.top_p <= 1:
@@ -474,7 +477,8 @@ def run(cfg: Config, log=None) -> list[dict]:
     if cfg.upgrade:
         if resume_from is None:
             raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
-        events = apply_upgrades(cfg, team, train, start, sampling, controllers, value_heads, rng, log)
+        events = apply_upgrades(cfg, team, train, start, sampling, controllers, value_heads, rng, log,
+                                evaluate=lambda t: evaluate(t, heldout, sampling, cfg))
         baseline = evaluate(team, heldout, sampling, cfg)
         for event in events:
             event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
@@ -558,12 +562,14 @@ def parse_args(argv=None) -> Config:
              "kl-check-every": "exact KL check every k gradient steps, stop at delta (0: only at the end)",
              "eval-size": "held-out problems per evaluation", "warmup-steps": "supervised warm start of tiny agents",
              "stage0-delta": "Stage-0 radius delta_0 for --upgrade", "stage0-max-passes": "Stage-0 passes before giving up",
-             "upgrade-warmup-steps": "warm start of a tiny replacement (default 2 x --warmup-steps)"}
+             "upgrade-warmup-steps": "warm start of a tiny replacement (default 2 x --warmup-steps)",
+             "stage0-fit-tol": "Stage-0 fit tolerance: mean KL(target || new) <= this x its start value (default 0.1)"}
     for name, typ in [("delta", float), ("quantile", float), ("beta", float), ("lr", float), ("group-size", int),
                       ("batch-size", int), ("max-new-tokens", int), ("temperature", float), ("top-p", float),
                       ("seed", int), ("epochs", int), ("minibatch-size", int), ("eps-clip", float), ("adv-clip", float),
                       ("max-backtracks", int), ("token-budget", int), ("kl-check-every", int), ("eval-size", int), ("warmup-steps", int),
-                      ("stage0-delta", float), ("stage0-max-passes", int), ("upgrade-warmup-steps", int)]:
+                      ("stage0-delta", float), ("stage0-max-passes", int), ("upgrade-warmup-steps", int),
+                      ("stage0-fit-tol", float)]:
         p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=typ, help=helps.get(name))
     p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3", "k3_new"])
     p.add_argument("--out")

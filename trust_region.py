@@ -433,6 +433,19 @@ def geometric_mixture_projection(
     return _geometric_mixture(pre, cur, lo), lam
 
 
+def geometric_mixture_at(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The Stage-0 target of Eq. (7) for given exponents: normalised pi_pre^t * pi_cur^(1-t)
+    per row, t = 1/(1+lambda(s)) in [0, 1] ([N]; t = 0 is pi_cur, t = 1 is pi_pre).
+    With the t of ``geometric_mixture_projection`` (lam -> t = 1/(1+lam)) this is its
+    projection; Stage-0 solves t once per state and reuses it for fixed targets. [N, V]"""
+    if t.dim() != 1 or t.shape[0] != logp_pre.shape[0]:
+        raise ValueError(f"t must be [N] with N = {logp_pre.shape[0]} rows, got {tuple(t.shape)}")
+    dtype = _compute_dtype(logp_pre)
+    pre = torch.log_softmax(logp_pre.to(dtype), dim=-1)  # [N, V]
+    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [N, V]
+    return _geometric_mixture(pre, cur, t.to(dtype)[:, None])
+
+
 def exponential_tilt_step(
     logp_cur: torch.Tensor,
     advantages: torch.Tensor,

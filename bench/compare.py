@@ -1,7 +1,7 @@
 """Side-by-side runs on tiny agents: what SAT's design choices buy, over seeds.
 
     python bench/compare.py updates  --seeds 0 1 2 --stages 15   # sequential vs joint, 3 agents vs 1, both protocols
-    python bench/compare.py upgrades --seeds 0 1 2 --stages 6    # plug-and-play: continue / stronger / weaker
+    python bench/compare.py upgrades --seeds 0 1 2 --train-stages 4 --stages 6   # plug-and-play: continue / stronger / weaker
 
 Every arm of one seed starts from the same warm-started checkpoint (made once,
 then ``--resume``d), so arms differ only in what is being compared. Prints a
@@ -62,28 +62,85 @@ def updates(args) -> None:
               f"{', '.join(f'{v[1]:.3f}' for v in vals)} |")
 
 
+UPGRADE_ARMS = (  # label, --upgrade spec, replacement warm-start steps, label noise of that warm start
+    ("continue unchanged", None, None, None),
+    ("stronger (tiny, 200 warm-start steps on 5%-noisy labels)", "tiny", 200, 0.05),
+    ("weaker (tiny-2L, 40 warm-start steps on 80%-noisy labels)", "tiny-2L", 40, 0.8),
+)
+
+
+def upgrade_arm(base: Path, out: Path, name: str, total_stages: int, slot: int, spec, steps, p_wrong, args):
+    """Resume the trained team, replace ``slot`` (Stage-0) and continue SAT. The
+    replacement's warm start (a tiny stand-in for pretraining) runs on labels
+    wrong with probability ``p_wrong``: that is what makes it stronger or weaker."""
+    run_dir = out / name
+    if (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)[-1]["stage"] >= total_stages:
+        return read_metrics(run_dir), run_dir
+    argv = ["--resume", str(base), "--out", str(run_dir), "--stages", str(total_stages), "--eval-size", str(args.eval_size)]
+    if spec:
+        argv += ["--upgrade", f"{slot}={spec}", "--upgrade-warmup-steps", str(steps), "--stage0-max-passes", str(args.stage0_max_passes)]
+    cfg = sat.parse_args(argv)
+    if p_wrong is not None:
+        cfg.warmup_p_wrong = p_wrong  # used only by the replacement's warm start (a resumed team is not warmed again)
+    logf = open(out / f"{name}.log", "a")
+    recs = sat.run(cfg, log=lambda msg: print(msg, file=logf, flush=True))
+    logf.close()
+    return recs, run_dir
+
+
 def upgrades(args) -> None:
+    """Plug-and-play (paper, Table 3): does a stronger replacement raise the team
+    and a weaker one lower it, after Stage-0 and continued SAT?"""
     rows = {}
+    total = args.train_stages + args.stages
     for seed in args.seeds:
-        trained = base_run(args.out, seed, "tiny x3", "independent", stages=args.train_stages)
-        total = args.train_stages + args.stages
-        for label, extra in (("continue unchanged", []),
-                             ("upgrade slot 2 -> stronger (tiny-6L, 2x warm start)", ["--upgrade", "2=tiny-6L", "--upgrade-warmup-steps", str(2 * 300)]),
-                             ("upgrade slot 2 -> weaker (tiny-2L, short warm start)", ["--upgrade", "2=tiny-2L", "--upgrade-warmup-steps", "60"])):
-            name = f"upgrade-{label.split(' ')[0]}-{label.split('(')[-1].split(',')[0] if '(' in label else 'none'}-s{seed}"
-            recs = arm(trained, args.out, name, total, extra)
+        run_dir = args.out / f"base-tinyx3-independent-s{seed}-st{args.train_stages}-e{args.eval_size}-b{args.batch_size}-w{args.warmup_steps}"
+        if not (run_dir / "latest.json").exists():
+            sat.run(sat.Config(agents="tiny x3", protocol="independent", seed=seed, stages=args.train_stages, eval_size=args.eval_size,
+                               batch_size=args.batch_size, warmup_steps=args.warmup_steps, out=str(run_dir)), **QUIET)
+        base_recs = read_metrics(run_dir)
+        pre = base_recs[-1]
+        for label, spec, steps, p_wrong in UPGRADE_ARMS:
+            name = f"upgrade-{label.split(' ')[0]}-slot{args.slot}-s{seed}"
+            try:
+                recs, arm_dir = upgrade_arm(run_dir, args.out, name, total, args.slot, spec, steps, p_wrong, args)
+            except RuntimeError as err:  # Stage-0 could not align: report it, keep the other arms
+                print(f"seed {seed} {label}: FAILED: {err}", flush=True)
+                continue
             after = [r for r in recs if r["stage"] > args.train_stages]
-            first_violation = after[0]["violation"] if after else None
-            rows.setdefault(label, []).append((recs[-1]["eval_accuracy"], first_violation, after[0].get("upgrades")))
-            print(f"{label:55s} seed {seed}: final {recs[-1]['eval_accuracy']:.3f}, first stage violation {first_violation}", flush=True)
-    print(f"\nheld-out team accuracy after {args.train_stages} SAT stages + {args.stages} more (3 seeds)\n")
-    print("| arm | final accuracy (mean) | per seed | first-stage violation rate | Stage-0 KL quantile before -> after |")
-    print("|---|---|---|---|---|")
+            events = json.loads((arm_dir / "upgrades.json").read_text()) if spec else []
+            ev = events[-1] if events else {}
+            s0 = ev.get("stage0", {})
+            row = {"before": pre["eval_accuracy"], "incumbent_alone": pre["eval_agent_accuracy"][args.slot - 1],
+                   "raw_team": ev.get("before_stage0", {}).get("eval_accuracy"),
+                   "replacement_alone": ev.get("before_stage0", {}).get("eval_agent_accuracy", [None] * args.slot)[args.slot - 1],
+                   "after_stage0": ev.get("eval_accuracy_after_stage0"), "final": recs[-1]["eval_accuracy"],
+                   "final_se": recs[-1]["eval_stderr"], "violation": after[0]["violation"] if after else None,
+                   "kl_in": s0.get("kl_quantile"), "kl_held": s0.get("heldout_kl_quantile"), "kl_before": s0.get("kl_quantile_before"),
+                   "fit": s0.get("fit_mean"), "fit_tol": s0.get("fit_tol"), "passes": s0.get("passes"), "stage0_s": ev.get("seconds")}
+            rows.setdefault(label, []).append(row)
+            print(f"seed {seed} {label}: {json.dumps(row)}", flush=True)
+    f = (lambda v, d=3: "-" if v is None else f"{v:.{d}f}")
+
+    def mean_sd(vals):
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return "-"
+        return f"{statistics.mean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+    print(f"\nslot {args.slot} replaced after {args.train_stages} SAT stages, then {args.stages} more; held-out team accuracy "
+          f"on {args.eval_size} draws (one sample each) per evaluation; mean ± SD over seeds {args.seeds}\n")
+    print("| arm | team before upgrade | incumbent alone | replacement alone (before Stage-0) | team with raw replacement | "
+          "team after Stage-0 | team after continued stages | per seed (final ± SE) | first-stage violations | "
+          "Stage-0 KL q0.99 before -> in-sample / held-out | passes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, vals in rows.items():
-        s0 = [u[0]["stage0"] for _, _, u in vals if u]
-        s0_text = ", ".join(f"{s['kl_quantile_before']:.3f}->{s['kl_quantile']:.4f}" for s in s0) or "-"
-        print(f"| {label} | {statistics.mean(v[0] for v in vals):.3f} | {', '.join(f'{v[0]:.3f}' for v in vals)} | "
-              f"{sum(bool(v[1]) for v in vals)}/{len(vals)} | {s0_text} |")
+        per_seed = ", ".join(f"{v['final']:.3f}±{v['final_se']:.3f}" for v in vals)
+        kl_text = ", ".join(f"{f(v['kl_before'], 2)} -> {f(v['kl_in'], 4)} / {f(v['kl_held'], 4)}" for v in vals) if vals[0]["kl_in"] is not None else "-"
+        print(f"| {label} | {mean_sd([v['before'] for v in vals])} | {mean_sd([v['incumbent_alone'] for v in vals])} | "
+              f"{mean_sd([v['replacement_alone'] for v in vals])} | {mean_sd([v['raw_team'] for v in vals])} | "
+              f"{mean_sd([v['after_stage0'] for v in vals])} | {mean_sd([v['final'] for v in vals])} | "
+              f"{per_seed} | "
+              f"{sum(bool(v['violation']) for v in vals)}/{len(vals)} | {kl_text} | {', '.join(str(v['passes']) for v in vals)} |")
 
 
 def main() -> None:
@@ -93,6 +150,11 @@ def main() -> None:
     ap.add_argument("--protocols", nargs="+", default=["independent", "chain"], choices=["independent", "chain"])
     ap.add_argument("--stages", type=int, default=12, help="SAT stages per arm")
     ap.add_argument("--train-stages", type=int, default=10, help="upgrades: stages before the upgrade")
+    ap.add_argument("--slot", type=int, default=1, help="upgrades: the slot replaced (1 decides the vote's ties)")
+    ap.add_argument("--eval-size", type=int, default=1024, help="upgrades: held-out draws per evaluation (SE ~ 0.5/sqrt(n))")
+    ap.add_argument("--batch-size", type=int, default=128, help="upgrades: joint trajectories per stage")
+    ap.add_argument("--warmup-steps", type=int, default=150, help="upgrades: warm start of the base team")
+    ap.add_argument("--stage0-max-passes", type=int, default=400, help="upgrades: Stage-0 passes before giving up")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
