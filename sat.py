@@ -20,7 +20,7 @@ improvement of every step and of the stage (the certificate logged per stage).
 
 Where the rest lives: the objective L_i and its optimiser in ``update.py``, the
 exact per-state KL in ``logprobs.py``, the trust-region tools and the
-certificate in ``trust_region.py``, rollouts in ``rollout.py``, Stage-0 in
+certificate in ``bounds.py``, rollouts in ``rollout.py``, Stage-0 in
 ``plug_and_play.py``, checkpoints and metrics in ``records.py``.
 
 Outputs in --out: metrics.jsonl (one object per stage), progress.png,
@@ -47,6 +47,7 @@ import torch
 
 import distributed
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
+from bounds import stage_certificate, turn_certificate
 from logprobs import measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
@@ -57,8 +58,7 @@ from rollout import (REWARD_RANGE, TOP_P_TRAINING_ERROR, SamplingConfig, TeamBat
                      default_backend, regenerate, rollout, rollout_in_blocks, sync_weights)
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, parse_agents, resolve_agent_spec, warm_start
-from trust_region import (QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters,
-                          quantile, stage_certificate, turn_certificate)
+from trust_region import QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters, quantile
 from update import UpdateInputs, build_inputs, make_value_head, train_agents, train_sharded
 
 ORDERS = ("static", "random", "greedy")
@@ -378,7 +378,7 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     if search["accepted"] and kl.numel() == int(mask.sum()):
         seq_kl = torch.zeros(mask.shape).masked_scatter_(mask.bool(), kl).sum(1)  # [N]
     n_samples = len(batch)
-    # per-step bound in episode units, both protocols (trust_region.turn_certificate); A_max = R_max - R_min
+    # per-step bound in episode units, both protocols (bounds.turn_certificate); A_max = R_max - R_min
     cert = turn_certificate(surrogate, REWARD_RANGE[1] - REWARD_RANGE[0], zeta=zeta, n_samples=n_samples, n_agents=n_agents)
     ess = float(w.sum() ** 2 / (w ** 2).sum())
     if ess < ESS_WARN_RATIO * n_samples and "ess" not in _warned:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sat
-import trust_region as tr
+import bounds
 from advantage import credit_correlation
 from grading import answers_match, majority_vote, vote_reward
 from logprobs import batched_response_logprobs
@@ -204,17 +204,17 @@ def test_turn_certificate_matches_brute_force_on_two_agents(protocol, seed):
             before = J(*cur)
             cur[j] = new
             change = J(*cur) - before
-            cert = tr.turn_certificate(surrogate, adv_max=1.0)  # exact quantities: no bias, no sample term
+            cert = bounds.turn_certificate(surrogate, adv_max=1.0)  # exact quantities: no bias, no sample term
             assert cert["gain"] == pytest.approx(change, abs=1e-12)  # the finite-horizon lemma is an equality
             assert cert["occupancy_penalty"] == 0.0 and cert["lower_bound"] <= change + 1e-12
             # the turn-level MDP's units (gamma = 1 - 1/n) count the same episode n = 2 times
-            assert tr.certificate(surrogate, 0.0, 1.0, gamma=0.5)["gain"] == pytest.approx(2 * change, abs=1e-12)
+            assert bounds.certificate(surrogate, 0.0, 1.0, gamma=0.5)["gain"] == pytest.approx(2 * change, abs=1e-12)
             total_gain += cert["gain"]
         assert total_gain == pytest.approx(J(new1, new2) - J(pi1, pi2), abs=1e-12)  # Theorem 4.4 telescopes
 
 
 def test_turn_certificate_sample_term_uses_the_reward_range():
-    c = tr.turn_certificate(0.1, adv_max=1.0, zeta=0.02, n_samples=512, n_agents=3)
+    c = bounds.turn_certificate(0.1, adv_max=1.0, zeta=0.02, n_samples=512, n_agents=3)
     assert c["sample_penalty"] == pytest.approx((torch.log(torch.tensor(2 * 3 / 0.05)) / (2 * 512)).sqrt().item())
     assert c["lower_bound"] == pytest.approx(0.1 - 0.02 - c["sample_penalty"])
 

@@ -1,7 +1,7 @@
 """SAT's guarantees, checked exactly on random finite cooperative MDPs (paper, Sections 3-5).
 
 Every quantity (J, V, Q, A, occupancy d, per-state KL) is exact (float64 linear algebra,
-see toy_mdp.py), so the certificate of trust_region.certificate must hold to rounding
+see toy_mdp.py), so the certificate of bounds.certificate must hold to rounding
 error, for every step, every stage and every update order.
 """
 
@@ -13,6 +13,7 @@ import torch
 from hypothesis import assume, event, given, strategies as st
 from scipy.optimize import brentq
 
+import bounds
 import trust_region as tr
 import toy_mdp as tm
 
@@ -165,7 +166,7 @@ def swap(mdp, team, j, logp_new):
     adv_j = tm.marginal_advantage(old["A"], team, j)
     new_team = list(team)
     new_team[j] = logp_new
-    cert = tr.certificate(
+    cert = bounds.certificate(
         surrogate_advantage=tm.surrogate(old["d"], logp_new, adv_j),
         kl_max=float(tr.per_state_kl(logp_new, team[j]).max()),
         adv_max=float(old["A"].abs().max()),
@@ -189,7 +190,7 @@ def test_plug_and_play_swap_keeps_the_guarantee(case, data, delta0):
     stage = tm.sat_stage(mdp, swapped, data.draw(st.permutations(range(mdp.n_agents))), deltas)
     check_step_bounds(stage)
     check_stage_bound(stage)
-    total = tr.stage_certificate([cert] + stage["certificates"])
+    total = bounds.stage_certificate([cert] + stage["certificates"])
     assert stage["J"][-1] - old["J"] >= total["lower_bound"] - TOL
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import bounds
 import trust_region as tr
 from toy_mdp import random_feasible
 
@@ -447,7 +448,7 @@ def test_tilt_row_offsets_do_not_matter():
 
 
 def test_certificate_terms_by_hand():
-    c = tr.certificate(surrogate_advantage=0.03, kl_max=0.02, adv_max=0.8, gamma=0.9, zeta=0.001, n_samples=500, n_agents=3, delta_conf=0.1)
+    c = bounds.certificate(surrogate_advantage=0.03, kl_max=0.02, adv_max=0.8, gamma=0.9, zeta=0.001, n_samples=500, n_agents=3, delta_conf=0.1)
     h = 1 / (1 - 0.9)
     assert c["gain"] == pytest.approx(0.03 * h)
     assert c["occupancy_penalty"] == pytest.approx(2 * 0.9 * h * h * 0.8 * math.sqrt(0.01))
@@ -455,7 +456,7 @@ def test_certificate_terms_by_hand():
     assert c["sample_penalty"] == pytest.approx(0.8 * h * math.sqrt(math.log(60) / 1000))
     assert c["lower_bound"] == pytest.approx(c["gain"] - c["occupancy_penalty"] - c["bias_penalty"] - c["sample_penalty"])
     assert c["lower_bound"] < 0
-    c0 = tr.certificate(0.5, 0.0, 1.0, 0.0)
+    c0 = bounds.certificate(0.5, 0.0, 1.0, 0.0)
     assert c0 == {"gain": 0.5, "occupancy_penalty": 0.0, "bias_penalty": 0.0, "sample_penalty": 0.0, "lower_bound": 0.5}
 
 
@@ -480,16 +481,16 @@ def test_certificate_validates_inputs(kwargs):
     args = {"surrogate_advantage": 0.1, "kl_max": 0.01, "adv_max": 1.0, "gamma": 0.5}
     args.update(kwargs)
     with pytest.raises(ValueError):
-        tr.certificate(**args)
+        bounds.certificate(**args)
 
 
 def test_stage_certificate_sums_terms():
-    steps = [tr.certificate(0.1, 0.01, 1.0, 0.5), tr.certificate(-0.05, 0.04, 2.0, 0.5, zeta=0.01, n_samples=100)]
-    total = tr.stage_certificate(steps)
-    for key in tr.CERTIFICATE_TERMS:
+    steps = [bounds.certificate(0.1, 0.01, 1.0, 0.5), bounds.certificate(-0.05, 0.04, 2.0, 0.5, zeta=0.01, n_samples=100)]
+    total = bounds.stage_certificate(steps)
+    for key in bounds.CERTIFICATE_TERMS:
         assert total[key] == pytest.approx(steps[0][key] + steps[1][key])
     assert total["n_steps"] == 2
-    assert tr.stage_certificate([])["lower_bound"] == 0.0
+    assert bounds.stage_certificate([])["lower_bound"] == 0.0
 
 
 def test_dkw_upper_quantile_covers_the_true_quantile():

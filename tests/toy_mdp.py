@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+import bounds
 import trust_region as tr
 
 DTYPE = torch.float64
@@ -148,7 +149,7 @@ def sat_step(mdp: ToyMDP, logps: list[torch.Tensor], j: int, delta: float) -> tu
     new_j = tr.exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
     kl = tr.per_state_kl(new_j, logps[j])  # [S]
     surr = surrogate(old["d"], new_j, adv_j)
-    cert = tr.certificate(
+    cert = bounds.certificate(
         surrogate_advantage=surr,
         kl_max=float(kl.max()),
         adv_max=float(old["A"].abs().max()),
@@ -186,7 +187,7 @@ def sat_stage(mdp: ToyMDP, logps: list[torch.Tensor], order, deltas) -> dict:
         J.append(info["J_after"])
         steps.append(info)
     certs = [s["certificate"] for s in steps]
-    return {"J": J, "steps": steps, "certificates": certs, "stage": tr.stage_certificate(certs), "logps": team}
+    return {"J": J, "steps": steps, "certificates": certs, "stage": bounds.stage_certificate(certs), "logps": team}
 
 
 def joint_update(mdp: ToyMDP, logps: list[torch.Tensor], deltas) -> dict:
