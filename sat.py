@@ -215,7 +215,7 @@ TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, bet
                    kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
 PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
-                    max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 17,
+                    max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 16,
                     kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True, eval_size=64, warmup_steps=0)
 
 
