@@ -323,17 +323,13 @@ QWEN3_DIMS = {
 }
 
 
-def check_run(cfg, team, log) -> None:
+def check_run(cfg, team, log) -> float | None:
     """For a run (``sat.Config`` and its team) on CUDA: print what each phase
-    needs against what the GPU has, refuse with a clear message if it cannot
-    fit, and size the vLLM engines from what training leaves. On CPU only the
-    vLLM engines are configured (their KV cache is sized per engine)."""
+    needs against what the GPU has and refuse with a clear message if it
+    cannot fit. Returns the fraction of the GPU that training keeps during
+    rollouts (what the vLLM engines are sized from), or None off CUDA."""
     if not cfg.device.startswith("cuda"):
-        if cfg.backend == "vllm":
-            import rollout_vllm
-
-            rollout_vllm.configure(n_engines=len(team), seed=cfg.seed, health_logprobs=True)
-        return
+        return None
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
     est = estimate_memory(biggest.model.config, len(team), cfg.update,
@@ -352,11 +348,7 @@ def check_run(cfg, team, log) -> None:
         if est.get("peak_stage0", 0) > available:
             raise ValueError(f"not enough accelerator memory for Stage-0 of --upgrade: about {est['peak_stage0'] / GiB:.1f} GiB "
                              f"but {available / GiB:.1f} GiB are available; fix: use a smaller --token-budget or a smaller replacement")
-    if cfg.backend == "vllm":
-        import rollout_vllm
-
-        rollout_vllm.configure(n_engines=len(team), train_fraction=min(0.9, est["peak_training"] / max(available or 1, 1)),
-                               seed=cfg.seed, health_logprobs=True)
+    return min(0.9, est["peak_training"] / max(available or 1, 1))
 
 
 def main(argv=None) -> None:

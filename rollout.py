@@ -406,6 +406,25 @@ def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
 # ---------------------------------------------------------------------------
 # Backend hooks around training (no-ops with the HF backend)
 # ---------------------------------------------------------------------------
+def start_backend(backend: str, n_engines: int, seed: int, train_fraction: float | None = None) -> None:
+    """Configure the vLLM engines (one per agent; on CUDA sized from the
+    fraction of the GPU that training keeps). Nothing to do for the HF backend."""
+    if backend != "vllm":
+        return
+    import rollout_vllm
+
+    extra = {} if train_fraction is None else {"train_fraction": train_fraction}
+    rollout_vllm.configure(n_engines=n_engines, seed=seed, health_logprobs=True, **extra)
+
+
+def stop_backend(backend: str) -> None:
+    """Shut the vLLM engines down at the end of a run."""
+    if backend == "vllm":
+        import rollout_vllm
+
+        rollout_vllm.shutdown()
+
+
 def after_rollout(team: Team, batch: TeamBatch, sampling: SamplingConfig):
     """Put the vLLM engines to sleep before training; return the sampler-vs-
     trainer log-prob health metric per agent (None with the HF backend)."""

@@ -55,7 +55,8 @@ from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint,
                      record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
                      check_out_folder, clear_run_files, run_folder_of)
 from rollout import (REWARD_RANGE, TOP_P_TRAINING_ERROR, SamplingConfig, TeamBatch, after_rollout, check_sampler,
-                     default_backend, regenerate, rollout, rollout_in_blocks, sync_weights)
+                     default_backend, regenerate, rollout, rollout_in_blocks, start_backend, stop_backend,
+                     sync_weights)
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, parse_agents, resolve_agent_spec, warm_start
 from trust_region import QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters, quantile
@@ -468,7 +469,7 @@ def run(cfg: Config, log=None) -> list[dict]:
             value_heads[k] = make_value_head(agent)
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
-    check_run(cfg, team, log)
+    start_backend(cfg.backend, len(team), cfg.seed, train_fraction=check_run(cfg, team, log))
     for agent in team.agents:
         if cfg.backend == "hf":
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
@@ -520,10 +521,7 @@ def run(cfg: Config, log=None) -> list[dict]:
     if len(records) > 1:
         plot_run(out, records)
     plot_note = f", plot in {out / 'progress.png'}" if len(records) > 1 else " (no plot: no stage trained)"
-    if cfg.backend == "vllm":
-        import rollout_vllm
-
-        rollout_vllm.shutdown()
+    stop_backend(cfg.backend)
     log(f"held-out team accuracy: {records[0]['eval_accuracy']:.3f} -> {records[-1]['eval_accuracy']:.3f}; "
         f"metrics in {out / 'metrics.jsonl'}{plot_note}")
     return records
