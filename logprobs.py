@@ -22,6 +22,8 @@ rollout backends (``rollout.py`` and ``rollout_vllm.py``) and the update
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -186,16 +188,62 @@ def batched_response_logprobs(model, turn_like, temperature: float, token_budget
     return out
 
 
+# The reference pi_j,cur is frozen for the whole of agent j's turn, while the KL
+# is measured up to ~10 times in it (in-loop checks, backtracking): its outputs
+# on the turn are computed once and kept (``frozen_reference=True``) when they
+# fit REFERENCE_CACHE_BYTES: its fp32 logits at the response positions if those
+# fit, else its final hidden states, else nothing (recomputed, as before).
+# Same rows, same chunks, same kernels: the cached values are the ones a fresh
+# forward returns, bit for bit.
+REFERENCE_CACHE_BYTES = 256 << 20
+_REFERENCE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reference model -> {key: outputs}
+
+
+def _reference_outputs(reference, turn_like, sl, mask, temperature: float, keep: str):
+    """(log pi_cur [b, Lr], list of per-1024-position pieces: fp32 logits or
+    hidden states) of rows ``sl``, from the cache or from one forward."""
+    cache = _REFERENCE_CACHE.setdefault(reference, {})
+    key = (id(turn_like[2]), sl.start, sl.stop, temperature, keep)
+    if key in cache and cache[key][2] is turn_like[2]:  # the same turn, not a new tensor at a recycled id
+        return cache[key][:2]
+    lp_cur, h_cur = turn_forward(reference, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
+    h_cur = h_cur[mask]  # [M_b, H] valid positions only
+    pieces = [h_cur[c : c + 1024] for c in range(0, h_cur.shape[0], 1024)]
+    if keep == "logits":
+        pieces = [head_logits(reference, h) for h in pieces]  # [<=1024, V] fp32
+    out = (lp_cur.cpu(), pieces)
+    if keep != "none":
+        cache[key] = (*out, turn_like[2])
+    return out
+
+
+def reference_cache_kind(reference, turn, frozen_reference: bool) -> str:
+    """What of the reference's outputs fits the cache budget: logits, hidden or none."""
+    if not frozen_reference:
+        return "none"
+    positions = int(turn.response_mask.sum())
+    head = reference.get_output_embeddings().weight
+    if positions * head.shape[0] * 4 <= REFERENCE_CACHE_BYTES:
+        return "logits"
+    if positions * head.shape[1] * head.element_size() <= REFERENCE_CACHE_BYTES:
+        return "hidden"
+    return "none"
+
+
 @torch.no_grad()
-def measure_kl(agent, reference, turn, temperature: float, token_budget: int, return_log_rho: bool = False):
+def measure_kl(agent, reference, turn, temperature: float, token_budget: int, return_log_rho: bool = False,
+               frozen_reference: bool = False):
     """Exact per-state KL(pi_j(.|s) || pi_j,cur(.|s)) at every position of agent
     j's responses, and the new log-probabilities of the sampled tokens, from
     one forward of each model (paper, Section 3: the per-state KL; exact, not a
     sampled proxy). Returns (per_state_kl [M], new_logprobs [N, Lr]) and, with
     ``return_log_rho``, log rho = log pi_new - log pi_cur on the sampled tokens
     [N, Lr] from the same two forwards (exactly 0 where the agent did not move):
-    what the later agents' truncated weights are built from (Section 5)."""
+    what the later agents' truncated weights are built from (Section 5).
+    ``frozen_reference``: the caller promises ``reference`` does not change
+    while it may be passed again with this turn; its outputs are then cached."""
     model = agent.model
+    keep = reference_cache_kind(reference, turn, frozen_reference)
     turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
     rows = turn_rows(turn_like, token_budget)
     kls, new_logp = [], torch.zeros(turn.response_ids.shape)  # [N, Lr]
@@ -204,13 +252,13 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int, re
     for s in range(lo, hi, rows):
         sl = slice(s, min(s + rows, hi))
         lp_new, h_new = turn_forward(model, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
-        lp_cur, h_cur = turn_forward(reference, turn_like, sl, temperature)
-        new_logp[sl], cur_logp[sl] = lp_new.cpu(), lp_cur.cpu()
         mask = turn.response_mask[sl].bool().to(h_new.device)  # [b, Lr]
-        h_new, h_cur = h_new[mask], h_cur[mask]  # [M_b, H] valid positions only
-        for c in range(0, h_new.shape[0], 1024):  # [1024, V] fp32 logits at a time
-            kls.append(per_state_kl(head_logits(model, h_new[c : c + 1024]), head_logits(reference, h_cur[c : c + 1024]),
-                                    temperature=temperature).cpu())
+        lp_cur, ref_pieces = _reference_outputs(reference, turn_like, sl, mask, temperature, keep)
+        new_logp[sl], cur_logp[sl] = lp_new.cpu(), lp_cur
+        h_new = h_new[mask]  # [M_b, H] valid positions only
+        for c, ref in zip(range(0, h_new.shape[0], 1024), ref_pieces):  # [1024, V] fp32 logits at a time
+            ref_logits = ref if keep == "logits" else head_logits(reference, ref)  # [<=1024, V]
+            kls.append(per_state_kl(head_logits(model, h_new[c : c + 1024]), ref_logits, temperature=temperature).cpu())
     kl = torch.cat(kls) if kls else torch.zeros(0)
     if distributed.active():  # rows are contiguous per rank: rank order is row order
         kl, new_logp = torch.cat(distributed.gather_objects(kl)), distributed.sum_ranks(new_logp)

@@ -348,17 +348,23 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     cur = anchor if anchor is not None else [p.detach().clone() for p in reference.parameters()]
     new = [p.detach().clone() for p in params]
     measured = {}
+    # the in-loop check may already have measured the proposal (fraction 1) and the anchor
+    known = {1.0: stats.pop("proposal_measure", None), 0.0: stats.pop("anchor_measure", None)}
+    at = {"frac": 1.0}
 
     def apply_step(frac: float) -> None:
         interpolate_parameters(params, cur, new, frac)
+        at["frac"] = frac
 
     def measure() -> float:
-        kl, logp, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True)
+        kl, logp, log_rho = known.pop(at["frac"], None) or measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget,
+                                                                       return_log_rho=True, frozen_reference=True)
         measured.update(kl=kl, logp=logp, log_rho=log_rho)
         return quantile(kl, cfg.quantile) if kl.numel() else 0.0
 
     search = backtracking_line_search(apply_step, measure, cfg.delta, max_backtracks=cfg.max_backtracks)
     if not search["accepted"] and moved_inside:  # the anchor is a measured inside step: keep it
+        apply_step(0.0)  # (the line search restored it already)
         search.update(accepted=True, kl_quantile=measure())
     elif not search["accepted"]:  # pi_cur restored: KL 0, new log-probs = behaviour
         measured = {"kl": torch.zeros(1), "logp": turn.behaviour_logprobs.clone(), "log_rho": torch.zeros(turn.response_mask.shape)}

@@ -180,6 +180,8 @@ class Agent:
         self.optimizer: torch.optim.Optimizer | None = None
         self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
         self.master_weights: list[torch.Tensor] | None = None  # fp32 master of a bf16 agent between turns (host)
+        self._prompt_cache: dict = {}  # (messages, thinking) -> prompt ids; the tokenizer never changes
+        self._text_cache: dict = {}  # text -> ids
         self.freeze()
 
     # -- loading / saving ---------------------------------------------------
@@ -283,8 +285,23 @@ class Agent:
         )
 
     def encode_prompt(self, messages: list[dict], enable_thinking: bool = False) -> list[int]:
-        text = self.render_prompt(messages, enable_thinking)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of the rendered chat prompt. Cached per agent: the same
+        problems come back every stage and in every evaluation, and rendering
+        the template plus tokenizing was a fifth of the tiny warm start."""
+        key = (tuple((m["role"], m["content"]) for m in messages), enable_thinking)
+        ids = self._prompt_cache.get(key)
+        if ids is None:
+            ids = self.tokenizer(self.render_prompt(messages, enable_thinking), add_special_tokens=False)["input_ids"]
+            _bounded_put(self._prompt_cache, key, ids)
+        return list(ids)  # a copy: callers may extend it
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens), cached like prompts."""
+        ids = self._text_cache.get(text)
+        if ids is None:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            _bounded_put(self._text_cache, text, ids)
+        return list(ids)
 
     def vocabulary_signature(self) -> tuple[int, int]:
         """(size, hash of the token->id map): two agents can share per-token
@@ -355,6 +372,17 @@ class MasterWeightAdamW(torch.optim.AdamW):
             h.remove()
         self._hooks = []
         return [m.detach().to("cpu", copy=True) if m.is_cuda else m.detach() for m in self.master]
+
+
+ENCODE_CACHE_SIZE = 1 << 16  # entries per agent and cache; the oldest half is dropped when full
+
+
+def _bounded_put(cache: dict, key, ids: list[int]) -> None:
+    """Insert into a dict used as a bounded cache (dicts keep insertion order)."""
+    if len(cache) >= ENCODE_CACHE_SIZE:
+        for old in list(cache)[: ENCODE_CACHE_SIZE // 2]:
+            del cache[old]
+    cache[key] = ids
 
 
 def _to_cpu(obj):
@@ -552,8 +580,7 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
         for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
             items = [rng.choice(problems) for _ in range(batch)]
             contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
-            targets = [tok(noisy_label(p.answer, rng, p_wrong), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                       for p in items]
+            targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
             ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [b, Lc]
             resp, rmask = right_pad(targets, tok.pad_token_id)  # [b, Lr]
             hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]

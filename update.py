@@ -28,6 +28,7 @@ and (for GAE) value targets.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +167,10 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
     # Last iterate known to lie inside the trust region (only kept when checking in the loop).
     inside = {j: [p.detach().clone() for p in team.agents[j].model.parameters()] for j in slots} if cfg.kl_check_every else {}
     steps = 0
+    # In-loop measurements are handed to finish_update (same weights, same forwards) only
+    # where they are the ones it would make: one process (FSDP copies are another model)
+    # and no dropout (the loop runs in train mode, finish_update in eval mode).
+    reusable = not distributed.active() and all(dropout_free(team.agents[j].model) for j in slots)
     for _ in range(cfg.epochs):
         perm = torch.randperm(n)
         for s in range(0, n, cfg.minibatch_size):
@@ -179,7 +184,12 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                 # the trust-region statistic itself): go back to the last inside iterate.
                 for j in sorted(active):
-                    kl, _ = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)
+                    with weights_as_frozen(team.agents[j].model):  # as finish_update will see them
+                        measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
+                                              cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                    kl = measured[0]
+                    if reusable:  # finish_update measures these same weights again: hand it the answer
+                        stats[j]["last_measure"] = (stats[j]["steps"], measured)
                     if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
                         # this step crossed the boundary: stop; the line search in
                         # finish_update backtracks from here toward the last inside iterate
@@ -187,6 +197,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                         active.discard(j)
                     else:
                         inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
+                        if reusable:
+                            stats[j]["anchor_measure"] = measured
             if not active:
                 break
         if not active:
@@ -203,13 +215,36 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             stats[j]["ratio"] = [r for part in distributed.gather_objects(stats[j]["ratio"]) for r in part]
             stats[j]["step0_log_ratio_max"] = max(distributed.gather_objects(stats[j].get("step0_log_ratio_max", 0.0)))
         tokens = stats[j]["tokens"]
-        stats[j] = {"loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
+        last = stats[j].get("last_measure")
+        measures = {"proposal_measure": last[1] if last is not None and last[0] == stats[j]["steps"] else None,
+                    "anchor_measure": stats[j].get("anchor_measure")}  # popped by finish_update, never logged
+        stats[j] = {**measures, "loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
                     "ratio_mean": float(np.mean(stats[j]["ratio"])), "ratio_min": float(np.min(stats[j]["ratio"])),
                     "ratio_max": float(np.max(stats[j]["ratio"])), "grad_norm": float(np.mean(stats[j]["grad_norm"])),
                     "train_tokens_per_s": tokens / max(time.time() - start, 1e-9), "inner_steps": stats[j]["steps"],
                     "early_stopped": stats[j]["early_stopped"], "anchor": inside.get(j),
                     "step0_log_ratio_max": stats[j].get("step0_log_ratio_max", 0.0)}
     return stats
+
+
+@contextmanager
+def weights_as_frozen(model):
+    """requires_grad off while measuring: with it on, the 3-D LM-head matmul of
+    the log-probs takes another kernel (4.8e-7 apart on CPU), so the in-loop
+    measurement would not be the one finish_update makes on the frozen agent."""
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+
+
+def dropout_free(model) -> bool:
+    """No dropout anywhere (train and eval mode compute the same function)."""
+    config_p = [getattr(model.config, k, 0.0) or 0.0 for k in ("attention_dropout", "hidden_dropout", "dropout")]
+    return not any(config_p) and all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def train_sharded(team: Team, j: int, train):
