@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -132,6 +133,7 @@ class Config:
     # several processes (torchrun): rollouts in seeded blocks, so the batch does not depend on their number
     shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
     rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
+    threads: int | None = None  # torch CPU threads (default: $OMP_NUM_THREADS, else 1; see configure_threads)
 
     def apply_preset(self) -> "Config":
         tiny = all(s.kind == "tiny" for s in parse_agents(self.agents))
@@ -178,6 +180,8 @@ class Config:
             raise ValueError(f"--stages must be >= 0 (got {self.stages})")
         if self.kl_check_every < 0:
             raise ValueError(f"--kl-check-every must be >= 0 (got {self.kl_check_every})")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (got {self.threads})")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -406,6 +410,24 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
 # ---------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------
+def configure_threads(threads: int | None, device: str) -> int:
+    """torch's CPU threads: ``--threads``, else $OMP_NUM_THREADS, else 1.
+
+    Not torch's default (one per core): with two threads on two cores, a
+    second busy process made every parallel region wait for a descheduled
+    thread (measured: a 4-stage tiny run took 446 s instead of 51 s next to
+    one other process), and the thread count changes float summation order, so
+    the same seed gave different metrics on machines with other core counts.
+    One thread is reproducible everywhere and the tiny agents' matrices are
+    small. On CUDA the host threads only feed the GPU and are left alone."""
+    if threads is None:
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        threads = int(env) if env.isdigit() and int(env) > 0 else 1
+    if not str(device).startswith("cuda"):
+        torch.set_num_threads(threads)
+    return threads
+
+
 def seed_everything(seed: int) -> random.Random:
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -429,6 +451,7 @@ def run(cfg: Config, log=None) -> list[dict]:
     resume_from = latest_checkpoint(cfg.resume) if cfg.resume else None
     cfg.apply_preset()
     cfg.validate()
+    cfg.threads = configure_threads(cfg.threads, cfg.device)  # recorded in config.json
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
     if not distributed.is_main():
@@ -476,6 +499,8 @@ def run(cfg: Config, log=None) -> list[dict]:
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
     start_backend(cfg.backend, len(team), cfg.seed, train_fraction=check_run(cfg, team, log))
+    if not cfg.device.startswith("cuda"):
+        log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default 1)")
     for agent in team.agents:
         if cfg.backend == "hf":
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
@@ -587,6 +612,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,
                    help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
     p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: $OMP_NUM_THREADS, else 1)")
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if args.pop("resample", False):
         p.error("--resample was replaced by --reuse regenerate (redraws only the turns a promotion changed)")
