@@ -177,15 +177,32 @@ def response_logprobs(model, context_ids, context_mask, response_ids, response_m
 
 
 @torch.no_grad()
-def batched_response_logprobs(model, turn_like, temperature: float, token_budget: int) -> torch.Tensor:
+def batched_response_logprobs(model, turn_like, temperature: float, token_budget: int, keep: dict | None = None) -> torch.Tensor:
     """``turn_forward`` over all rows, in chunks of rows that fit the token
-    budget (the behaviour log-probs of a rollout). [N, Lr] fp32 on the host."""
-    resp = turn_like[2]
+    budget (the behaviour log-probs of a rollout). [N, Lr] fp32 on the host.
+    With ``keep`` (a dict), the forward's outputs are also kept there when
+    they fit the reference cache: the agent's pi_j,cur is these weights, so
+    its first KL measurement need not run this forward again (``adopt_scoring``)."""
+    resp, rmask = turn_like[2], turn_like[3]
     rows = turn_rows(turn_like, token_budget)
+    kind = cache_kind(model, rmask) if keep is not None else "none"
+    kept = {}
     out = torch.zeros(resp.shape, dtype=torch.float32)  # [N, Lr]
     for s in range(0, resp.shape[0], rows):
-        out[s : s + rows] = turn_forward(model, turn_like, slice(s, s + rows), temperature)[0].cpu()
+        lp, hidden = turn_forward(model, turn_like, slice(s, s + rows), temperature)  # [b, Lr], [b, Lr, H]
+        out[s : s + rows] = lp.cpu()
+        if kind != "none":
+            mask = rmask[s : s + rows].bool().to(hidden.device)  # [b, Lr]
+            kept[(s, min(s + rows, resp.shape[0]))] = (lp.cpu(), _pieces(model, hidden[mask], kind))
+    if kind != "none":
+        keep.update(kind=kind, version=weights_version(model), temperature=temperature, outputs=kept)
     return out
+
+
+def weights_version(model) -> tuple:
+    """Which weights a model holds now: every in-place change (optimizer step,
+    copy_, load_state_dict) bumps a tensor's version counter."""
+    return tuple((id(p), p._version) for p in model.parameters())
 
 
 # The reference pi_j,cur is frozen for the whole of agent j's turn, while the KL
@@ -199,6 +216,12 @@ REFERENCE_CACHE_BYTES = 256 << 20
 _REFERENCE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reference model -> {key: outputs}
 
 
+def _pieces(model, hidden: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """[M, H] hidden states at valid positions -> 1024-position pieces: hidden, or fp32 logits [<=1024, V]."""
+    pieces = [hidden[c : c + 1024] for c in range(0, hidden.shape[0], 1024)]
+    return [head_logits(model, h) for h in pieces] if kind == "logits" else pieces
+
+
 def _reference_outputs(reference, turn_like, sl, mask, temperature: float, keep: str):
     """(log pi_cur [b, Lr], list of per-1024-position pieces: fp32 logits or
     hidden states) of rows ``sl``, from the cache or from one forward."""
@@ -207,22 +230,37 @@ def _reference_outputs(reference, turn_like, sl, mask, temperature: float, keep:
     if key in cache and cache[key][2] is turn_like[2]:  # the same turn, not a new tensor at a recycled id
         return cache[key][:2]
     lp_cur, h_cur = turn_forward(reference, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
-    h_cur = h_cur[mask]  # [M_b, H] valid positions only
-    pieces = [h_cur[c : c + 1024] for c in range(0, h_cur.shape[0], 1024)]
-    if keep == "logits":
-        pieces = [head_logits(reference, h) for h in pieces]  # [<=1024, V] fp32
-    out = (lp_cur.cpu(), pieces)
+    out = (lp_cur.cpu(), _pieces(reference, h_cur[mask], keep if keep != "none" else "hidden"))
     if keep != "none":
         cache[key] = (*out, turn_like[2])
     return out
 
 
+def adopt_scoring(reference, model, turn) -> None:
+    """Give the reference pi_j,cur (a fresh copy of ``model``) the outputs of
+    the rollout's behaviour forward of ``turn``, when ``model`` still holds
+    the weights that ran it (Section 5: pi_j,cur is the behaviour policy of
+    agent j's tokens). Same weights, rows, chunks and kernels: the outputs a
+    forward of the reference would give, bit for bit."""
+    kept = getattr(turn, "scoring", None)
+    if not kept or kept["version"] != weights_version(model):
+        return
+    cache = _REFERENCE_CACHE.setdefault(reference, {})
+    for (start, stop), out in kept["outputs"].items():
+        cache[(id(turn.response_ids), start, stop, kept["temperature"], kept["kind"])] = (*out, turn.response_ids)
+
+
 def reference_cache_kind(reference, turn, frozen_reference: bool) -> str:
     """What of the reference's outputs fits the cache budget: logits, hidden or none."""
-    if not frozen_reference:
-        return "none"
-    positions = int(turn.response_mask.sum())
-    head = reference.get_output_embeddings().weight
+    return cache_kind(reference, turn.response_mask) if frozen_reference else "none"
+
+
+def cache_kind(model, response_mask: torch.Tensor) -> str:
+    """What to keep of a forward over these response positions: "logits" if
+    their fp32 logits fit REFERENCE_CACHE_BYTES, else "hidden" if their final
+    hidden states do, else "none"."""
+    positions = int(response_mask.sum())
+    head = model.get_output_embeddings().weight
     if positions * head.shape[0] * 4 <= REFERENCE_CACHE_BYTES:
         return "logits"
     if positions * head.shape[1] * head.element_size() <= REFERENCE_CACHE_BYTES:

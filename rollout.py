@@ -93,6 +93,7 @@ class Turn:
     texts: list[str]
     answers: list[str | None]
     truncated: torch.Tensor  # [N] bool: no eos within max_new_tokens
+    scoring: dict | None = None  # the behaviour forward's outputs, for pi_j,cur's KL (logprobs.adopt_scoring)
 
     @property
     def num_tokens(self) -> int:
@@ -262,13 +263,15 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     responses = generate(agent, contexts, sampling)
     ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [N, Lc]
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
+    scoring = {} if score else None
     if score:
-        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget)
+        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget,
+                                         keep=scoring)
     else:
         logp = torch.zeros(resp.shape)  # [N, Lr]
     texts = tok.batch_decode([r for r in responses], skip_special_tokens=True)
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])
-    return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated)
+    return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated, scoring or None)
 
 
 def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) -> list[list[int]]:

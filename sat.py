@@ -49,7 +49,7 @@ import torch
 import distributed
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from bounds import stage_certificate, turn_certificate
-from logprobs import measure_kl
+from logprobs import adopt_scoring, measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
@@ -291,6 +291,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     if cfg.update == "joint":  # the baseline SAT argues against: every agent at once, no weights
         inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
         references = {j: copy.deepcopy(team.agents[j].model) for j in sigma}
+        for j in sigma:
+            adopt_scoring(references[j], team.agents[j].model, batch.turns[j])
         train_stats = train_agents(team, sigma, inputs, cfg, controllers, value_heads, references)
         for j in sigma:
             agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], train_stats[j], cfg, controllers[j],
@@ -303,6 +305,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             # lines 6-7: pi_hat^{i-1}; weights w = prod min(1, rho_t) of agents sigma(1..i-1); advantages
             inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
             reference = copy.deepcopy(team.agents[j].model)  # pi_j,cur, frozen
+            adopt_scoring(reference, team.agents[j].model, batch.turns[j])  # its outputs on the turn: the rollout's
             # lines 8-9: pi_tar^j <- OPTIMIZE(L_i)
             stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads,
                                                                 {j: reference})[j])  # FSDP2 under torchrun

@@ -1,0 +1,118 @@
+"""What makes a stage fast must not change what it computes: encoded prompts,
+the reference pi_j,cur's outputs, the rollout's behaviour forward reused as
+pi_j,cur's, and in-loop KL measurements reused by the line search, each
+checked bit for bit against the computation without it; and the thread policy."""
+import copy
+
+import pytest
+import torch
+
+import logprobs
+import sat
+import update
+from logprobs import adopt_scoring, measure_kl
+from rollout import SamplingConfig, rollout
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+
+from test_sat import perturb, small_config, strip_timing
+
+
+@pytest.fixture(scope="module")
+def team_and_batch():
+    torch.manual_seed(0)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="independent"))
+    batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    return team, batch
+
+
+def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():
+    agent = Agent.load("tiny")
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    first = agent.encode_prompt(messages)
+    fresh = agent.tokenizer(agent.render_prompt(messages), add_special_tokens=False)["input_ids"]
+    assert first == fresh and len(agent._prompt_cache) == 1
+    first.append(-1)  # a caller extending its copy must not change the cache
+    assert agent.encode_prompt(messages) == fresh
+    assert agent.encode_prompt([{"role": "user", "content": "What is 12 + 31?"}]) != fresh  # another prompt, another entry
+    assert agent.encode_text("42") == agent.tokenizer("42", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["logits", "hidden", "none"])  # what the memory budget lets the cache keep
+def test_cached_reference_gives_the_same_kl_bit_for_bit(team_and_batch, monkeypatch, kind):
+    team, batch = team_and_batch
+    monkeypatch.setattr(logprobs, "cache_kind", lambda model, mask: kind)
+    turn = batch.turns[0]
+    reference = copy.deepcopy(team.agents[0].model)
+    agent = Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)
+    for seed in range(3):  # the agent moves between measurements; the reference does not
+        perturb(agent.model, 0.02, seed=seed)
+        cached = measure_kl(agent, reference, turn, 1.0, 64, return_log_rho=True, frozen_reference=True)
+        fresh = measure_kl(agent, copy.deepcopy(reference), turn, 1.0, 64, return_log_rho=True)
+        for a, b in zip(cached, fresh):
+            assert torch.equal(a, b)
+        assert cached[0].max() > 0  # the agent did move
+    kinds = {key[-1] for key in logprobs._REFERENCE_CACHE.get(reference, {})}
+    assert kinds == (set() if kind == "none" else {kind})
+
+
+def test_cache_kind_follows_the_memory_budget(team_and_batch, monkeypatch):
+    team, batch = team_and_batch
+    mask = batch.turns[0].response_mask
+    model = team.agents[0].model
+    positions, vocab, hidden = int(mask.sum()), model.config.vocab_size, model.config.hidden_size
+    monkeypatch.setattr(logprobs, "REFERENCE_CACHE_BYTES", positions * vocab * 4)
+    assert logprobs.cache_kind(model, mask) == "logits"
+    monkeypatch.setattr(logprobs, "REFERENCE_CACHE_BYTES", positions * min(vocab, hidden) * 4 - 1)
+    assert logprobs.cache_kind(model, mask) == "none"
+
+
+def test_rollout_scoring_is_adopted_only_while_the_weights_are_unchanged(team_and_batch):
+    team, batch = team_and_batch
+    turn, model = batch.turns[1], team.agents[1].model
+    assert turn.scoring is not None and turn.scoring["kind"] == "logits"
+    reference = copy.deepcopy(model)
+    adopt_scoring(reference, model, turn)
+    adopted = dict(logprobs._REFERENCE_CACHE[reference])
+    agent = Agent(team.agents[1].spec, copy.deepcopy(model), team.agents[1].tokenizer)
+    perturb(agent.model, 0.02)
+    budget = SamplingConfig().token_budget  # the rollout's chunks of rows (sat.py: --token-budget for both)
+    with_rollout = measure_kl(agent, reference, turn, 1.0, budget, return_log_rho=True, frozen_reference=True)
+    assert logprobs._REFERENCE_CACHE[reference].keys() == adopted.keys()  # no forward of the reference was needed
+    fresh = measure_kl(agent, copy.deepcopy(model), turn, 1.0, budget, return_log_rho=True)
+    for a, b in zip(with_rollout, fresh):
+        assert torch.equal(a, b)
+    moved = copy.deepcopy(model)
+    perturb(model, 0.0)  # an in-place change (even by zero) means the weights may differ: not adopted
+    adopt_scoring(moved, model, turn)
+    assert not logprobs._REFERENCE_CACHE.get(moved)
+
+
+@pytest.mark.parametrize("overrides", [dict(protocol="independent", epochs=3, kl_check_every=1, delta=0.05),
+                                       dict(protocol="chain", epochs=2), dict(update="joint", epochs=2)])
+def test_runs_with_and_without_the_caches_are_identical(tmp_path, monkeypatch, overrides):
+    fast = sat.run(small_config(tmp_path / "fast", **overrides), log=lambda *_: None)
+    with monkeypatch.context() as m:  # every measurement recomputed, nothing reused
+        m.setattr(logprobs, "REFERENCE_CACHE_BYTES", -1)
+        m.setattr(update, "dropout_free", lambda model: False)
+        slow = sat.run(small_config(tmp_path / "slow", **overrides), log=lambda *_: None)
+    assert strip_timing(fast) == strip_timing(slow)
+    if "delta" in overrides:  # a small radius: the in-loop stop and the line search both ran
+        assert any(a["backtracks"] and a["early_stopped"] for r in fast[1:] for a in r["agents"])
+
+
+def test_threads_default_to_one_and_follow_the_option(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert sat.configure_threads(None, "cpu") == 1 and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert sat.configure_threads(None, "cpu") == 2 and torch.get_num_threads() == 2
+        assert sat.configure_threads(1, "cpu") == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_rejects_zero_threads(capsys):
+    assert sat.main(["--threads", "0", "--stages", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
