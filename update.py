@@ -184,7 +184,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                 # the trust-region statistic itself): go back to the last inside iterate.
                 for j in sorted(active):
-                    with weights_as_frozen(team.agents[j].model):  # as finish_update will see them
+                    with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
                         measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
                                               cfg.token_budget, return_log_rho=True, frozen_reference=True)
                     kl = measured[0]
@@ -228,10 +228,14 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
 
 
 @contextmanager
-def weights_as_frozen(model):
+def weights_as_frozen(model, on: bool = True):
     """requires_grad off while measuring: with it on, the 3-D LM-head matmul of
     the log-probs takes another kernel (4.8e-7 apart on CPU), so the in-loop
-    measurement would not be the one finish_update makes on the frozen agent."""
+    measurement would not be the one finish_update makes on the frozen agent.
+    Off (``on=False``) for an FSDP2-sharded copy, whose hooks follow requires_grad."""
+    if not on:
+        yield
+        return
     flags = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     try:
