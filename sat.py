@@ -34,7 +34,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -43,10 +42,10 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import distributed
+from distributed import configure_threads, seed_everything
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl
@@ -413,29 +412,6 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
 # ---------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------
-def configure_threads(threads: int | None, device: str) -> int:
-    """torch's CPU threads: ``--threads``, else $OMP_NUM_THREADS, else 1.
-
-    Not torch's default (one per core): with two threads on two cores, a
-    second busy process made every parallel region wait for a descheduled
-    thread (measured: a 4-stage tiny run took 446 s instead of 51 s next to
-    one other process), and the thread count changes float summation order, so
-    the same seed gave different metrics on machines with other core counts.
-    One thread is reproducible everywhere and the tiny agents' matrices are
-    small. On CUDA the host threads only feed the GPU and are left alone."""
-    if threads is None:
-        env = os.environ.get("OMP_NUM_THREADS", "")
-        threads = int(env) if env.isdigit() and int(env) > 0 else 1
-    if not str(device).startswith("cuda"):
-        torch.set_num_threads(threads)
-    return threads
-
-
-def seed_everything(seed: int) -> random.Random:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    return random.Random(seed)
-
 
 def build_team(cfg: Config, instruction: str) -> Team:
     dtype = getattr(torch, cfg.dtype)
