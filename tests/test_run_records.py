@@ -14,21 +14,12 @@ import pytest
 
 import sat
 from records import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
+from test_sat import strip_timing
 
 REPO = Path(__file__).resolve().parents[1]
-TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds"}
 SMALL = ["--agents", "tiny x2", "--warmup-steps", "20", "--batch-size", "32", "--group-size", "4", "--eval-size", "16",
          "--epochs", "1", "--minibatch-size", "16", "--device", "cpu"]
 QUIET = dict(log=lambda *_: None)
-
-
-def strip_timing(records):
-    out = []
-    for r in records:
-        r = {k: v for k, v in r.items() if k not in TIMING_KEYS}
-        r["agents"] = [{k: v for k, v in a.items() if k not in TIMING_KEYS} for a in r.get("agents", [])]
-        out.append(r)
-    return out
 
 
 def snapshot(folder: Path) -> dict:
