@@ -563,30 +563,49 @@ class Team:
 # Warm start of tiny agents: a short supervised phase standing in for pretraining
 # ---------------------------------------------------------------------------
 def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
-               batch: int = 64, slots: list[int] | None = None) -> None:
+               batch: int = 64, slots: list[int] | None = None, parallel: bool | None = None) -> None:
     """Teach tiny agents the answer format on labels that are wrong with
     probability ``p_wrong`` (off by 1, 2 or 10), so they start weak but not at
     zero reward: sparse exact-match reward needs a policy that sometimes
     samples the right answer (a sparse exact-match reward gives no gradient at zero accuracy). Each agent sees its real
-    prompt format (in the chain protocol: noisy earlier answers)."""
-    from tqdm import tqdm
+    prompt format (in the chain protocol: noisy earlier answers).
+
+    Every agent's batches are drawn first, in the serial order (agent 1's
+    steps, then agent 2's, ...); the agents then train independently, on the
+    second core where there is one (``parallel.fork_map``): the same weights
+    bit for bit as one agent after the other."""
+    from parallel import fork_map
 
     rng = random.Random(seed)
+    jobs = []
     for k, agent in enumerate(team.agents):
         if agent.spec.kind != "tiny" or (slots is not None and k not in slots):
             continue
-        opt = agent.start_training(lr)
         tok = agent.tokenizer
-        for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
+        batches = []
+        for _ in range(steps):
             items = [rng.choice(problems) for _ in range(batch)]
             contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
-            ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [b, Lc]
-            resp, rmask = right_pad(targets, tok.pad_token_id)  # [b, Lr]
-            hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
-            logp = token_logprobs_from_hidden(agent.model, hidden, resp, 1.0)  # [b, Lr]
-            loss = -masked_mean(logp, rmask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        agent.freeze()
+            batches.append((*left_pad(contexts, tok.pad_token_id), *right_pad(targets, tok.pad_token_id)))  # [b, Lc] x2, [b, Lr] x2
+        jobs.append((k, batches))
+    results = fork_map(lambda job: _warm_train(team.agents[job[0]], job[0], job[1], lr), jobs, parallel)
+    for (k, _), (state, master) in zip(jobs, results):
+        team.agents[k].model.load_state_dict(state)  # a no-op copy for the agents trained here
+        team.agents[k].master_weights = master
+
+
+def _warm_train(agent: Agent, k: int, batches: list, lr: float):
+    """Supervised steps of one agent on its drawn batches; (state_dict, fp32 master weights or None)."""
+    from tqdm import tqdm
+
+    opt = agent.start_training(lr)
+    for ctx, cmask, resp, rmask in tqdm(batches, desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
+        hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+        logp = token_logprobs_from_hidden(agent.model, hidden, resp, 1.0)  # [b, Lr]
+        loss = -masked_mean(logp, rmask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    agent.freeze()
+    return agent.model.state_dict(), agent.master_weights

@@ -116,3 +116,52 @@ def test_threads_default_to_one_and_follow_the_option(monkeypatch):
 def test_cli_rejects_zero_threads(capsys):
     assert sat.main(["--threads", "0", "--stages", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
+    """The warm start as one loop per agent, each step's batch drawn right before
+    it (the code before batches were drawn ahead and agents trained apart)."""
+    import random
+    from advantage import masked_mean
+    from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
+    from tasks import noisy_label
+    rng = random.Random(seed)
+    for k, agent in enumerate(team.agents):
+        opt, tok = agent.start_training(lr), agent.tokenizer
+        for _ in range(steps):
+            items = [rng.choice(problems) for _ in range(batch)]
+            contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
+            targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
+            ctx, cmask = left_pad(contexts, tok.pad_token_id)
+            resp, rmask = right_pad(targets, tok.pad_token_id)
+            logp = token_logprobs_from_hidden(agent.model, response_hidden_states(agent.model, ctx, cmask, resp, rmask), resp, 1.0)
+            opt.zero_grad(set_to_none=True)
+            (-masked_mean(logp, rmask)).backward()
+            opt.step()
+        agent.freeze()
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_warm_start_on_two_cores_equals_one_agent_after_the_other(protocol):
+    from team import warm_start
+    problems = arithmetic_problems(40, seed=1)
+    teams = [Team([Agent.load("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol)) for _ in range(3)]
+    serial_warm_start(teams[0], problems, 4, 0.5, seed=3)
+    warm_start(teams[1], problems, 4, 0.5, seed=3, batch=8, parallel=False)
+    warm_start(teams[2], problems, 4, 0.5, seed=3, batch=8, parallel=True)  # agent 2 in a forked child
+    start = Agent.load("tiny", seed=1).model.state_dict()
+    for k in range(3):
+        ref = teams[0].agents[k].model.state_dict()
+        assert any(not torch.equal(ref[n], start[n]) for n in ref) or k != 1  # agent 2 did train
+        for t in teams[1:]:
+            got = t.agents[k].model.state_dict()
+            assert all(torch.equal(ref[n], got[n]) for n in ref)
+            assert not t.agents[k].model.training and not any(p.requires_grad for p in t.agents[k].model.parameters())
+
+
+def test_fork_map_keeps_job_order_and_reports_a_failing_child():
+    from parallel import fork_map
+    assert fork_map(lambda x: (x, torch.full((3,), float(x))).__repr__(), list(range(5)), parallel=True) == \
+        [(x, torch.full((3,), float(x))).__repr__() for x in range(5)]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fork_map(lambda x: 1 / (x - 1), [0, 1, 2], parallel=True)  # job 1 runs in the child
