@@ -19,6 +19,8 @@ import traceback
 
 import torch
 
+IN_CHILD = False  # True in a forked worker: it must not touch locks other threads may hold (tqdm's)
+
 
 def spare_core() -> bool:
     """A second core to fork onto: POSIX fork, >= 2 cores allowed to this
@@ -34,6 +36,20 @@ def spare_core() -> bool:
     return cores >= 2 and not dist and not torch.cuda.is_initialized()
 
 
+def _die_with_parent(parent: int) -> None:
+    """In a forked child: be killed when the parent dies (Linux), so a run
+    killed mid-stage leaves no writer behind to race with its resume (a torn
+    checkpoint folder is what a crash leaves anyway, and is safe)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
 def fork_map(fn, jobs: list, parallel: bool | None = None) -> list:
     """[fn(job) for job in jobs], the odd-numbered jobs in one forked child
     process while this process runs the even-numbered ones. ``fn`` must not
@@ -44,9 +60,13 @@ def fork_map(fn, jobs: list, parallel: bool | None = None) -> list:
     if not parallel or len(jobs) < 2:
         return [fn(job) for job in jobs]
     read_fd, write_fd = os.pipe()
+    parent = os.getpid()
     pid = os.fork()
-    if pid == 0:  # the child: run its share, send it back, exit without cleanup handlers
+    if pid == 0:
+        _die_with_parent(parent)  # the child: run its share, send it back, exit without cleanup handlers
         os.close(read_fd)
+        global IN_CHILD
+        IN_CHILD = True
         try:
             payload = pickle.dumps(("ok", [fn(job) for job in jobs[1::2]]), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:  # noqa: BLE001 - reported to the parent, which raises
@@ -68,3 +88,47 @@ def fork_map(fn, jobs: list, parallel: bool | None = None) -> list:
     for k in range(len(jobs)):
         out.append(mine[k // 2] if k % 2 == 0 else theirs[k // 2])
     return out
+
+
+_BACKGROUND: dict = {"pid": None, "what": ""}
+
+
+def in_background(fn, what: str, parallel: bool | None = None) -> None:
+    """fn() in a forked child, a snapshot of this process (what changes here
+    afterwards does not reach it), while this process goes on; one at a time,
+    in order: the previous one is waited for first. Serial where there is no
+    spare core (``parallel=None``: ``spare_core()``). ``wait_background``
+    waits for it and raises if it failed."""
+    wait_background()
+    if not (spare_core() if parallel is None else parallel):
+        fn()
+        return
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: do it, report failure through the exit status, skip cleanup handlers
+        _die_with_parent(parent)
+        global IN_CHILD
+        IN_CHILD = True
+        code = 0
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - the parent raises on the exit status
+            traceback.print_exc()
+            code = 1
+        finally:
+            import sys
+            sys.stderr.flush()
+            os._exit(code)
+    _BACKGROUND.update(pid=pid, what=what)
+
+
+def wait_background() -> None:
+    """Wait for the work ``in_background`` started, if any; raise if it failed."""
+    pid, what = _BACKGROUND["pid"], _BACKGROUND["what"]
+    if pid is None:
+        return
+    _BACKGROUND["pid"] = None
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RuntimeError(f"{what} failed in a background process (its traceback is above); "
+                           "rerun with --threads 1 on one core (taskset -c 0) to see it in the main process")

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import distributed
+import parallel
 from team import Team
 from trust_region import QuantileController
 
@@ -76,6 +77,25 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def save_checkpoint_in_background(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random,
+                                  extra: dict) -> None:
+    """``save_checkpoint`` in a forked child on the second core (a snapshot of
+    the team, controllers and RNGs as they are now), so writing it overlaps
+    the next stage; the same files. One at a time, in order; the run calls
+    ``finish_checkpoints`` before it returns. Serial under torchrun or
+    without a spare core (``parallel.spare_core``)."""
+    if distributed.active():
+        save_checkpoint(out, stage, team, controllers, value_heads, rng, extra)
+        return
+    parallel.in_background(lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, extra),
+                           f"writing the checkpoint of stage {stage}")
+
+
+def finish_checkpoints() -> None:
+    """Wait for a checkpoint being written in the background; raise if it failed."""
+    parallel.wait_background()
 
 
 def stage_key(folder: Path) -> tuple[int, str]:

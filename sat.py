@@ -51,6 +51,7 @@ from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
+from records import finish_checkpoints, save_checkpoint_in_background
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
                      record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
                      check_out_folder, clear_run_files, run_folder_of)
@@ -505,7 +506,7 @@ def run(cfg: Config, log=None) -> list[dict]:
     if not records:
         records.append({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg), **how})
         write_metrics(out, records)
-        save_checkpoint(out, 0, team, controllers, value_heads, rng, {})
+        save_checkpoint_in_background(out, 0, team, controllers, value_heads, rng, {})  # overlaps stage 1
         log(f"stage 0 (before SAT): held-out team accuracy {records[0]['eval_accuracy']:.3f} "
             f"agents {fmt_list(records[0]['eval_agent_accuracy'])}")
     log(STAGE_HEADER)
@@ -526,8 +527,9 @@ def run(cfg: Config, log=None) -> list[dict]:
         rec["violation"] = rec["measured_change"] < -noise  # fell beyond noise (2 standard errors)
         records.append(rec)
         write_metrics(out, records)
-        save_checkpoint(out, stage, team, controllers, value_heads, rng, {})
+        save_checkpoint_in_background(out, stage, team, controllers, value_heads, rng, {})  # overlaps the next stage
         log(stage_line(rec))
+    finish_checkpoints()  # the last checkpoint is on disk before the run returns
     if len(records) > 1:
         plot_run(out, records)
     plot_note = f", plot in {out / 'progress.png'}" if len(records) > 1 else " (no plot: no stage trained)"

@@ -599,8 +599,11 @@ def _warm_train(agent: Agent, k: int, batches: list, lr: float):
     """Supervised steps of one agent on its drawn batches; (state_dict, fp32 master weights or None)."""
     from tqdm import tqdm
 
+    import parallel
+
     opt = agent.start_training(lr)
-    for ctx, cmask, resp, rmask in tqdm(batches, desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
+    bar = batches if parallel.IN_CHILD else tqdm(batches, desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False)
+    for ctx, cmask, resp, rmask in bar:
         hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
         logp = token_logprobs_from_hidden(agent.model, hidden, resp, 1.0)  # [b, Lr]
         loss = -masked_mean(logp, rmask)

@@ -144,9 +144,11 @@ def test_kill_9_in_rollout_update_and_checkpoint_write_then_resume_matches_a_str
     argv = SMALL + ["--stages", "3", "--out", str(out)]
     resume = ["--resume", str(out), "--stages", "3"]
 
-    # 1. rollout: the stage-1 line is printed, stage 2 starts with its rollout
+    # 1. rollout: the stage-1 line is printed and its checkpoint (written in the background) is on
+    # disk; stage 2 runs its rollout
     run = Watched(argv, tmp_path)
-    run.kill_when(lambda: any(line.split()[:1] == ["1"] for line in run.stdout().splitlines()))
+    run.kill_when(lambda: any(line.split()[:1] == ["1"] for line in run.stdout().splitlines())
+                  and (out / "latest.json").exists() and '"stage": 1' in (out / "latest.json").read_text())
     assert latest_checkpoint(out).name == "stage_0001"
 
     # 2. update: after resuming, the progress bar names agent 2: stage 2 is inside agent 2's update
