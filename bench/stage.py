@@ -11,7 +11,8 @@ splits the time into phases (by timing the functions that do each phase):
     KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search)
     other          the rest of the stage (advantages, copies of pi_j,cur, ...)
     evaluation     ``sat.evaluate`` on the held-out problems
-    checkpoint     ``records.save_checkpoint``
+    checkpoint     ``records.save_checkpoint`` (timed here in the main process; ``sat.run`` writes
+                   it in a forked child on the second core while the next stage runs)
 
 Tokens/s count response tokens (the rows' generated tokens) that the phase
 processes. The compute floor is measured in the same process on the same
