@@ -16,10 +16,12 @@ minimises E_s KL(target(.|s) || pi_new(.|s)) toward these fixed targets until
 both (i) the (1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the
 mean fit KL(target || pi_new) <= the fit tolerance (a share of its start value).
 Both are reported, in sample and on held-out states (rollouts of problems
-the fit never saw). Targets on the ball's boundary cannot be fitted exactly,
-so when a converged fit's quantile sits just above delta_0 the targets are
-re-solved at radius 0.9 x the previous one (never below delta_0 / 2); the
-radius used is reported.
+the fit never saw; a warning line when held-out states are outside delta_0).
+Targets on the ball's boundary cannot be fitted exactly, and the quantile
+asks for all but alpha of the states inside; so once the fit is within
+tolerance or stops improving, a state the fitted model leaves outside or near
+the boundary gets a target deeper inside the ball (its own t(s) shrunk, still
+an Eq. (7) mixture); the share of states so moved is reported.
 
 Memory is bounded by budgets, not by the response length: rows go through the
 trunks in micro-batches of at most ``token_budget`` tokens, and the LM heads
@@ -56,8 +58,9 @@ from update import make_value_head
 
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
 STAGE0_HELDOUT_FRACTION = 0.25  # share of the Stage-0 problems whose states are held out of the fit
-STAGE0_SHRINK = 0.9  # target radius factor when a fit within tolerance still sits outside delta_0
-STAGE0_PATIENCE = 5  # passes without a 1% better fit before the Stage-0 learning rate is halved
+STAGE0_SHRINK = 0.9  # a state past 0.9 delta_0 has its target exponent t(s) = 1/(1+lambda(s)) shrunk by this (deeper inside)
+STAGE0_EVERY = 5  # passes between two such retargetings, so the fit can follow
+STAGE0_PATIENCE = 10  # passes with neither a 1% better fit nor a 1% lower quantile before the learning rate halves
 STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
 
 
@@ -197,22 +200,39 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
 
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delta0: float, q_level: float, lr: float,
                max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
-               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent") -> dict:
+               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent", trace: dict | None = None) -> dict:
     """Stage-0 (Eqs. (6)-(7)) on given states. ``new_model`` enters as pi_pre and
     leaves aligned; a frozen copy keeps pi_pre. Stops when the (1-alpha) quantile
     of KL(pi_new || pi_cur) over the fit states is <= delta0 and the mean fit
     KL(target || pi_new) is <= fit_tol x its value at the start, KL(target || pi_pre)
-    (a relative tolerance; the absolute one is reported as ``fit_tol``). Targets
-    are the exact Eq. (7) projection onto radius delta0; only if a fit within
-    tolerance still has its quantile above delta0 (the targets sit on the
-    boundary, so fit error pushes about half of the tight states out) is the
-    target radius shrunk by STAGE0_SHRINK and lambda(s) solved again. Raises if the model is still outside
-    delta0 after ``max_passes``; if only the fit tolerance is missed, the (feasible)
-    model is kept and ``fit_ok`` is False."""
+    (a relative tolerance; the absolute one is reported as ``fit_tol``).
+
+    Targets are the exact Eq. (7) projection onto radius delta0, t(s) = 1/(1+lambda(s))
+    solved once per state. A network fits them only approximately, and the
+    targets of the violating states lie *on* the boundary, so fit error leaves
+    about half of those states outside, while the quantile asks for all but
+    alpha of them inside. So once the mean fit is within tolerance (checked
+    every STAGE0_EVERY passes) or has stopped improving, while the quantile is
+    above delta0, every state past or near the boundary (KL > STAGE0_SHRINK x
+    delta0) gets its target moved deeper inside, t(s) <- STAGE0_SHRINK x t(s):
+    still an Eq. (7) mixture, at a smaller radius of its own; t -> 0 is pi_cur
+    itself, always feasible, so there is no floor. States the fit keeps well
+    inside keep the exact argmin targets; ``retargeted`` reports the share that
+    moved. (The earlier rule shrank one global radius, floored at delta0 / 2,
+    as soon as the fit was within tolerance: it spent the margin while the fit
+    was still improving, and a plateau rule on the fit alone then decayed the
+    learning rate to nothing while the tail still moved, so a 2-layer
+    replacement stalled at 1.5 x delta0.) The learning rate halves only when
+    the model is inside and neither the fit nor the quantile improved by 1% in
+    STAGE0_PATIENCE passes. Raises if the model is still outside delta0 after
+    ``max_passes``; if only the fit tolerance is missed, the (feasible) model
+    is kept and ``fit_ok`` is False.
+    ``trace``, when given, receives the final per-state t and w of the fit states."""
     log = log or (lambda *_: None)
     pre_model = copy.deepcopy(new_model).requires_grad_(False).eval()  # pi_pre, frozen
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
     kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, delta0, **args)
+    t_exact = t.clone()  # [M] the argmin's exponents
     kl_held = measure_stage0(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held) else torch.zeros(0)
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs float rounding when pi_pre is inside
     fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
@@ -222,35 +242,33 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
     new_model.requires_grad_(True).train()
     opt = torch.optim.AdamW(new_model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
-    best, stall, since_shrink = float("inf"), 0, 0
-    radius = delta0  # the targets' radius: delta0, shrunk only if a converged fit still sits outside delta0
+    best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = quantile(kl, q_level) if kl.numel() else 0.0
         fit_mean = float(fit_kl.mean()) if fit_kl.numel() else 0.0
+        lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
             log(f"  stage-0 pass {passes}: KL(new||cur) quantile {q:.4f} (delta_0 {delta0}), "
-                f"fit KL(target||new) mean {fit_mean:.5f} (tol {fit_tol:.5f}), target radius {radius:.4f}, lr {opt.param_groups[0]['lr']:.2e}")
-        lr_now = opt.param_groups[0]["lr"]
+                f"fit KL(target||new) mean {fit_mean:.5f} (tol {fit_tol:.5f}), retargeted {float((t < t_exact).float().mean()):.1%}, "
+                f"lr {lr_now:.2e}")
         if (q <= delta0 and (fit_mean <= fit_tol or lr_now <= lr / 1000)) or passes == max_passes:
             break  # done (or inside delta0 with a fit that no longer improves: fit_ok says which)
         if passes >= 1:
-            best, stall = (fit_mean, 0) if fit_mean < 0.99 * best else (best, stall + 1)
-            since_shrink += 1
-        converged = stall >= STAGE0_PATIENCE or (fit_mean <= fit_tol and since_shrink >= STAGE0_PATIENCE)
-        if converged and q > delta0 and radius * STAGE0_SHRINK >= 0.5 * delta0:
-            # The fit has converged but its tail sits outside: the targets lie on the boundary
-            # of the ball, so fit error pushes the tight states out. Aim at a slightly smaller
-            # ball (the exact Eq. (7) projection at that radius), never below delta0 / 2.
-            radius *= STAGE0_SHRINK
+            better = fit_mean < 0.99 * best_fit or q < 0.99 * best_q
+            best_fit, best_q, stall = min(best_fit, fit_mean), min(best_q, q), (0 if better else stall + 1)
+            since += 1
+        stalled = stall >= STAGE0_PATIENCE
+        if q > delta0 and ((fit_mean <= fit_tol and since >= STAGE0_EVERY) or stalled):  # the fit did what it can:
+            outside = kl > STAGE0_SHRINK * delta0  # [M] past or near the boundary: work on them
+            t[outside] *= STAGE0_SHRINK
+            since, stall, best_q, best_fit = 0, 0, float("inf"), float("inf")
             new_model.eval()
-            kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, radius, **args)
+            kl, fit_kl, _ = measure_stage0(new_model, pre_model, cur_model, fit, t, delta0, **args)  # fit to the new targets
             new_model.train()
-            best, stall, since_shrink = float("inf"), 0, 0
-            log(f"  stage-0 pass {passes}: fit converged, KL quantile {q:.4f} above delta_0; targets now at radius {radius:.4f}")
-        elif stall >= STAGE0_PATIENCE and lr_now > lr / 1000:  # Adam's noise floor at this lr: halve it
+        elif stalled and lr_now > lr / 1000:  # inside, but the fit no longer improves at this lr: halve it
             for group in opt.param_groups:
                 group["lr"] *= 0.5
-            best, stall = fit_mean, 0
+            stall = 0
         fit_pass(new_model, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
         new_model.eval()
         kl, fit_kl, _ = measure_stage0(new_model, pre_model, cur_model, fit, t, delta0, **args)
@@ -258,18 +276,26 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     new_model.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
     del opt
+    if trace is not None:
+        trace.update(t=t.clone(), t_exact=t_exact)
     if q > delta0:
+        del pre_model
         raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
                            f"{passes} passes; raise --stage0-delta or --stage0-max-passes")
     out = {**before, "kl_quantile": q, "kl_mean": float(kl.mean()) if kl.numel() else 0.0, "fit_mean": fit_mean,
            "fit_quantile": quantile(fit_kl, q_level) if fit_kl.numel() else 0.0, "fit_tol": fit_tol,
-           "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0, "target_radius": radius,
+           "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
+           "retargeted": float((t < t_exact).float().mean()) if t.numel() else 0.0,
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
-        kl_h, fit_h, _ = measure_stage0(new_model, pre_model, cur_model, held, None, radius, **args)
+        kl_h, fit_h, _ = measure_stage0(new_model, pre_model, cur_model, held, None, delta0, **args)
         out.update(heldout_states=held.num_states, heldout_kl_quantile=quantile(kl_h, q_level) if kl_h.numel() else 0.0,
                    heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
                    heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
+        if out["heldout_kl_quantile"] > delta0:
+            log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is {out['heldout_kl_quantile']:.4f} "
+                f"> delta_0 {delta0} (in sample {q:.4f}): the fit does not carry to new states; more Stage-0 states "
+                f"(--stage0-problems) narrow the gap")
     del pre_model
     return out
 
@@ -368,7 +394,8 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             before = evaluate(holder)
             log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement {before['eval_accuracy']:.3f}; "
                 f"agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
-        prompts = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
+        n_prompts = getattr(cfg, "stage0_problems", None) or cfg.batch_size // cfg.group_size
+        prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment (delta_0 = {cfg.stage0_delta})")
         t0 = time.time()
         stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log)
@@ -386,6 +413,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             event["before_stage0"] = before
         log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
             f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {stage0.get('heldout_kl_quantile', float('nan')):.4f}), "
-            f"fit mean {stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'})")
+            f"fit mean {stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
+            f"{stage0['retargeted']:.0%} of the states aimed deeper inside")
         events.append(event)
     return events

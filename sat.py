@@ -114,6 +114,7 @@ class Config:
     stage0_max_passes: int = 200  # passes over the Stage-0 states before giving up (a clear error)
     stage0_fit_tol: float | None = None  # Stage-0 stops once mean KL(target || pi_new) <= this x its start value (default 0.1)
     upgrade_warmup_steps: int | None = None  # warm start of a tiny replacement (default 2 x warmup_steps)
+    stage0_problems: int | None = None  # Stage-0 prompts, a quarter held out (default batch_size // group_size)
     # optimisation details
     epochs: int | None = None  # passes over the batch per agent update
     minibatch_size: int | None = None  # joint trajectories per gradient step
@@ -162,6 +163,8 @@ class Config:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
+        if self.stage0_problems is not None and not self.stage0_problems >= 2:
+            raise ValueError(f"--stage0-problems must be >= 2 (got {self.stage0_problems}): some fit, a quarter held out")
         if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
             raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): a share of the start value, e.g. 0.1")
         if not 0 < self.quantile <= 1:
@@ -573,13 +576,14 @@ def parse_args(argv=None) -> Config:
              "eval-size": "held-out problems per evaluation", "warmup-steps": "supervised warm start of tiny agents",
              "stage0-delta": "Stage-0 radius delta_0 for --upgrade", "stage0-max-passes": "Stage-0 passes before giving up",
              "upgrade-warmup-steps": "warm start of a tiny replacement (default 2 x --warmup-steps)",
-             "stage0-fit-tol": "Stage-0 fit tolerance: mean KL(target || new) <= this x its start value (default 0.1)"}
+             "stage0-fit-tol": "Stage-0 fit tolerance: mean KL(target || new) <= this x its start value (default 0.1)",
+             "stage0-problems": "Stage-0 prompts, a quarter held out (default --batch-size / --group-size)"}
     for name, typ in [("delta", float), ("quantile", float), ("beta", float), ("lr", float), ("group-size", int),
                       ("batch-size", int), ("max-new-tokens", int), ("temperature", float), ("top-p", float),
                       ("seed", int), ("epochs", int), ("minibatch-size", int), ("eps-clip", float), ("adv-clip", float),
                       ("max-backtracks", int), ("token-budget", int), ("kl-check-every", int), ("eval-size", int), ("warmup-steps", int),
                       ("stage0-delta", float), ("stage0-max-passes", int), ("upgrade-warmup-steps", int),
-                      ("stage0-fit-tol", float)]:
+                      ("stage0-fit-tol", float), ("stage0-problems", int)]:
         p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=typ, help=helps.get(name))
     p.add_argument("--kl-estimator", dest="kl_estimator", choices=["k1", "k2", "k3", "k3_new"])
     p.add_argument("--out")

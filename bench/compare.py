@@ -78,7 +78,8 @@ def upgrade_arm(base: Path, out: Path, name: str, total_stages: int, slot: int, 
         return read_metrics(run_dir), run_dir
     argv = ["--resume", str(base), "--out", str(run_dir), "--stages", str(total_stages), "--eval-size", str(args.eval_size)]
     if spec:
-        argv += ["--upgrade", f"{slot}={spec}", "--upgrade-warmup-steps", str(steps), "--stage0-max-passes", str(args.stage0_max_passes)]
+        argv += ["--upgrade", f"{slot}={spec}", "--upgrade-warmup-steps", str(steps), "--stage0-max-passes", str(args.stage0_max_passes),
+                 "--stage0-problems", str(args.stage0_problems)]
     cfg = sat.parse_args(argv)
     if p_wrong is not None:
         cfg.warmup_p_wrong = p_wrong  # used only by the replacement's warm start (a resumed team is not warmed again)
@@ -101,7 +102,9 @@ def upgrades(args) -> None:
         base_recs = read_metrics(run_dir)
         pre = base_recs[-1]
         for label, spec, steps, p_wrong in UPGRADE_ARMS:
-            name = f"upgrade-{label.split(' ')[0]}-slot{args.slot}-s{seed}"
+            if label.split(" ")[0] not in args.arms:
+                continue
+            name = f"upgrade-{label.split(' ')[0]}-slot{args.slot}-p{args.stage0_problems}-s{seed}"
             try:
                 recs, arm_dir = upgrade_arm(run_dir, args.out, name, total, args.slot, spec, steps, p_wrong, args)
             except RuntimeError as err:  # Stage-0 could not align: report it, keep the other arms
@@ -117,7 +120,8 @@ def upgrades(args) -> None:
                    "after_stage0": ev.get("eval_accuracy_after_stage0"), "final": recs[-1]["eval_accuracy"],
                    "final_se": recs[-1]["eval_stderr"], "violation": after[0]["violation"] if after else None,
                    "kl_in": s0.get("kl_quantile"), "kl_held": s0.get("heldout_kl_quantile"), "kl_before": s0.get("kl_quantile_before"),
-                   "fit": s0.get("fit_mean"), "fit_tol": s0.get("fit_tol"), "passes": s0.get("passes"), "stage0_s": ev.get("seconds")}
+                   "fit": s0.get("fit_mean"), "fit_tol": s0.get("fit_tol"), "passes": s0.get("passes"), "stage0_s": ev.get("seconds"),
+                   "states": s0.get("states"), "heldout_states": s0.get("heldout_states"), "retargeted": s0.get("retargeted")}
             rows.setdefault(label, []).append(row)
             print(f"seed {seed} {label}: {json.dumps(row)}", flush=True)
     f = (lambda v, d=3: "-" if v is None else f"{v:.{d}f}")
@@ -126,9 +130,10 @@ def upgrades(args) -> None:
         vals = [v for v in vals if v is not None]
         if not vals:
             return "-"
-        return f"{statistics.mean(vals):.3f}" + (f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else "")
+        return f"{statistics.mean(vals):.3f}" + (f" ± {statistics.stdev(vals) / len(vals) ** 0.5:.3f}" if len(vals) > 1 else "")
     print(f"\nslot {args.slot} replaced after {args.train_stages} SAT stages, then {args.stages} more; held-out team accuracy "
-          f"on {args.eval_size} draws (one sample each) per evaluation; mean ± SD over seeds {args.seeds}\n")
+          f"on {args.eval_size} draws (one sample each, SE of one evaluation ~ {0.5 / args.eval_size ** 0.5:.3f}) per evaluation; "
+          f"mean ± standard error over seeds {args.seeds}; Stage-0 on {args.stage0_problems} prompts (a quarter held out)\n")
     print("| arm | team before upgrade | incumbent alone | replacement alone (before Stage-0) | team with raw replacement | "
           "team after Stage-0 | team after continued stages | per seed (final ± SE) | first-stage violations | "
           "Stage-0 KL q0.99 before -> in-sample / held-out | passes |")
@@ -155,6 +160,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=128, help="upgrades: joint trajectories per stage")
     ap.add_argument("--warmup-steps", type=int, default=150, help="upgrades: warm start of the base team")
     ap.add_argument("--stage0-max-passes", type=int, default=400, help="upgrades: Stage-0 passes before giving up")
+    ap.add_argument("--stage0-problems", type=int, default=128, help="upgrades: Stage-0 prompts (a quarter held out)")
+    ap.add_argument("--arms", nargs="+", default=["continue", "stronger", "weaker"], choices=["continue", "stronger", "weaker"],
+                    help="upgrades: which arms to run")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,7 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     distributions must match the exact targets within the stated tolerance, stay
     inside delta_0 on states the fit never saw, and keep what pi_pre knows
     (closer to pi_pre than the incumbent is)."""
-    from trust_region import geometric_mixture_projection
+    from trust_region import geometric_mixture_at, geometric_mixture_projection
 
     cur = random_lm(seed=1)
     pre = copy.deepcopy(cur)
@@ -143,21 +143,30 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     kl_pre = kl_rows(full_logp(pre, fit), full_logp(cur, fit))
     delta0 = float(kl_pre.median())  # about half the states violate
     new = copy.deepcopy(pre)
+    trace = {}
     info = plug_and_play.fit_stage0(new, cur, fit, held, delta0, 0.99, lr=1e-2, max_passes=300, fit_tol=0.1,
-                                    temperature=1.0, rows_per_step=16, token_budget=4096)
+                                    temperature=1.0, rows_per_step=16, token_budget=4096, trace=trace)
     assert info["share_outside_before"] > 0.3 and info["kl_quantile_before"] > delta0
     assert info["fit_ok"] and info["passes"] >= 1
-    # the exact targets, computed independently at the radius Stage-0 reports
+    # the exact targets at delta_0, computed independently: Stage-0 solved the same lambda(s)
     lp_new, lp_pre, lp_cur = full_logp(new, fit), full_logp(pre, fit), full_logp(cur, fit)
-    target, lam = geometric_mixture_projection(lp_pre, lp_cur, info["target_radius"])
-    assert info["target_radius"] <= delta0 and info["target_radius"] >= 0.5 * delta0
+    exact, lam = geometric_mixture_projection(lp_pre, lp_cur, delta0)
+    t_exact = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1 / (1 + lam))  # [M]
+    assert torch.allclose(trace["t_exact"].double(), t_exact, atol=1e-4)
+    # a state keeps its exact target unless the fit left it outside; then its t only shrank (deeper inside)
+    moved = trace["t"] < trace["t_exact"]  # [M]
+    assert abs(float(moved.double().mean()) - info["retargeted"]) < 1e-6 and bool((trace["t"] <= trace["t_exact"]).all())
+    target = geometric_mixture_at(lp_pre, lp_cur, trace["t"].double())  # [M, V] what was fitted
+    assert bool((kl_rows(target, lp_cur) <= delta0 + 1e-6).all())  # every target is feasible
     fit_kl = kl_rows(target, lp_new)
-    start_kl = kl_rows(geometric_mixture_projection(lp_pre, lp_cur, delta0)[0], lp_pre)
+    start_kl = kl_rows(exact, lp_pre)
     assert abs(info["fit_tol"] - 0.1 * float(start_kl.mean())) < 1e-5  # the stated (relative) tolerance
     assert float(fit_kl.mean()) <= info["fit_tol"] * 1.01 + 1e-7
     assert abs(float(fit_kl.mean()) - info["fit_mean"]) < 1e-4
     assert quantile(fit_kl, 0.99) <= 10 * info["fit_tol"]  # per state too, not only on average
     assert float(kl_rows(target, lp_pre).mean()) > 5 * float(fit_kl.mean())  # pi_new is far closer to the targets than pi_pre
+    if not bool(moved.all()):  # the states still aimed at the exact argmin are fitted to it
+        assert float(kl_rows(exact, lp_new)[~moved].mean()) <= info["fit_tol"] * 1.01 + 1e-7
     # the constraint: in sample, and on held-out states
     assert quantile(kl_rows(lp_new, lp_cur), 0.99) <= delta0 + 1e-6
     kl_held = kl_rows(full_logp(new, held), full_logp(cur, held))
@@ -178,6 +187,19 @@ def test_stage0_is_the_identity_when_pi_pre_is_already_inside():
     assert info["passes"] == 0 and info["share_outside_before"] == 0.0 and info["fit_mean"] <= 1e-6
     for a, b in zip(new.parameters(), pre.parameters()):
         assert torch.equal(a, b)
+
+
+def test_stage0_raises_a_clear_error_when_it_cannot_reach_delta0():
+    """A budget too small to move a far-away pi_pre inside a tiny ball: a clear
+    one-line error naming the fix, never a model outside delta_0."""
+    cur = random_lm(seed=1)
+    pre = copy.deepcopy(cur)
+    pre.lm_head.weight.data += 2.0 * torch.randn_like(pre.lm_head.weight)
+    fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
+    with pytest.raises(RuntimeError, match=r"could not bring agent inside delta_0=0.001: KL quantile still .* after 3 passes; "
+                                           r"raise --stage0-delta or --stage0-max-passes"):
+        plug_and_play.fit_stage0(copy.deepcopy(pre), cur, fit, held, 1e-3, 0.99, lr=1e-3, max_passes=3, fit_tol=0.1,
+                                 temperature=1.0, rows_per_step=16, token_budget=4096)
 
 
 def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs():
