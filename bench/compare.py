@@ -1,7 +1,7 @@
 """Side-by-side runs on tiny agents: what SAT's design choices buy, over seeds.
 
     python bench/compare.py updates  --seeds 0 1 2 --stages 15   # sequential vs joint, 3 agents vs 1, both protocols
-    python bench/compare.py upgrades --seeds 0 1 2 --train-stages 4 --stages 6   # plug-and-play: continue / stronger / weaker
+    python bench/compare.py upgrades --seeds 0 1 2 --train-stages 4 --stages 6 --stage0-problems 32   # plug-and-play
 
 Every arm of one seed starts from the same warm-started checkpoint (made once,
 then ``--resume``d), so arms differ only in what is being compared. Prints a
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=128, help="upgrades: joint trajectories per stage")
     ap.add_argument("--warmup-steps", type=int, default=150, help="upgrades: warm start of the base team")
     ap.add_argument("--stage0-max-passes", type=int, default=400, help="upgrades: Stage-0 passes before giving up")
-    ap.add_argument("--stage0-problems", type=int, default=128, help="upgrades: Stage-0 prompts (a quarter held out)")
+    ap.add_argument("--stage0-problems", type=int, default=32, help="upgrades: Stage-0 prompts (a quarter held out)")
     ap.add_argument("--arms", nargs="+", default=["continue", "stronger", "weaker"], choices=["continue", "stronger", "weaker"],
                     help="upgrades: which arms to run")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))
