@@ -222,12 +222,12 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     as soon as the fit was within tolerance: it spent the margin while the fit
     was still improving, and a plateau rule on the fit alone then decayed the
     learning rate to nothing while the tail still moved, so a 2-layer
-    replacement stalled at 1.5 x delta0.) The learning rate halves only when
+    replacement stalled at 1.06-1.5 x delta0.) The learning rate halves only when
     the model is inside and neither the fit nor the quantile improved by 1% in
     STAGE0_PATIENCE passes. Raises if the model is still outside delta0 after
     ``max_passes``; if only the fit tolerance is missed, the (feasible) model
     is kept and ``fit_ok`` is False.
-    ``trace``, when given, receives the final per-state t and w of the fit states."""
+    ``trace``, when given, receives the final per-state t and the exact t_exact of the fit states."""
     log = log or (lambda *_: None)
     pre_model = copy.deepcopy(new_model).requires_grad_(False).eval()  # pi_pre, frozen
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
