@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu")
+STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu", mesh=None)
 
 
 # ---------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def setup(device: str) -> str:
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    STATE.rank, STATE.world = 0, 1
+    STATE.rank, STATE.world, STATE.mesh = 0, 1, None
 
 
 def active() -> bool:
@@ -175,12 +175,20 @@ class ShardedLM(torch.nn.Module):
         self.lm.gradient_checkpointing_disable()
 
 
-def shard_model(model: torch.nn.Module) -> ShardedLM:
+def shard_model(model: torch.nn.Module, masters: list[torch.Tensor] | None = None) -> ShardedLM:
     """An fp32 copy of ``model`` sharded with FSDP2: ``fully_shard`` on each
     decoder layer, then on the whole. Agents held in bf16 compute in bf16 and
     reduce gradients in fp32 (MixedPrecisionPolicy); fp32 agents (CPU) in fp32.
     Each layer is cast to fp32 just before it is sharded, so a rank holds at
-    most one full fp32 layer besides the agent's own low-precision weights."""
+    most one full fp32 layer besides the agent's own low-precision weights.
+
+    The sharded fp32 parameters are the master weights of a bf16 agent (the
+    forward runs on their bf16 cast, the agent's own weights). ``masters``
+    (this rank's shards kept from the agent's last turn, ``master_shards``)
+    are restored where the bf16 weight still equals round(master), as
+    ``team.MasterWeightAdamW`` does with one process, so progress below a bf16
+    rounding step accumulates across turns; elsewhere (a backtracked or
+    rejected step) the master restarts from the bf16 weight."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = next(model.parameters()).dtype
@@ -189,7 +197,20 @@ def shard_model(model: torch.nn.Module) -> ShardedLM:
     for layer in wrapped.lm.base_model.layers:
         fully_shard(layer.float(), mp_policy=policy)
     fully_shard(wrapped.float(), mp_policy=policy)
+    params = list(wrapped.lm.parameters())
+    if masters is not None and low != torch.float32 and [m.shape for m in masters] == [p.to_local().shape for p in params]:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                local = p.to_local()  # [rows of this rank, ...] fp32 = the bf16 weight, cast
+                m = m.to(local.device)
+                local.copy_(torch.where(m.to(low) == local.to(low), m, local))
     return wrapped
+
+
+def master_shards_of(sharded: ShardedLM) -> list[torch.Tensor]:
+    """This rank's fp32 shards of a sharded agent, on the host (kept between turns)."""
+    sharded.reshard()
+    return [p.to_local().detach().to("cpu", copy=True) for p in sharded.lm.parameters()]
 
 
 @torch.no_grad()
@@ -199,6 +220,38 @@ def copy_full_into(sharded: ShardedLM, plain: torch.nn.Module) -> None:
     sharded.reshard()  # the root may still be gathered after a no-grad forward
     for p_sh, p in zip(sharded.lm.parameters(), plain.parameters(), strict=True):
         p.copy_(full(p_sh.detach()).to(p.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Shards of whole tensors (the sharded checkpoints of records.py)
+# ---------------------------------------------------------------------------
+def device_mesh():
+    """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0))."""
+    if STATE.mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        STATE.mesh = init_device_mesh(_comm_device().type, (STATE.world,))
+    return STATE.mesh
+
+
+def local_rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a whole tensor in FSDP2's layout (torch.chunk along
+    dim 0; ranks past the last chunk hold 0 rows); the tensor itself with one process."""
+    if not active():
+        return t
+    chunks = t.chunk(STATE.world, 0)
+    return chunks[STATE.rank] if STATE.rank < len(chunks) else t[:0]
+
+
+def as_sharded(local: torch.Tensor, shape: torch.Size):
+    """A DTensor (Shard(0) over all ranks) from this rank's rows of a tensor of
+    ``shape``; the tensor itself with one process."""
+    if not active():
+        return local
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.to(_comm_device()), device_mesh(), [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
 # ---------------------------------------------------------------------------

@@ -9,8 +9,11 @@ folder holds
     progress.png           held-out accuracy per stage, and the certificate terms
     upgrades.json          plug-and-play events, if any
     latest.json            points at the newest complete checkpoint
-    checkpoints/stage_XXXX team weights + state.pt (controllers, value heads, RNGs)
-                           + checksums.json (size and sha256 of every file)
+    checkpoints/stage_XXXX team/ (a Hugging Face folder per agent: what eval_aime.py
+                           and the vLLM engines load) + sharded/agent_K (the agents'
+                           fp32 training state, torch.distributed.checkpoint: each
+                           rank writes its shards) + state.pt (controllers, value
+                           heads, RNGs) + checksums.json (size and sha256 of every file)
 
 Every write goes through a temporary file or folder and a rename, so a crash
 leaves the previous checkpoint intact and resumable; a damaged file is caught
@@ -26,6 +29,8 @@ import os
 import random
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,19 +49,24 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
                     suffix: str = "") -> Path:
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
-    checkpoint intact. Under torchrun rank 0 writes (every rank holds the same
-    whole agents between turns) and the others wait for it. checksums.json in
+    checkpoint intact. Every rank writes its shards of the training state
+    (``save_sharded``); rank 0 writes the rest (every rank holds the same whole
+    agents between turns) and the others wait for it. checksums.json in
     the folder holds the size and sha256 of every file, verified by
     ``load_checkpoint``. Pruning keeps the new folder and the one before it in
     stage order; folders of later stages (a future discarded by resuming from
     an earlier stage folder) are removed."""
     root = out / "checkpoints"
     final = root / f"stage_{stage:04d}{suffix}"
+    tmp = root / f".stage_{stage:04d}{suffix}.tmp"
+    if distributed.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()  # the folder exists before any rank writes its shards
+    save_sharded(tmp / "sharded", team)  # every rank
     if not distributed.is_main():
         distributed.barrier()
         return final
-    tmp = root / f".stage_{stage:04d}{suffix}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     team.save(tmp / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
@@ -96,6 +106,68 @@ def save_checkpoint_in_background(out: Path, stage: int, team: Team, controllers
 def finish_checkpoints() -> None:
     """Wait for a checkpoint being written in the background; raise if it failed."""
     parallel.wait_background()
+
+
+# ---------------------------------------------------------------------------
+# Sharded training state (torch.distributed.checkpoint)
+# ---------------------------------------------------------------------------
+def fp32_state(agent) -> list[torch.Tensor]:
+    """This rank's part of the agent's fp32 training state, one tensor per
+    parameter: the master weights of a bf16 agent where it has them (its shards
+    under torchrun), else its weights in fp32 (the rank's rows under torchrun)."""
+    params = [p.detach() for p in agent.model.parameters()]
+    kept = agent.master_shards if distributed.active() else agent.master_weights
+    if kept is None or [k.shape for k in kept] != [distributed.local_rows(p).shape for p in params]:
+        kept = [None] * len(params)
+    return [k if k is not None else distributed.local_rows(p).float() for k, p in zip(kept, params)]
+
+
+def _sharded_dict(agent, parts: list[torch.Tensor]) -> dict:
+    """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process)."""
+    names = [n for n, _ in agent.model.named_parameters()]
+    return {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
+
+
+def save_sharded(folder: Path, team: Team) -> None:
+    """sharded/agent_K for every agent with ``torch.distributed.checkpoint``:
+    each rank writes its Shard(0) rows of the fp32 state (one agent at a time,
+    so at most one agent's shards are on the accelerator). Loadable under any
+    number of processes (``load_sharded``: DCP reshards on load)."""
+    import torch.distributed.checkpoint as dcp
+
+    for k, agent in enumerate(team.agents):
+        with _single_process_quiet():
+            dcp.save(_sharded_dict(agent, fp32_state(agent)), checkpoint_id=str(folder / f"agent_{k}"))
+
+
+def load_sharded(folder: Path, team: Team) -> None:
+    """Read sharded/agent_K into this run's layout (any number of processes):
+    a bf16 agent gets its fp32 master weights back (``master_weights``, or this
+    rank's ``master_shards`` under torchrun), an fp32 agent its weights."""
+    import torch.distributed.checkpoint as dcp
+
+    for k, agent in enumerate(team.agents):
+        params = [p.detach() for p in agent.model.parameters()]
+        state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params])
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(folder / f"agent_{k}"))
+        values = list(state.values())
+        if agent.dtype == torch.float32:
+            with torch.no_grad():
+                for p, v in zip(params, values):
+                    p.copy_(distributed.full(v).to(p.device))
+        elif distributed.active():
+            agent.master_shards = [v.to_local().to("cpu", copy=True) for v in values]
+        else:
+            agent.master_weights = [v.to("cpu", copy=True) for v in values]
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes one process when no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 def stage_key(folder: Path) -> tuple[int, str]:
@@ -235,6 +307,8 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype) -> tuple[Team
     np.random.set_state(state["numpy_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
+    if (folder / "sharded").is_dir():  # the fp32 training state (master weights); older checkpoints lack it
+        load_sharded(folder / "sharded", team)
     controllers = {int(k): QuantileController(**v) for k, v in state["controllers"].items()}
     for k, opt_state in state.get("optimizers", {}).items():
         team.agents[int(k)].saved_optimizer_state = opt_state

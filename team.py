@@ -180,6 +180,7 @@ class Agent:
         self.optimizer: torch.optim.Optimizer | None = None
         self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
         self.master_weights: list[torch.Tensor] | None = None  # fp32 master of a bf16 agent between turns (host)
+        self.master_shards: list[torch.Tensor] | None = None  # under torchrun: this rank's shards of it (distributed.py)
         self._prompt_cache: dict = {}  # (messages, thinking) -> prompt ids; the tokenizer never changes
         self._text_cache: dict = {}  # text -> ids
         self.freeze()

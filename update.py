@@ -255,16 +255,21 @@ def train_sharded(team: Team, j: int, train):
     """``train()`` (one agent's ``train_agents``) with agent j replaced by an
     FSDP2-sharded fp32 copy under torchrun; afterwards the whole trained
     weights are written back into agent j's own model (and the in-loop anchor
-    made whole), so the trust-region check sees plain models. With one
-    process: just ``train()``."""
+    made whole), so the trust-region check sees plain models. A bf16 agent's
+    fp32 shards are its master weights: this rank's shards stay on the host
+    (``master_shards``) for its next turn, as one process keeps
+    ``master_weights``. With one process: just ``train()``."""
     if not distributed.active():
         return train()
     plain = team.agents[j]
-    team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model), plain.tokenizer)
+    low = plain.dtype != torch.float32
+    team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model, plain.master_shards if low else None), plain.tokenizer)
     try:
         stats = train()
     finally:
         sharded, team.agents[j] = team.agents[j], plain
+    if low:
+        plain.master_shards = distributed.master_shards_of(sharded.model)
     sharded.model.reshard()
     distributed.copy_full_into(sharded.model, plain.model)
     if stats.get("anchor") is not None:

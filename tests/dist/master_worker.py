@@ -1,0 +1,93 @@
+"""Run by tests/test_distributed.py under torchrun: a bf16 agent's fp32 master
+weights across two turns (one AdamW step each, lr 1e-5, Eq. (5)) with one
+process and with FSDP2 over the ranks, then a sharded checkpoint
+(torch.distributed.checkpoint) saved by every rank and loaded back under the
+same number of processes. Rank 0 writes the figures as JSON to argv[1] and
+the whole masters to argv[2] (for the one-process load in the test)."""
+import copy
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+import distributed
+import sat
+from records import load_checkpoint, save_checkpoint
+from rollout import SamplingConfig, rollout
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+from trust_region import QuantileController
+from update import build_inputs, train_agents, train_sharded
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+base = Agent.load("tiny", seed=0, dtype=torch.bfloat16)
+batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
+batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
+cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5).apply_preset()
+inputs = build_inputs(batch, 0, [], cfg)
+
+
+def turn(t: Team) -> None:
+    torch.manual_seed(1)  # the same minibatch permutation
+    controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
+    ref = copy.deepcopy(t.agents[0].model)
+    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref})[0])
+
+
+def masters(agent: Agent) -> list[torch.Tensor]:
+    """The whole fp32 masters (gathered from the ranks' shards under torchrun)."""
+    if not distributed.active():
+        return [m.clone() for m in agent.master_weights]
+    return [distributed.full(distributed.as_sharded(m, p.shape)).cpu() for m, p in zip(agent.master_shards, agent.model.parameters())]
+
+
+def fresh() -> Team:
+    return Team([Agent(base.spec, copy.deepcopy(base.model), base.tokenizer)], TeamConfig())
+
+
+def max_diff(xs, ys) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(xs, ys, strict=True))
+
+
+def mean_diff(xs, ys) -> float:
+    return sum(float((x - y).abs().sum()) for x, y in zip(xs, ys, strict=True)) / sum(x.numel() for x in xs)
+
+
+one = fresh()  # before setup(): one process, no FSDP
+turn(one)
+one_a = masters(one.agents[0])
+turn(one)
+one_b = masters(one.agents[0])
+restart = fresh()  # the same two turns with the master dropped in between (what keeping it must avoid)
+turn(restart)
+restart.agents[0].master_weights = None
+turn(restart)
+restart_b = masters(restart.agents[0])
+distributed.setup("cpu")
+two = fresh()
+turn(two)
+two_a = masters(two.agents[0])
+turn(two)
+two_b = masters(two.agents[0])
+out = Path(sys.argv[1]).parent / "run"
+save_checkpoint(out, 1, two, {}, {}, random.Random(0), {})
+loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
+bf16 = [p.detach() for p in two.agents[0].model.parameters()]
+if distributed.is_main():
+    torch.save(two_b, sys.argv[2])
+    json.dump({"world": distributed.STATE.world, "lr": cfg.lr,
+               "turn1_mean_diff": mean_diff(one_a, two_a), "turn2_mean_diff": mean_diff(one_b, two_b),
+               "turn2_max_diff": max_diff(one_b, two_b), "turn2_mean_step": mean_diff(one_b, one_a),
+               "restart_mean_diff": mean_diff(one_b, restart_b),
+               "bf16_moved_fraction": sum(int((m.to(torch.bfloat16) != p0).sum()) for m, p0 in zip(one_b, base.model.parameters()))
+               / sum(p.numel() for p in base.model.parameters())}, open(sys.argv[1], "w"))
+loaded_equal = all(torch.equal(x, y) for x, y in zip(masters(loaded.agents[0]), two_b))  # a collective: every rank
+weights_equal = all(torch.equal(p, q) for p, q in zip(loaded.agents[0].model.parameters(), bf16))
+if distributed.is_main():
+    result = json.loads(Path(sys.argv[1]).read_text())
+    result.update(loaded_masters_equal=loaded_equal, loaded_weights_equal=weights_equal)
+    Path(sys.argv[1]).write_text(json.dumps(result))
+distributed.teardown()
