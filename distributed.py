@@ -118,6 +118,22 @@ def gather_objects(obj) -> list:
     return out
 
 
+def on_main(fn):
+    """``fn()`` on rank 0 only; every rank receives its result and continues
+    from rank 0's torch RNG state (CPU, and the current GPU's), so the ranks
+    draw the same minibatch permutations and rollout seeds afterwards. With
+    one process: just ``fn()``."""
+    if not active():
+        return fn()
+    cuda = torch.cuda.is_available()
+    payload = (fn(), torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None) if is_main() else None
+    result, cpu_state, cuda_state = gather_objects(payload)[0]
+    torch.set_rng_state(cpu_state)
+    if cuda_state is not None:
+        torch.cuda.set_rng_state(cuda_state)
+    return result
+
+
 def as_float(x) -> float:
     """float() of a tensor or a DTensor (a sharded model's gradient norm)."""
     return float(x.full_tensor()) if hasattr(x, "full_tensor") else float(x)

@@ -322,8 +322,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                 break
             if cfg.reuse == "regenerate":  # redraw what the promotion changed: behaviour = pi_hat^i, no weights
                 t_gen = time.time()
-                # under torchrun rank 0 draws and every rank receives its batch (one process: just the call)
-                batch, generated = distributed.gather_objects(regenerate(team, batch, j, sampling) if distributed.is_main() else None)[0]
+                # under torchrun rank 0 draws; every rank receives its batch and RNG state (one process: just the call)
+                batch, generated = distributed.on_main(lambda: regenerate(team, batch, j, sampling))
                 after_rollout(team, batch, sampling)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             else:  # cache log rho on agent j's tokens (from the KL's forwards) for the later agents' weights

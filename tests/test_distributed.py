@@ -117,6 +117,10 @@ def runs(tmp_path_factory):
     rewind(root / "one_then_two", 1)
     run_sat(1, "--resume", str(root / "two_then_one"), "--stages", "2")
     run_sat(2, "--resume", str(root / "one_then_two"), "--stages", "2")
+    small_regenerate = ("--stages", "1", "--reuse", "regenerate", "--batch-size", "16", "--minibatch-size", "16")
+    for name, nproc, extra in (("regen_one", 1, ("--shard-rollouts",)), ("regen_two", 2, ())):
+        shutil.copytree(root / "base", root / name)
+        run_sat(nproc, "--resume", str(root / name), *small_regenerate, *extra)
     return root
 
 
@@ -128,6 +132,16 @@ def test_two_processes_match_one(runs):
     for a, b in zip(one[1:], two[1:], strict=True):
         assert_same_run(a, b)
     assert any(r["team_reward"] > 0 for r in two[1:]), "no reward signal: the comparison would be vacuous"
+
+
+def test_regenerate_under_two_processes_matches_one(runs):
+    """--reuse regenerate: rank 0 redraws the promoted agent's turns and every
+    rank continues from its batch and RNG state (``distributed.on_main``), so
+    the later agent trains on the same rows in the same order as with one process."""
+    one, two = metrics(runs / "regen_one"), metrics(runs / "regen_two")
+    assert [r["world_size"] for r in two] == [1, 2]
+    assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16  # the batch, then agent 1's turns redrawn
+    assert_same_run(one[1], two[1])
 
 
 def test_resume_across_process_counts(runs):
