@@ -230,12 +230,33 @@ def master_shards_of(sharded: ShardedLM) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def copy_full_into(sharded: ShardedLM, plain: torch.nn.Module) -> None:
-    """Write a sharded model's weights into the plain model, one parameter at a
-    time (each all-gathered, cast to the plain model's dtype, then freed)."""
+def full_weights_by_layer(sharded: ShardedLM, dtype: torch.dtype | None = None):
+    """Yield the whole weights of a sharded model one FSDP2 unit at a time, as
+    [(parameter name, whole tensor)]: first the root's own (embeddings, final
+    norm, an untied head), then each decoder layer. A collective: every rank
+    iterates. Nothing of a group is kept once the next is gathered, so a rank
+    holds the whole model at most one layer at a time (what a weight push into
+    an inference engine, or ``copy_full_into``, needs); names are the plain
+    model's. ``dtype``: cast each tensor (e.g. to the engine's bf16)."""
     sharded.reshard()  # the root may still be gathered after a no-grad forward
-    for p_sh, p in zip(sharded.lm.parameters(), plain.parameters(), strict=True):
-        p.copy_(full(p_sh.detach()).to(p.dtype))
+    lm = sharded.lm
+    layers = lm.base_model.layers
+    prefix = next(n for n, m in lm.named_modules() if m is layers)  # "model.layers"
+    in_layers = {id(p) for p in layers.parameters()}
+    groups = [[(n, p) for n, p in lm.named_parameters() if id(p) not in in_layers]]
+    groups += [[(f"{prefix}.{i}.{n}", p) for n, p in layer.named_parameters()] for i, layer in enumerate(layers)]
+    for group in groups:
+        yield [(n, full(p.detach()).to(dtype or p.dtype)) for n, p in group]
+
+
+@torch.no_grad()
+def copy_full_into(sharded: ShardedLM, plain: torch.nn.Module) -> None:
+    """Write a sharded model's weights into the plain model, one layer at a
+    time (``full_weights_by_layer``, cast to the plain model's dtype)."""
+    params = dict(plain.named_parameters())
+    for group in full_weights_by_layer(sharded):
+        for name, tensor in group:
+            params[name].copy_(tensor.to(params[name].dtype))
 
 
 # ---------------------------------------------------------------------------

@@ -169,6 +169,10 @@ def test_sharded_update_equals_unsharded(tmp_path):
     assert result["max_param_diff"] <= 1e-2 * result["max_step"]  # measured 1.2e-6 against a 3e-4 step
     assert result["grad_norm"][1] == pytest.approx(result["grad_norm"][0], rel=1e-5)
     assert result["loss"][1] == pytest.approx(result["loss"][0], abs=1e-6)
+    # full_weights_by_layer: the union is the whole model, exactly; one decoder layer per group; nothing kept
+    assert result["layers_union_names"] and result["layers_union_equal"]
+    assert result["layers_groups"] == 1 + result["n_layers"] and result["layers_leaked"] == 0  # the root, then each layer
+    assert result["layers_max_group_bytes"] == result["layer_bytes"]
 
 
 def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(tmp_path):
