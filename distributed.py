@@ -291,6 +291,18 @@ def as_sharded(local: torch.Tensor, shape: torch.Size):
     return DTensor.from_local(local.to(_comm_device()), device_mesh(), [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, shaped like the parameter
+
+
+def sharded_optimizer_state(saved: dict, params: list) -> dict:
+    """An AdamW state_dict kept between turns as this rank's shards (host
+    tensors) with its moments made DTensors again for ``params`` (the sharded
+    agent's), so ``load_state_dict`` gives the step the moments it had."""
+    state = {idx: {k: as_sharded(v, params[int(idx)].shape) if k in MOMENTS else v for k, v in st.items()}
+             for idx, st in saved["state"].items()}
+    return {**saved, "state": state}
+
+
 # ---------------------------------------------------------------------------
 # What a torchrun run supports
 # ---------------------------------------------------------------------------
@@ -301,7 +313,7 @@ def check_options(cfg) -> None:
         return
     cfg.shard_rollouts = True
     unsupported = {"--adv gae": cfg.adv == "gae", "--update joint": cfg.update == "joint",
-                   "--upgrade": bool(cfg.upgrade), "--keep-optimizer-state": bool(cfg.keep_optimizer_state)}
+                   "--upgrade": bool(cfg.upgrade)}
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")

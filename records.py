@@ -73,7 +73,7 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              "numpy_rng": np.random.get_state(),
-             "optimizers": {k: a.saved_optimizer_state for k, a in enumerate(team.agents) if a.saved_optimizer_state is not None},
+             "optimizers": {k: optimizer_skeleton(a) for k, a in enumerate(team.agents) if a.saved_optimizer_state is not None},
              **extra}
     torch.save(state, tmp / "state.pt")
     (tmp / CHECKSUMS).write_text(json.dumps(folder_digests(tmp), indent=1))
@@ -122,10 +122,32 @@ def fp32_state(agent) -> list[torch.Tensor]:
     return [k if k is not None else distributed.local_rows(p).float() for k, p in zip(kept, params)]
 
 
-def _sharded_dict(agent, parts: list[torch.Tensor]) -> dict:
-    """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process)."""
+def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dict:
+    """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process),
+    and {optimizer.IDX.exp_avg(_sq): ...} for the AdamW moments kept by --keep-optimizer-state."""
     names = [n for n, _ in agent.model.named_parameters()]
-    return {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
+    out = {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
+    if moments:
+        out.update({key: distributed.as_sharded(t, shape) for key, t, shape in _moments(agent)})
+    return out
+
+
+def _moments(agent) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
+    """(key, this rank's part or None, parameter shape) of each kept AdamW moment of the
+    agent's parameters (state index i is parameter i); a value head's stay in state.pt."""
+    saved, shapes = agent.saved_optimizer_state, [p.shape for p in agent.model.parameters()]
+    if saved is None:
+        return []
+    return [(f"optimizer.{idx}.{k}", v, shapes[int(idx)]) for idx, st in saved["state"].items() for k, v in st.items()
+            if k in distributed.MOMENTS and int(idx) < len(shapes)]
+
+
+def optimizer_skeleton(agent) -> dict:
+    """The kept AdamW state_dict for state.pt: param groups and steps, with the
+    moments (in sharded/) left as None."""
+    saved, moved = agent.saved_optimizer_state, {key for key, _, _ in _moments(agent)}
+    return {**saved, "state": {idx: {k: None if f"optimizer.{idx}.{k}" in moved else v for k, v in st.items()}
+                               for idx, st in saved["state"].items()}}
 
 
 def save_sharded(folder: Path, team: Team) -> None:
@@ -148,9 +170,18 @@ def load_sharded(folder: Path, team: Team) -> None:
 
     for k, agent in enumerate(team.agents):
         params = [p.detach() for p in agent.model.parameters()]
-        state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params])
+        state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params], moments=False)
+        for key, value, shape in _moments(agent):  # None in state.pt: room for this rank's part
+            if value is None:
+                state[key] = distributed.as_sharded(torch.zeros(distributed.local_rows(torch.empty(shape, device="meta")).shape), shape)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder / f"agent_{k}"))
+        moments = {key for key, value, _ in _moments(agent) if value is None}
+        for idx, st in (agent.saved_optimizer_state or {}).get("state", {}).items():
+            for name in st:
+                if f"optimizer.{idx}.{name}" in moments:
+                    part = state.pop(f"optimizer.{idx}.{name}")
+                    st[name] = (part.to_local() if hasattr(part, "to_local") else part).to("cpu", copy=True)
         values = list(state.values())
         if agent.dtype == torch.float32:
             with torch.no_grad():
@@ -307,11 +338,11 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype) -> tuple[Team
     np.random.set_state(state["numpy_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    if (folder / "sharded").is_dir():  # the fp32 training state (master weights); older checkpoints lack it
+    for k, opt_state in state.get("optimizers", {}).items():
+        team.agents[int(k)].saved_optimizer_state = opt_state  # moments filled from sharded/ below
+    if (folder / "sharded").is_dir():  # the fp32 training state (master weights, moments); older checkpoints lack it
         load_sharded(folder / "sharded", team)
     controllers = {int(k): QuantileController(**v) for k, v in state["controllers"].items()}
-    for k, opt_state in state.get("optimizers", {}).items():
-        team.agents[int(k)].saved_optimizer_state = opt_state
     return team, state, rng, controllers
 
 

@@ -387,8 +387,8 @@ def _bounded_put(cache: dict, key, ids: list[int]) -> None:
 
 
 def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, torch.Tensor):  # a DTensor (FSDP2 under torchrun) keeps this rank's shard
+        return (obj.to_local() if hasattr(obj, "to_local") else obj).detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -264,12 +264,17 @@ def train_sharded(team: Team, j: int, train):
     plain = team.agents[j]
     low = plain.dtype != torch.float32
     team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model, plain.master_shards if low else None), plain.tokenizer)
+    if plain.saved_optimizer_state is not None:  # --keep-optimizer-state: this rank's shards of the moments
+        team.agents[j].saved_optimizer_state = distributed.sharded_optimizer_state(
+            plain.saved_optimizer_state, list(team.agents[j].model.parameters()))
+        plain.saved_optimizer_state = None
     try:
         stats = train()
     finally:
         sharded, team.agents[j] = team.agents[j], plain
     if low:
         plain.master_shards = distributed.master_shards_of(sharded.model)
+    plain.saved_optimizer_state = sharded.saved_optimizer_state  # host shards (team._to_cpu), or None
     sharded.model.reshard()
     distributed.copy_full_into(sharded.model, plain.model)
     if stats.get("anchor") is not None:
