@@ -19,7 +19,10 @@ that decides something is computed on the whole batch. Under
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
 - frozen agents and the reference pi_j,cur are held whole on every rank (they
-  generate with the HF backend); only rank 0 writes files.
+  generate with the HF backend and compute behaviour log-probs); on CUDA the
+  frozen agents wait in host memory during another agent's turn
+  (``frozen_on_host``); only rank 0 writes files, except the sharded
+  checkpoint, where every rank writes its shards (``records.save_sharded``).
 
 With one process (plain ``python sat.py``) every function here is the
 identity, and nothing is initialised.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -257,6 +261,26 @@ def copy_full_into(sharded: ShardedLM, plain: torch.nn.Module) -> None:
     for group in full_weights_by_layer(sharded):
         for name, tensor in group:
             params[name].copy_(tensor.to(params[name].dtype))
+
+
+@contextmanager
+def frozen_on_host(team, j: int, on: bool):
+    """During agent j's turn (its update and trust-region check) the other
+    agents wait in host memory, so the accelerator holds one agent's weights
+    besides the trained agent's sharded state (``--offload-frozen``, on under
+    torchrun on CUDA; memory.py's ``frozen_offload``); they come back before
+    the next rollout. Their values never change (no effect on CPU)."""
+    others = [a for k, a in enumerate(team.agents) if k != j] if on else []
+    devices = [a.device for a in others]
+    for agent in others:
+        agent.model.to("cpu")
+    if others and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        for agent, device in zip(others, devices):
+            agent.model.to(device)
 
 
 # ---------------------------------------------------------------------------

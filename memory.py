@@ -16,11 +16,14 @@ per component so that a run can say at start whether it fits, and why not:
     activations          one micro-batch's saved activations + the LM-head logits chunk
     kv_cache             KV cache of the rollout (HF generate, or the vLLM engines)
     engine_weights       the vLLM engines' own copy of the weights (0 with --backend hf)
+    frozen_offload       minus the frozen agents' weights when they wait in host memory during
+                         another agent's turn (--offload-frozen; on under torchrun on CUDA), else 0
 
 Two peaks are what must fit, because vLLM sleeps during training and the
 optimizer is gone during rollouts:
 
     peak_training = weights + master_weights + grads_optimizer + reference + trust_region_copies + activations
+                    + frozen_offload
     peak_rollout  = weights + engine_weights + kv_cache
 
 Parameters are counted exactly from the config (Qwen3 layout: embeddings,
@@ -33,16 +36,20 @@ per layer, the final norm, lm_head unless tied); tests check the count against
 """
 from __future__ import annotations
 
+import os
+
 GiB = 1024 ** 3
 
-PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights")
+PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights",
+          "frozen_offload")
 PEAKS = {
-    "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations"),
+    "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
+                      "frozen_offload"),
     "peak_rollout": ("weights", "engine_weights", "kv_cache"),
 }
 # One-line fixes, per component, for check_fits.
 FIXES = {
-    "weights": "put fewer or smaller agents on this GPU",
+    "weights": "put fewer or smaller agents on this GPU, or --offload-frozen (frozen agents in host memory during a turn)",
     "master_weights": "use --update sequential (joint keeps fp32 master weights of every agent) or a smaller model",
     "grads_optimizer": "use --update sequential (joint keeps optimizer state for every agent) or a smaller model",
     "reference": "use --update sequential (joint keeps a reference copy of every agent) or a smaller model",
@@ -60,6 +67,7 @@ PHASE_NOTES = {
     "activations": "one micro-batch + LM-head logits chunk",
     "kv_cache": "rollout KV cache",
     "engine_weights": "vLLM engines' copy (asleep in training)",
+    "frozen_offload": "frozen agents in host memory during a turn",
 }
 
 
@@ -158,7 +166,8 @@ def head_fp32_bytes(config) -> int:
 def estimate_memory(model_config, n_agents: int, update: str = "sequential", dtype_bytes: int = 2,
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
-                    optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1) -> dict[str, int]:
+                    optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
+                    offload_frozen: bool = False) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring).
 
     micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
@@ -180,6 +189,9 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         grads_optimizer; master_weights is then 0). Everything else is
         held whole on every rank (frozen agents and the reference generate or
         measure the KL locally), so it does not shrink with gpus.
+    offload_frozen: the agents not being trained wait in host memory during
+        another agent's turn (``distributed.frozen_on_host``), so the training
+        peak holds only the trained agents' weights; they come back for rollouts.
     """
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
@@ -211,6 +223,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         + head_fp32_bytes(model_config),
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
         "engine_weights": n_agents * weight_bytes if backend == "vllm" else 0,
+        "frozen_offload": -(n_agents - trained) * weight_bytes if offload_frozen else 0,
     }
     for peak, parts in PEAKS.items():
         estimate[peak] = sum(estimate[p] for p in parts)
@@ -288,9 +301,10 @@ def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[f
     """Per-rank peaks (estimates) for each number of GPUs, and whether they fit
     GPUs of each size (GiB of memory per GPU)."""
     head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>5g} GB" for g in gib_list)
-    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan", head]
-    for n in gpus_list:
-        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, **kw)
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: frozen agents in host memory "
+            f"during a turn, the torchrun default on CUDA)", head]
+    for n in gpus_list:  # under torchrun on CUDA the frozen agents wait in host memory (--offload-frozen)
+        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, offload_frozen=n > 1, **kw)
         worst = max(est[p] for p in PEAKS)
         fits = "  ".join(f"{'fits' if worst <= g * 1e9 else 'NO':>8}" for g in gib_list)
         rows.append(f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
@@ -337,7 +351,8 @@ def check_run(cfg, team, log) -> float | None:
                           max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096,
                           dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
-                          trust_region_copies=3 if cfg.kl_check_every else 2)  # + the in-loop inside snapshot
+                          trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
+                          gpus=int(os.environ.get("WORLD_SIZE", "1")), offload_frozen=bool(getattr(cfg, "offload_frozen", False)))
     available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade (the replacement taken to be as large as the biggest agent)
         est.update(stage0_bytes(biggest.model.config, len(team), micro_batch_tokens=cfg.token_budget,

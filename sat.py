@@ -134,6 +134,7 @@ class Config:
     # several processes (torchrun): rollouts in seeded blocks, so the batch does not depend on their number
     shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
     rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
+    offload_frozen: bool | None = None  # frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)
     threads: int | None = None  # torch CPU threads (default: $OMP_NUM_THREADS, else 1; see configure_threads)
 
     def apply_preset(self) -> "Config":
@@ -310,11 +311,12 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             reference = copy.deepcopy(team.agents[j].model)  # pi_j,cur, frozen
             adopt_scoring(reference, team.agents[j].model, batch.turns[j])  # its outputs on the turn: the rollout's
             # lines 8-9: pi_tar^j <- OPTIMIZE(L_i)
-            stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads,
-                                                                {j: reference})[j])  # FSDP2 under torchrun
-            # lines 10-11: quantile of the exact per-state KL > delta -> backtrack, raise beta
-            agent_records[j], log_rho = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
-                                                      sampling, n_agents, batch)
+            with distributed.frozen_on_host(team, j, cfg.offload_frozen):  # --offload-frozen: the others wait on the host
+                stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, controllers, value_heads,
+                                                                    {j: reference})[j])  # FSDP2 under torchrun
+                # lines 10-11: quantile of the exact per-state KL > delta -> backtrack, raise beta
+                agent_records[j], log_rho = finish_update(team, j, reference, inputs, stats, cfg, controllers[j],
+                                                          sampling, n_agents, batch)
             del reference
             # line 12: promote pi_j,cur <- pi_tar^j (the engine samples from the new weights from now on)
             sync_weights(team.agents[j], sampling)
@@ -437,6 +439,8 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.threads = configure_threads(cfg.threads, cfg.device)  # recorded in config.json
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
+    if cfg.offload_frozen is None:  # recorded in config.json as resolved
+        cfg.offload_frozen = distributed.active() and cfg.device.startswith("cuda")
     if not distributed.is_main():
         log = lambda *args: None  # noqa: E731  rank 0 speaks and writes
     resume_run = (run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
@@ -597,6 +601,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,
                    help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
     p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
+    p.add_argument("--offload-frozen", dest="offload_frozen", action=argparse.BooleanOptionalAction,
+                   help="frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: $OMP_NUM_THREADS, else 1)")
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if args.pop("resample", False):

@@ -135,3 +135,18 @@ def test_stage0_peak_is_the_sum_of_its_parts_and_bounded_by_budgets():
     assert bigger["peak_stage0"] - est["peak_stage0"] == est["stage0_activations"]
     table = memory.format_table({**memory.estimate_memory(dims, 3), **est})
     assert "peak_stage0" in table and "Stage-0" in table
+
+
+def test_offloaded_frozen_agents_leave_the_training_peak_only():
+    """--offload-frozen (the torchrun default on CUDA): the n - 1 frozen agents'
+    weights leave the training peak, never the rollout peak; joint trains all, so nothing moves."""
+    params = memory.count_parameters(memory.QWEN3_DIMS["qwen3-4b"])
+    plain, off = estimate(), estimate(offload_frozen=True)
+    assert off["frozen_offload"] == -2 * params * 2 and plain["frozen_offload"] == 0
+    assert plain["peak_training"] - off["peak_training"] == 2 * params * 2
+    assert off["peak_rollout"] == plain["peak_rollout"]
+    assert estimate(update="joint", offload_frozen=True)["frozen_offload"] == 0
+    for peak, parts in memory.PEAKS.items():
+        assert off[peak] == sum(off[p] for p in parts)
+    sharded = estimate(gpus=4, offload_frozen=True)  # per rank under torchrun
+    assert sharded["grads_optimizer"] == -(-params * 16 // 4) and sharded["master_weights"] == 0
