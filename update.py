@@ -297,6 +297,9 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
         loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, stats) * (len(micro) / len(idx))
         (loss * world if world > 1 else loss).backward()
         total += loss.item()
+    if value_head is not None and world > 1:  # GAE's value head is whole on every rank: average like FSDP2 does
+        for p in value_head.parameters():
+            p.grad = distributed.sum_ranks(p.grad) / world
     grad_norm = torch.nn.utils.clip_grad_norm_(agent.grad_parameters(), 1.0)  # fp32 master grads of a bf16 agent
     opt.step()
     stats["loss"].append(float(distributed.sum_ranks(torch.tensor(total, dtype=torch.float64))) if world > 1 else total)
