@@ -14,7 +14,13 @@ that decides something is computed on the whole batch. Under
   per decoder layer, then the whole model; mixed precision when the agents are
   held in bf16), each rank computing the loss of its rows of every minibatch
   (``row_range``); gradients are reduce-scattered, so the step is the
-  one-process step up to float summation order;
+  one-process step up to float summation order; a bf16 agent's fp32 shards
+  are its master weights, kept on the host between its turns
+  (``Agent.master_shards``), and ``--keep-optimizer-state`` keeps the AdamW
+  moments' shards the same way; GAE's value head is whole on every rank, its
+  gradient averaged over them (``update._gradient_step``);
+- ``--reuse regenerate``: rank 0 redraws, and every rank continues from its
+  batch and RNG state (``on_main``);
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
