@@ -342,7 +342,7 @@ def check_options(cfg) -> None:
     if not active():
         return
     cfg.shard_rollouts = True
-    unsupported = {"--update joint": cfg.update == "joint", "--upgrade": bool(cfg.upgrade)}
+    unsupported = {"--upgrade": bool(cfg.upgrade)}
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")

@@ -297,7 +297,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
         references = {j: copy.deepcopy(team.agents[j].model) for j in sigma}
         for j in sigma:
             adopt_scoring(references[j], team.agents[j].model, batch.turns[j])
-        train_stats = train_agents(team, sigma, inputs, cfg, controllers, value_heads, references)
+        train_stats = train_sharded(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
+                                                                     references))  # FSDP2 under torchrun
         for j in sigma:
             agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], train_stats[j], cfg, controllers[j],
                                              sampling, n_agents, batch)[0]

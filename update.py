@@ -251,35 +251,43 @@ def dropout_free(model) -> bool:
     return not any(config_p) and all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
-def train_sharded(team: Team, j: int, train):
-    """``train()`` (one agent's ``train_agents``) with agent j replaced by an
-    FSDP2-sharded fp32 copy under torchrun; afterwards the whole trained
-    weights are written back into agent j's own model (and the in-loop anchor
-    made whole), so the trust-region check sees plain models. A bf16 agent's
-    fp32 shards are its master weights: this rank's shards stay on the host
-    (``master_shards``) for its next turn, as one process keeps
-    ``master_weights``. With one process: just ``train()``."""
+def train_sharded(team: Team, slots: int | list[int], train):
+    """``train()`` (``train_agents`` of one agent j, or of every slot for
+    ``--update joint``) with each trained agent replaced by an FSDP2-sharded
+    fp32 copy under torchrun; afterwards the whole trained weights are written
+    back into each agent's own model (and the in-loop anchor made whole), so
+    the trust-region check sees plain models. A bf16 agent's fp32 shards are
+    its master weights: this rank's shards stay on the host (``master_shards``)
+    for its next turn, as one process keeps ``master_weights``. With one
+    process: just ``train()``."""
     if not distributed.active():
         return train()
-    plain = team.agents[j]
-    low = plain.dtype != torch.float32
-    team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model, plain.master_shards if low else None), plain.tokenizer)
-    if plain.saved_optimizer_state is not None:  # --keep-optimizer-state: this rank's shards of the moments
-        team.agents[j].saved_optimizer_state = distributed.sharded_optimizer_state(
-            plain.saved_optimizer_state, list(team.agents[j].model.parameters()))
-        plain.saved_optimizer_state = None
+    single = isinstance(slots, int)
+    slots = [slots] if single else list(slots)
+    plains = {j: team.agents[j] for j in slots}
+    for j, plain in plains.items():
+        low = plain.dtype != torch.float32
+        team.agents[j] = Agent(plain.spec, distributed.shard_model(plain.model, plain.master_shards if low else None), plain.tokenizer)
+        if plain.saved_optimizer_state is not None:  # --keep-optimizer-state: this rank's shards of the moments
+            team.agents[j].saved_optimizer_state = distributed.sharded_optimizer_state(
+                plain.saved_optimizer_state, list(team.agents[j].model.parameters()))
+            plain.saved_optimizer_state = None
     try:
-        stats = train()
+        out = train()
     finally:
-        sharded, team.agents[j] = team.agents[j], plain
-    if low:
-        plain.master_shards = distributed.master_shards_of(sharded.model)
-    plain.saved_optimizer_state = sharded.saved_optimizer_state  # host shards (team._to_cpu), or None
-    sharded.model.reshard()
-    distributed.copy_full_into(sharded.model, plain.model)
-    if stats.get("anchor") is not None:
-        stats["anchor"] = [distributed.full(a).to(p.dtype) for a, p in zip(stats["anchor"], plain.model.parameters(), strict=True)]
-    return stats
+        sharded = {j: team.agents[j] for j in slots}
+        for j, plain in plains.items():
+            team.agents[j] = plain
+    for j, plain in plains.items():
+        if plain.dtype != torch.float32:
+            plain.master_shards = distributed.master_shards_of(sharded[j].model)
+        plain.saved_optimizer_state = sharded[j].saved_optimizer_state  # host shards (team._to_cpu), or None
+        sharded[j].model.reshard()
+        distributed.copy_full_into(sharded[j].model, plain.model)
+        stats = out if single else out[j]
+        if stats.get("anchor") is not None:
+            stats["anchor"] = [distributed.full(a).to(p.dtype) for a, p in zip(stats["anchor"], plain.model.parameters(), strict=True)]
+    return out
 
 
 def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, opt, value_head,

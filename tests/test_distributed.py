@@ -55,7 +55,7 @@ def test_torchrun_refusals_match_docs_errors():
 
     section = (ROOT / "docs" / "errors.md").read_text().split("## Under torchrun", 1)[1]
     rows = re.findall(r"^\| [^|]+ \| `(.*?)` \| `sat.py: error: (.*)` \|$", section, re.M)
-    assert len(rows) == 3
+    assert len(rows) == 2
     try:
         distributed.STATE.world = 2
         for flags, line in rows:
@@ -146,6 +146,10 @@ def runs(tmp_path_factory):
     for name, nproc, extra in (("small_one", 1, ("--shard-rollouts",)), ("small_two", 2, ())):
         shutil.copytree(root / "base", root / name)
         run_sat(nproc, "--resume", str(root / name), *small, *extra)
+    joint = ("--stages", "1", "--update", "joint", "--batch-size", "16", "--minibatch-size", "16")
+    for name, nproc, extra in (("joint_one", 1, ("--shard-rollouts",)), ("joint_two", 2, ())):
+        shutil.copytree(root / "base", root / name)
+        run_sat(nproc, "--resume", str(root / name), *joint, *extra)
     return root
 
 
@@ -179,6 +183,15 @@ def test_regenerate_and_gae_under_two_processes_match_one(runs):
         # largest weight); a head trained on half the rows, or without the average, is far off
         assert (one_w - two_w).abs().mean() <= 1e-2 * one_w.abs().mean()  # measured 8.4e-4
         assert (heads[0][k]["bias"] - heads[1][k]["bias"]).abs().max() <= 1e-2 * (heads[0][k]["bias"] - 0.5).abs().max()
+
+
+def test_joint_update_under_two_processes_matches_one(runs):
+    """--update joint (the baseline): every agent sharded at once, the same
+    decisions as with one process."""
+    one, two = metrics(runs / "joint_one"), metrics(runs / "joint_two")
+    assert [r["world_size"] for r in two] == [1, 2]
+    assert_same_run(one[1], two[1])
+    assert "kind" in two[1]["certificate"]  # labelled as not a bound, as with one process
 
 
 def test_resume_across_process_counts(runs):
