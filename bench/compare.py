@@ -2,6 +2,7 @@
 
     python bench/compare.py updates  --seeds 0 1 2 --stages 15   # sequential vs joint, 3 agents vs 1, both protocols
     python bench/compare.py upgrades --seeds 0 1 2 --train-stages 4 --stages 6 --stage0-problems 32   # plug-and-play
+    python bench/compare.py stage0-states --seeds 1 --arms weaker --train-stages 4   # Stage-0 held-out KL vs states
 
 Every arm of one seed starts from the same warm-started checkpoint (made once,
 then ``--resume``d), so arms differ only in what is being compared. Prints a
@@ -89,16 +90,22 @@ def upgrade_arm(base: Path, out: Path, name: str, total_stages: int, slot: int, 
     return recs, run_dir
 
 
+def upgrade_base(args, seed: int) -> Path:
+    """The trained team every upgrade arm of ``seed`` resumes (made once)."""
+    run_dir = args.out / f"base-tinyx3-independent-s{seed}-st{args.train_stages}-e{args.eval_size}-b{args.batch_size}-w{args.warmup_steps}"
+    if not (run_dir / "latest.json").exists():
+        sat.run(sat.Config(agents="tiny x3", protocol="independent", seed=seed, stages=args.train_stages, eval_size=args.eval_size,
+                           batch_size=args.batch_size, warmup_steps=args.warmup_steps, out=str(run_dir)), **QUIET)
+    return run_dir
+
+
 def upgrades(args) -> None:
     """Plug-and-play (paper, Table 3): does a stronger replacement raise the team
     and a weaker one lower it, after Stage-0 and continued SAT?"""
     rows = {}
     total = args.train_stages + args.stages
     for seed in args.seeds:
-        run_dir = args.out / f"base-tinyx3-independent-s{seed}-st{args.train_stages}-e{args.eval_size}-b{args.batch_size}-w{args.warmup_steps}"
-        if not (run_dir / "latest.json").exists():
-            sat.run(sat.Config(agents="tiny x3", protocol="independent", seed=seed, stages=args.train_stages, eval_size=args.eval_size,
-                               batch_size=args.batch_size, warmup_steps=args.warmup_steps, out=str(run_dir)), **QUIET)
+        run_dir = upgrade_base(args, seed)
         base_recs = read_metrics(run_dir)
         pre = base_recs[-1]
         for label, spec, steps, p_wrong in UPGRADE_ARMS:
@@ -148,9 +155,52 @@ def upgrades(args) -> None:
               f"{sum(bool(v['violation']) for v in vals)}/{len(vals)} | {kl_text} | {', '.join(str(v['passes']) for v in vals)} |")
 
 
+def stage0_states(args) -> None:
+    """Stage-0 alone (Eqs. (6)-(7)), as the upgrades arm runs it, for several
+    numbers of Stage-0 prompts: how far the in-sample fit carries to held-out
+    states. No continued stages, no evaluation."""
+    import os
+    import time
+
+    import torch
+
+    import plug_and_play as pp
+    from records import latest_checkpoint, load_checkpoint
+    from rollout import SamplingConfig
+
+    label, spec, steps, p_wrong = next(a for a in UPGRADE_ARMS if a[0].startswith(args.arms[-1]))
+    if spec is None:
+        raise SystemExit("stage0-states: --arms must name stronger or weaker (continue has no Stage-0)")
+    print(f"{label}, base seed {args.seeds[0]}, slot {args.slot}, delta_0 0.01\n")
+    print("| Stage-0 prompts | fit / held-out states | KL q0.99 in-sample | held-out q0.99 (mean) | passes | seconds | load (1 min) |")
+    print("|---|---|---|---|---|---|---|")
+    base = upgrade_base(args, args.seeds[0])
+    for n in args.stage0_problems_list:
+        cfg = sat.parse_args(["--resume", str(base), "--out", str(args.out / "stage0-states"), "--upgrade", f"{args.slot}={spec}",
+                              "--upgrade-warmup-steps", str(steps), "--stage0-max-passes", str(args.stage0_max_passes)])
+        cfg.warmup_p_wrong = p_wrong
+        cfg.apply_preset()
+        cfg.validate()
+        train, _, _ = sat.load_task(cfg)
+        team, _, rng, _ = load_checkpoint(latest_checkpoint(base), "cpu", torch.float32)  # the same prompt draw as the arm
+        sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                  token_budget=cfg.token_budget)
+        new = pp.load_replacement(spec, cfg, team, train, args.slot - 1)
+        prompts = [train[rng.randrange(len(train))] for _ in range(n)]
+        t0 = time.time()
+        try:
+            s0 = pp.stage0_align(team, args.slot - 1, new, prompts, cfg, sampling, lr=cfg.lr, log=QUIET["log"])
+        except RuntimeError as err:
+            print(f"| {n} | - | FAILED: {err} | - | - | {time.time() - t0:.0f} | {os.getloadavg()[0]:.1f} |", flush=True)
+            continue
+        print(f"| {n} | {s0['states']} / {s0['heldout_states']} | {s0['kl_quantile']:.4f} | "
+              f"{s0['heldout_kl_quantile']:.2f} ({s0['heldout_kl_mean']:.3f}) | {s0['passes']} | {time.time() - t0:.0f} | "
+              f"{os.getloadavg()[0]:.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["updates", "upgrades"])
+    ap.add_argument("what", choices=["updates", "upgrades", "stage0-states"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--protocols", nargs="+", default=["independent", "chain"], choices=["independent", "chain"])
     ap.add_argument("--stages", type=int, default=12, help="SAT stages per arm")
@@ -162,12 +212,14 @@ def main() -> None:
     ap.add_argument("--stage0-max-passes", type=int, default=400, help="upgrades: Stage-0 passes before giving up")
     ap.add_argument("--stage0-problems", type=int, default=32, help="upgrades: Stage-0 prompts (a quarter held out)")
     ap.add_argument("--arms", nargs="+", default=["continue", "stronger", "weaker"], choices=["continue", "stronger", "weaker"],
-                    help="upgrades: which arms to run")
+                    help="upgrades: which arms to run (stage0-states: the last one named)")
+    ap.add_argument("--stage0-problems-list", type=int, nargs="+", default=[16, 32, 128],
+                    help="stage0-states: the numbers of Stage-0 prompts to try (on the first --seeds base)")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "args.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}))
-    {"updates": updates, "upgrades": upgrades}[args.what](args)
+    {"updates": updates, "upgrades": upgrades, "stage0-states": stage0_states}[args.what](args)
 
 
 if __name__ == "__main__":
