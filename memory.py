@@ -338,7 +338,7 @@ QWEN3_DIMS = {
 
 
 def check_run(cfg, team, log) -> float | None:
-    """For a run (``sat.Config`` and its team) on CUDA: print what each phase
+    """For a run (``config.Config`` and its team) on CUDA: print what each phase
     needs against what the GPU has and refuse with a clear message if it
     cannot fit. Returns the fraction of the GPU that training keeps during
     rollouts (what the vLLM engines are sized from), or None off CUDA."""

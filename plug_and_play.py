@@ -54,7 +54,7 @@ from team import Agent, Team, check_same_vocabulary, warm_start
 from trust_region import QuantileController, geometric_mixture_at, geometric_mixture_projection, quantile
 from update import make_value_head
 
-# ``cfg`` below is the run's ``sat.Config``.
+# ``cfg`` below is the run's ``config.Config``.
 
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
 STAGE0_HELDOUT_FRACTION = 0.25  # share of the Stage-0 problems whose states are held out of the fit

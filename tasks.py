@@ -337,7 +337,7 @@ BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer wit
 
 def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem)
-    for a run's ``sat.Config`` (task, data, eval_data, eval_size, seed)."""
+    for a run's ``config.Config`` (task, data, eval_data, eval_size, seed)."""
     if cfg.data:
         train = load_problems(cfg.data)
         instruction = BOXED_INSTRUCTION

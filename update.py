@@ -41,7 +41,7 @@ from rollout import TeamBatch, Turn
 from team import Agent, Team
 from trust_region import QuantileController, kl_penalty, quantile
 
-# ``cfg`` below is the run's ``sat.Config`` (read for lr, epochs, minibatch_size,
+# ``cfg`` below is the run's ``config.Config`` (read for lr, epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
 
 
