@@ -299,14 +299,15 @@ def format_table(estimate: dict[str, int], available: int | None = None) -> str:
 
 def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
     """Per-rank peaks (estimates) for each number of GPUs, and whether they fit
-    GPUs of each size (GiB of memory per GPU)."""
-    head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>5g} GB" for g in gib_list)
+    GPUs of each size (GiB of memory per GPU, as the driver reports it: the
+    cards sold as "80 GB" and "141 GB" report about 79.6 and 140.4 GiB)."""
+    head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>6g} GiB" for g in gib_list)
     rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: frozen agents in host memory "
             f"during a turn, the torchrun default on CUDA)", head]
     for n in gpus_list:  # under torchrun on CUDA the frozen agents wait in host memory (--offload-frozen)
         est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, offload_frozen=n > 1, **kw)
         worst = max(est[p] for p in PEAKS)
-        fits = "  ".join(f"{'fits' if worst <= g * 1e9 else 'NO':>8}" for g in gib_list)
+        fits = "  ".join(f"{'fits' if worst <= g * GiB else 'NO':>10}" for g in gib_list)
         rows.append(f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
                     f"{est['grads_optimizer'] / GiB:>17.1f}  {fits}")
     return "\n".join(rows)
@@ -380,7 +381,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--available-gib", type=float, default=None)
     p.add_argument("--gpus", default="1", help="processes / GPUs under torchrun, e.g. 4 or 1,2,4,8 (per-rank plan)")
-    p.add_argument("--gpu-gb", default="80,141", help="memory per GPU in GB for the fit columns of the per-rank plan")
+    p.add_argument("--gpu-gib", default="79.6,140.4",
+                   help="memory per GPU in GiB as the driver reports it, for the fit columns of the per-rank plan "
+                        "(an H100 80GB reports 79.6, an H200 140.4)")
     args = p.parse_args(argv)
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens"):
         if getattr(args, name) < 1:
@@ -389,7 +392,7 @@ def main(argv=None) -> None:
         p.exit(2, f"memory.py: error: --available-gib must be > 0 (got {args.available_gib})\n")
     gpus = [int(g) for g in str(args.gpus).split(",")]
     if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
-        print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gb.split(",")], update=args.update,
+        print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")], update=args.update,
                          micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
                          gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
                          rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len)))

@@ -150,3 +150,12 @@ def test_offloaded_frozen_agents_leave_the_training_peak_only():
         assert off[peak] == sum(off[p] for p in parts)
     sharded = estimate(gpus=4, offload_frozen=True)  # per rank under torchrun
     assert sharded["grads_optimizer"] == -(-params * 16 // 4) and sharded["master_weights"] == 0
+
+
+def test_plan_table_fit_columns_compare_gib_at_the_boundary():
+    """The fit columns read GPU sizes in GiB (as drivers report them): a size
+    just above the per-rank peak fits, just below does not."""
+    est = memory.estimate_memory(memory.QWEN3_DIMS["qwen3-4b"], 3, gpus=2, offload_frozen=True)
+    worst_gib = max(est[p] for p in memory.PEAKS) / memory.GiB
+    table = memory.plan_table("qwen3-4b", 3, [2], [worst_gib - 0.01, worst_gib + 0.01])
+    assert table.splitlines()[-1].split()[-2:] == ["NO", "fits"]
