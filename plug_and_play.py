@@ -261,10 +261,7 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
         if q > delta0 and ((fit_mean <= fit_tol and since >= STAGE0_EVERY) or stalled):  # the fit did what it can:
             outside = kl > STAGE0_SHRINK * delta0  # [M] past or near the boundary: work on them
             t[outside] *= STAGE0_SHRINK
-            since, stall, best_q, best_fit = 0, 0, float("inf"), float("inf")
-            new_model.eval()
-            kl, fit_kl, _ = measure_stage0(new_model, pre_model, cur_model, fit, t, delta0, **args)  # fit to the new targets
-            new_model.train()
+            since, stall, best_q, best_fit = 0, 0, float("inf"), float("inf")  # the pass below fits the new targets
         elif stalled and lr_now > lr / 1000:  # inside, but the fit no longer improves at this lr: halve it
             for group in opt.param_groups:
                 group["lr"] *= 0.5

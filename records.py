@@ -117,9 +117,13 @@ def fp32_state(agent) -> list[torch.Tensor]:
     under torchrun), else its weights in fp32 (the rank's rows under torchrun)."""
     params = [p.detach() for p in agent.model.parameters()]
     kept = agent.master_shards if distributed.active() else agent.master_weights
-    if kept is None or [k.shape for k in kept] != [distributed.local_rows(p).shape for p in params]:
-        kept = [None] * len(params)
-    return [k if k is not None else distributed.local_rows(p).float() for k, p in zip(kept, params)]
+    if kept is None:
+        return [distributed.local_rows(p).float() for p in params]
+    shapes = [distributed.local_rows(p).shape for p in params]
+    if [k.shape for k in kept] != shapes:  # a bug, not a state to save around: the masters belong to other weights
+        raise RuntimeError(f"agent {agent.spec.name}: its fp32 master weights do not match its parameters "
+                           f"({len(kept)} tensors vs {len(shapes)}); the checkpoint would lose them")
+    return list(kept)
 
 
 def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dict:

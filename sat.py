@@ -53,10 +53,9 @@ from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
-from records import finish_checkpoints, save_checkpoint_in_background
 from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
-                     record_upgrades, rollout_record, save_checkpoint, stage_line, atomic_write, write_metrics,
-                     check_out_folder, clear_run_files, run_folder_of)
+                     record_upgrades, rollout_record, save_checkpoint, save_checkpoint_in_background, finish_checkpoints,
+                     stage_line, atomic_write, write_metrics, check_out_folder, clear_run_files, run_folder_of)
 from rollout import (REWARD_RANGE, SamplingConfig, TeamBatch, after_rollout, check_sampler,
                      regenerate, rollout, rollout_in_blocks, start_backend, stop_backend,
                      sync_weights)

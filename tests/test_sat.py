@@ -25,12 +25,17 @@ def small_config(tmp_path, **overrides) -> sat.Config:
     return sat.Config(**cfg).apply_preset()
 
 
-@pytest.fixture(scope="module")
-def team_and_batch():
+def tiny_team_and_batch(protocol: str):
+    """Two tiny agents (seeds 0, 1) and one seeded rollout of 6 problems x G = 4."""
     torch.manual_seed(0)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
     return team, batch
+
+
+@pytest.fixture(scope="module")
+def team_and_batch():
+    return tiny_team_and_batch("chain")
 
 
 def perturb(model, scale, seed=0):

@@ -11,19 +11,16 @@ import logprobs
 import sat
 import update
 from logprobs import adopt_scoring, measure_kl
-from rollout import SamplingConfig, rollout
+from rollout import SamplingConfig
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
-from test_sat import perturb, small_config, strip_timing
+from test_sat import perturb, small_config, strip_timing, tiny_team_and_batch
 
 
 @pytest.fixture(scope="module")
 def team_and_batch():
-    torch.manual_seed(0)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="independent"))
-    batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
-    return team, batch
+    return tiny_team_and_batch("independent")
 
 
 def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():
