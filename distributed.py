@@ -110,6 +110,16 @@ def row_range(n: int) -> tuple[int, int]:
     return STATE.rank * per, (STATE.rank + 1) * per
 
 
+def row_share(n: int) -> tuple[int, int]:
+    """This rank's contiguous rows of n when the shares need not be equal (work
+    with no collective inside, whose results are then gathered in rank order,
+    e.g. Stage-0's per-state measurements): the first n % N ranks get one row
+    more; (0, n) with one process."""
+    per, extra = divmod(n, STATE.world)
+    lo = STATE.rank * per + min(STATE.rank, extra)
+    return lo, lo + per + (1 if STATE.rank < extra else 0)
+
+
 def sum_ranks(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (the identity with one process)."""
     if not active():
@@ -342,7 +352,7 @@ def check_options(cfg) -> None:
     if not active():
         return
     cfg.shard_rollouts = True
-    unsupported = {"--upgrade": bool(cfg.upgrade)}
+    unsupported: dict[str, bool] = {}  # flag -> used (--upgrade runs since Stage-0 is sharded: plug_and_play.fit_stage0)
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")

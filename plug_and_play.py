@@ -47,8 +47,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import distributed
 from logprobs import left_pad, response_hidden_states
-from rollout import SamplingConfig, rollout
+from rollout import SamplingConfig, rollout, rollout_in_blocks
 from tasks import Problem
 from team import Agent, Team, check_same_vocabulary, warm_start
 from trust_region import QuantileController, geometric_mixture_at, geometric_mixture_projection, quantile
@@ -157,6 +158,23 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
     return cat(kls).clamp_min(0.0), cat(fits).clamp_min(0.0), cat(ts)
 
 
+def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
+                **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``measure_stage0`` over all the states. Under torchrun each rank measures
+    its share of the rows (``row_share``, plain models: no collective inside)
+    and the per-state values are gathered in row order, so every rank holds
+    the same [M] vectors, as one process would, and takes the same decisions
+    (quantile against delta_0, fit mean, retargeting, learning-rate halving)."""
+    if not distributed.active():
+        return measure_stage0(new_model, pre_model, cur_model, states, t, delta0, **args)
+    lo, hi = distributed.row_share(len(states))
+    first, last = int(states.rmask[:lo].sum()), int(states.rmask[:hi].sum())
+    mine = measure_stage0(new_model, pre_model, cur_model, states.rows(slice(lo, hi)), None if t is None else t[first:last],
+                          delta0, **args)
+    parts = distributed.gather_objects(mine)
+    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
+
+
 def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
     """Sum over a block of states of KL(target || pi_new); the target (Eq. (7))
     carries no gradient. Run under checkpointing: one block of logits at a time."""
@@ -168,33 +186,58 @@ def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature
     return (target.exp() * (target - logp_new)).sum()
 
 
+def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
+    """This rank's rows of the micro-batch ``sl`` (which holds states) and the
+    weight of their loss. A rank left without states (a micro-batch of fewer
+    rows than ranks) runs the micro-batch's first row that has states, with
+    weight 0: every rank makes the same forward and backward calls through
+    every parameter, which FSDP2's collectives need."""
+    start, stop = sl.start, min(sl.stop, len(states))
+    lo, hi = distributed.row_share(stop - start)
+    if bool(states.rmask[start + lo : start + hi].any()):
+        return slice(start + lo, start + hi), 1.0
+    first = start + int(states.rmask[start:stop].any(1).nonzero()[0])
+    return slice(first, first + 1), 0.0
+
+
 def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
              rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET) -> float:
     """One pass over the fit states: per micro-batch of rows, minimise the mean
-    KL(target || pi_new) toward the fixed targets. Returns the mean loss."""
+    KL(target || pi_new) toward the fixed targets. Returns the mean loss.
+
+    Under torchrun ``new_model`` is the FSDP2-sharded copy (``fit_stage0``):
+    the micro-batches are the one-process ones (``row_slices`` of all states),
+    each rank computes the loss of its share of a micro-batch's rows divided by
+    the micro-batch's state count (times N: FSDP2 averages the gradients over
+    ranks), so a step is the one-process step up to float summation order."""
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
     step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
-    offset, losses = 0, []
+    world, losses = distributed.STATE.world, []
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), states.rmask.sum(1).long().cumsum(0)])  # [N + 1] first state of each row
     for sl in row_slices(states, rows_per_step, token_budget):
-        part = states.rows(sl)
+        m_all = int(states.rmask[sl].sum())  # the micro-batch's states, on all ranks
+        if m_all == 0:
+            continue
+        mine, weight = _my_rows(states, sl) if world > 1 else (sl, 1.0)
+        part = states.rows(mine)
         with torch.no_grad():
             h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
             h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
         h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H] with grad
         m = h_new.shape[0]
-        t_b = t[offset : offset + m].to(h_new.device)  # [M_b]
-        offset += m
-        if m == 0:
-            continue
+        first = int(starts[mine.start])
+        t_b = t[first : first + m].to(h_new.device)  # [M_b]
         total = sum(torch.utils.checkpoint.checkpoint(_fit_piece, head_new, head_pre, head_cur, h_new[c : c + step],
                                                       h_pre[c : c + step], h_cur[c : c + step], t_b[c : c + step],
                                                       temperature, use_reentrant=False)
                     for c in range(0, m, step))
-        loss = total / m
+        loss = total / m_all
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * (weight * world) if world > 1 else loss).backward()
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss.detach()) * weight)
+    if world > 1:  # the micro-batches' losses summed over the ranks' shares
+        losses = distributed.sum_ranks(torch.tensor(losses, dtype=torch.float64)).tolist()
     return sum(losses) / max(len(losses), 1)
 
 
@@ -227,21 +270,32 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     STAGE0_PATIENCE passes. Raises if the model is still outside delta0 after
     ``max_passes``; if only the fit tolerance is missed, the (feasible) model
     is kept and ``fit_ok`` is False.
-    ``trace``, when given, receives the final per-state t and the exact t_exact of the fit states."""
+    ``trace``, when given, receives the final per-state t and the exact t_exact of the fit states.
+
+    Under torchrun (every rank calls this with the same states and models) the
+    trainable copy is FSDP2-sharded (``distributed.shard_model``, fp32 shards:
+    the master weights of a bf16 replacement, returned in ``trace`` as
+    ``master_shards``), each rank fits its share of every micro-batch
+    (``fit_pass``) and measures its share of the states (``measure_all``), and
+    the per-state values are gathered: the quantiles, means and every decision
+    are the one-process ones up to float summation order. The whole weights
+    are written back into ``new_model`` (the same on every rank) after each pass."""
     log = log or (lambda *_: None)
     pre_model = copy.deepcopy(new_model).requires_grad_(False).eval()  # pi_pre, frozen
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
-    kl, fit_kl, t = measure_stage0(new_model, pre_model, cur_model, fit, None, delta0, **args)
+    kl, fit_kl, t = measure_all(new_model, pre_model, cur_model, fit, None, delta0, **args)
     t_exact = t.clone()  # [M] the argmin's exponents
-    kl_held = measure_stage0(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held) else torch.zeros(0)
+    kl_held = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held) else torch.zeros(0)
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs float rounding when pi_pre is inside
     fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
     before = {"fit_mean_before": float(fit_kl.mean()) if fit_kl.numel() else 0.0,
               "kl_quantile_before": quantile(kl, q_level) if kl.numel() else 0.0,
               "heldout_kl_quantile_before": quantile(kl_held, q_level) if kl_held.numel() else 0.0,
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
-    new_model.requires_grad_(True).train()
-    opt = torch.optim.AdamW(new_model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    sharded = distributed.active()
+    trained = distributed.shard_model(new_model) if sharded else new_model  # torchrun: fp32 shards, FSDP2
+    trained.requires_grad_(True).train()
+    opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = quantile(kl, q_level) if kl.numel() else 0.0
@@ -266,15 +320,21 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
             for group in opt.param_groups:
                 group["lr"] *= 0.5
             stall = 0
-        fit_pass(new_model, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
+        fit_pass(trained, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
+        if sharded:  # the whole weights on every rank, one layer at a time, for the measurement
+            trained.reshard()
+            distributed.copy_full_into(trained, new_model)
         new_model.eval()
-        kl, fit_kl, _ = measure_stage0(new_model, pre_model, cur_model, fit, t, delta0, **args)
-        new_model.train()
-    new_model.zero_grad(set_to_none=True)
+        kl, fit_kl, _ = measure_all(new_model, pre_model, cur_model, fit, t, delta0, **args)
+        trained.train()
+    trained.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
     del opt
     if trace is not None:
         trace.update(t=t.clone(), t_exact=t_exact)
+        if sharded and next(new_model.parameters()).dtype != torch.float32:
+            trace["master_shards"] = distributed.master_shards_of(trained)
+    del trained
     if q > delta0:
         del pre_model
         raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
@@ -285,7 +345,7 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
            "retargeted": float((t < t_exact).float().mean()) if t.numel() else 0.0,
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
-        kl_h, fit_h, _ = measure_stage0(new_model, pre_model, cur_model, held, None, delta0, **args)
+        kl_h, fit_h, _ = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)
         out.update(heldout_states=held.num_states, heldout_kl_quantile=quantile(kl_h, q_level) if kl_h.numel() else 0.0,
                    heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
                    heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
@@ -324,15 +384,22 @@ def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[li
 
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg,
-                 sampling: SamplingConfig, lr: float, log) -> dict:
+                 sampling: SamplingConfig, lr: float, log, trace: dict | None = None) -> dict:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around
     the incumbent of ``slot`` by fitting the Eq. (7) projection of its frozen
     self (``fit_stage0``). States: every position of the incumbent's responses
     in fresh rollouts of the trained team (the states the team visits); a
-    quarter of the distinct problems is held out of the fit and only measured."""
+    quarter of the distinct problems is held out of the fit and only measured.
+    With --shard-rollouts (always under torchrun) the rollouts are seeded
+    blocks shared out over the ranks, the same states for any number of
+    processes; ``trace`` receives the fit states, t, t_exact (and the master shards)."""
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
-    batch = rollout(team, fit_problems + held_problems, cfg.group_size, sampling)  # the trained team's states
+    if getattr(cfg, "shard_rollouts", False):
+        seed = int(torch.randint(0, 2 ** 62, ()))  # from the global RNG: the same draw on every rank
+        batch = rollout_in_blocks(team, fit_problems + held_problems, cfg.group_size, sampling, seed, cfg.rollout_blocks)
+    else:
+        batch = rollout(team, fit_problems + held_problems, cfg.group_size, sampling)  # the trained team's states
     states, differ = slot_states(team, slot, new_agent, batch)
     if differ:
         log(f"  stage-0: the replacement's chat template renders {differ} of {len(batch)} contexts as other tokens than "
@@ -344,9 +411,12 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     new_agent.freeze()
     if cfg.gradient_checkpointing:  # as in the update: trunk activations recomputed in the backward pass
         new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trace = {} if trace is None else trace
+    trace["fit"] = fit
     info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes,
                       fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget, log=log,
-                      label=f"agent {slot + 1} ('{new_agent.spec.name}')")
+                      label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace)
+    new_agent.master_shards = trace.get("master_shards")  # torchrun, bf16: its next turn continues these masters
     if cfg.gradient_checkpointing:
         new_agent.model.gradient_checkpointing_disable()
     new_agent.freeze()
@@ -382,6 +452,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         if not 0 <= slot < len(team):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
+        distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts Stage-0 from rank 0's weights
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)
         before = None

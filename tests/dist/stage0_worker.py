@@ -1,0 +1,62 @@
+"""Run by tests/test_distributed.py under torchrun: Stage-0 of a plug-and-play
+upgrade (paper Sec. 5, Eqs. (6)-(7)) of agent 2 of a tiny team, first in this
+process alone (before the process group exists), then with the replacement
+FSDP2-sharded over the ranks (``plug_and_play.fit_stage0``); rank 0 writes the
+comparison as JSON to argv[1].
+
+The micro-batches (``--minibatch-size`` 23 over 24 fit rows) are one of 23
+rows, shared 12 + 11, then one of a single row, which leaves rank 1 without
+rows: it runs with weight 0 so both ranks make the same FSDP2 calls."""
+import copy
+import json
+import sys
+
+import torch
+
+import distributed
+import sat
+from plug_and_play import stage0_align
+from rollout import SamplingConfig
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+
+torch.set_num_threads(1)
+cfg = sat.Config(agents="tiny x2", batch_size=32, group_size=4, minibatch_size=23, device="cpu", stage0_delta=0.05,
+                 stage0_fit_tol=50.0, stage0_max_passes=30, rollout_blocks=4, shard_rollouts=True).apply_preset()
+sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
+torch.manual_seed(0)
+team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+raw = Agent.load("tiny-3L", seed=9)  # another architecture, same vocabulary: outside delta_0 at the start
+problems = arithmetic_problems(8, seed=0)  # 6 fit problems (24 rows), 2 held out
+
+
+def upgrade() -> tuple[dict, dict, Agent]:
+    torch.manual_seed(1)  # the rollout seed drawn from the global RNG: the same on every rank and for any N
+    new = Agent(raw.spec, copy.deepcopy(raw.model), raw.tokenizer)
+    distributed.broadcast_module(new.model)
+    trace = {}
+    info = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, trace=trace)
+    return info, trace, new
+
+
+one = upgrade()  # before setup(): one process
+distributed.setup("cpu")
+two = upgrade()
+flat = [torch.cat([p.detach().flatten() for p in agent.model.parameters()]) for agent in (raw, one[2], two[2])]
+on_ranks = distributed.gather_objects(flat[2])  # the replacement as every rank holds it
+if distributed.is_main():
+    (i1, t1, _), (i2, t2, _) = one, two
+    fit1, fit2 = t1["fit"], t2["fit"]
+    same_states = all(torch.equal(getattr(fit1, k), getattr(fit2, k)) for k in ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask"))
+    keys = ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile", "kl_mean", "fit_mean")
+    json.dump({"world": distributed.STATE.world, "same_states": same_states, "rows": len(fit1), "states": [i1["states"], i2["states"]],
+               "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
+               "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),
+               "t_max_diff": float((t1["t"] - t2["t"]).abs().max()),
+               "t_exact_max_diff": float((t1["t_exact"] - t2["t_exact"]).abs().max()),
+               **{k: [i1[k], i2[k]] for k in keys},
+               "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
+               "max_step": float((flat[1] - flat[0]).abs().max()), "max_param_diff": float((flat[1] - flat[2]).abs().max()),
+               "mean_step": float((flat[1] - flat[0]).abs().mean()), "mean_param_diff": float((flat[1] - flat[2]).abs().mean())},
+              open(sys.argv[1], "w"), indent=1)
+distributed.teardown()
