@@ -51,7 +51,7 @@ import distributed
 from logprobs import left_pad, response_hidden_states
 from rollout import SamplingConfig, rollout, rollout_in_blocks
 from tasks import Problem
-from team import Agent, Team, check_same_vocabulary, warm_start
+from team import Agent, MasterWeightAdamW, Team, check_same_vocabulary, warm_start
 from trust_region import QuantileController, geometric_mixture_at, geometric_mixture_projection, quantile
 from update import make_value_head
 
@@ -275,7 +275,8 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     Under torchrun (every rank calls this with the same states and models) the
     trainable copy is FSDP2-sharded (``distributed.shard_model``, fp32 shards:
     the master weights of a bf16 replacement, returned in ``trace`` as
-    ``master_shards``), each rank fits its share of every micro-batch
+    ``master_shards``; with one process a bf16 replacement trains through
+    ``team.MasterWeightAdamW``, its masters returned as ``master_weights``), each rank fits its share of every micro-batch
     (``fit_pass``) and measures its share of the states (``measure_all``), and
     the per-state values are gathered: the quantiles, means and every decision
     are the one-process ones up to float summation order. The whole weights
@@ -292,10 +293,13 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
               "kl_quantile_before": quantile(kl, q_level) if kl.numel() else 0.0,
               "heldout_kl_quantile_before": quantile(kl_held, q_level) if kl_held.numel() else 0.0,
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
-    sharded = distributed.active()
+    sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
     trained = distributed.shard_model(new_model) if sharded else new_model  # torchrun: fp32 shards, FSDP2
     trained.requires_grad_(True).train()
-    opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    if low and not sharded:  # bf16: fp32 master weights, as in the SAT update (the shards are the masters under torchrun)
+        opt = MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
+    else:
+        opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = quantile(kl, q_level) if kl.numel() else 0.0
@@ -329,11 +333,12 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
         trained.train()
     trained.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
+    masters = opt.release() if isinstance(opt, MasterWeightAdamW) else None  # hooks off the bf16 weights
     del opt
     if trace is not None:
         trace.update(t=t.clone(), t_exact=t_exact)
-        if sharded and next(new_model.parameters()).dtype != torch.float32:
-            trace["master_shards"] = distributed.master_shards_of(trained)
+        if low:  # the replacement's first SAT turn continues these fp32 masters
+            trace["master_shards" if sharded else "master_weights"] = distributed.master_shards_of(trained) if sharded else masters
     del trained
     if q > delta0:
         del pre_model
@@ -416,7 +421,8 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes,
                       fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget, log=log,
                       label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace)
-    new_agent.master_shards = trace.get("master_shards")  # torchrun, bf16: its next turn continues these masters
+    new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
+    new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:
         new_agent.model.gradient_checkpointing_disable()
     new_agent.freeze()

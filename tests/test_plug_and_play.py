@@ -202,6 +202,32 @@ def test_stage0_raises_a_clear_error_when_it_cannot_reach_delta0():
                                  temperature=1.0, rows_per_step=16, token_budget=4096)
 
 
+def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
+    """A bf16 replacement (GPU runs) trains through fp32 masters, as the SAT
+    update does (team.MasterWeightAdamW): at a small lr most steps are below a
+    bf16 rounding step, so only the master holds them; they come back in
+    ``trace`` for the agent's first turn, every bf16 weight is round(master),
+    and no gradient hook is left on the weights."""
+    cur = random_lm(seed=1).to(torch.bfloat16)
+    pre = copy.deepcopy(cur)
+    pre.lm_head.weight.data += 2.0 * torch.randn_like(pre.lm_head.weight)
+    fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
+    new, trace = copy.deepcopy(pre), {}
+    with pytest.raises(RuntimeError, match="could not bring agent inside"):  # 3 passes: too few, the trace is kept
+        plug_and_play.fit_stage0(new, cur, fit, held, 1e-3, 0.99, lr=1e-5, max_passes=3, fit_tol=0.1,
+                                 temperature=1.0, rows_per_step=4, token_budget=4096, trace=trace)
+    masters, params, start = trace["master_weights"], list(new.parameters()), list(pre.parameters())
+    assert [m.shape for m in masters] == [p.shape for p in params] and all(m.dtype == torch.float32 for m in masters)
+    assert all(torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, params))  # bf16 weight = round(master)
+    moved = torch.cat([(m != s.float()).flatten() for m, s in zip(masters, start)])  # the masters stepped
+    kept = torch.cat([(p == s).flatten() for p, s in zip(params, start)])  # the bf16 weights did not
+    assert float(moved.float().mean()) > 0.8  # measured 0.91
+    assert float((moved & kept).float().mean()) > 0.4  # only the master holds these steps: measured 0.51
+    new.requires_grad_(True)
+    new(input_ids=fit.ctx_new).logits.float().sum().backward()
+    assert all(p.grad is not None for p in new.parameters())  # no master hook took the gradient away
+
+
 def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs():
     team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
     problems = arithmetic_problems(4, seed=0)
