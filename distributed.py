@@ -21,6 +21,10 @@ that decides something is computed on the whole batch. Under
   gradient averaged over them (``update._gradient_step``);
 - ``--reuse regenerate``: rank 0 redraws, and every rank continues from its
   batch and RNG state (``on_main``);
+- plug-and-play Stage-0 (Eqs. (6)-(7)): the replacement's trainable copy is
+  sharded like the trained agent, each rank fits its share of every
+  micro-batch and measures its share of the states (``row_share``), the
+  per-state values gathered (``plug_and_play.measure_all``);
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
