@@ -10,6 +10,7 @@ and runs Algorithm 1 with it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class Config:
     shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
     rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
     offload_frozen: bool | None = None  # frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)
+    vllm_tensor_parallel: int = 1  # --backend vllm: ranks per engine (1: one engine per agent per rank; K > 1: CUDA, external launcher)
     threads: int | None = None  # torch CPU threads (default: $OMP_NUM_THREADS, else 1; see configure_threads)
 
     def apply_preset(self) -> "Config":
@@ -156,6 +158,13 @@ def validate_run_inputs(cfg: "Config") -> None:
                          "trained; use --group-size 2 or more (or --adv gae)")
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
+    if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
+        from rollout_vllm import check_tensor_parallel
+
+        if cfg.backend != "vllm":
+            raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")
+        check_tensor_parallel(cfg.vllm_tensor_parallel, int(os.environ.get("WORLD_SIZE", "1")), cfg.device,
+                              cfg.rollout_blocks, cfg.reuse)
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:

@@ -371,12 +371,25 @@ def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, samp
     starts = list(range(0, len(problems), size))
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     mine = {}
-    for b in range(distributed.STATE.rank, len(starts), distributed.STATE.world):
+    for b in blocks_of_rank(len(starts), sampling):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + b)
             mine[b] = rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score)
     parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
     return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
+
+
+def blocks_of_rank(n_blocks: int, sampling: SamplingConfig) -> range:
+    """The rollout blocks this rank generates: r, r + N, ... (HF backend, and
+    vLLM with one engine per agent per rank); with K-rank tensor-parallel vLLM
+    engines the K ranks of one engine take the same blocks
+    (``rollout_vllm.engine_blocks``). The union is the same batch for any N."""
+    k = 1
+    if sampling.backend == "vllm":
+        import rollout_vllm
+
+        k = rollout_vllm.tensor_parallel()
+    return range(distributed.STATE.rank // k, n_blocks, distributed.STATE.world // k)
 
 
 def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
@@ -409,15 +422,17 @@ def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
 # ---------------------------------------------------------------------------
 # Backend hooks around training (no-ops with the HF backend)
 # ---------------------------------------------------------------------------
-def start_backend(backend: str, n_engines: int, seed: int, train_fraction: float | None = None) -> None:
-    """Configure the vLLM engines (one per agent; on CUDA sized from the
-    fraction of the GPU that training keeps). Nothing to do for the HF backend."""
+def start_backend(backend: str, n_engines: int, seed: int, train_fraction: float | None = None,
+                  tensor_parallel: int = 1) -> None:
+    """Configure the vLLM engines (one per agent, per rank under torchrun, or
+    per group of ``tensor_parallel`` ranks; on CUDA sized from the fraction of
+    the GPU that training keeps). Nothing to do for the HF backend."""
     if backend != "vllm":
         return
     import rollout_vllm
 
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
-    rollout_vllm.configure(n_engines=n_engines, seed=seed, health_logprobs=True, **extra)
+    rollout_vllm.configure(n_engines=n_engines, seed=seed, health_logprobs=True, tensor_parallel=tensor_parallel, **extra)
 
 
 def stop_backend(backend: str) -> None:

@@ -61,10 +61,18 @@ import torch
 
 from logprobs import cut_at_eos
 from memory import cpu_kv_cache_bytes
-from vllm_weights import (EXTENSION_CLS, VersionBook, check_in_sync, payload_for, weights_fingerprint,
-                          weights_for_vllm)
+from vllm_weights import (EXTENSION_CLS, VersionBook, check_group, check_in_sync, layer_groups, parameter_specs,
+                          payload_for, vllm_group, weights_fingerprint)
 
 WAKE_TAGS = ("weights", "kv_cache")
+TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through vLLM's "
+                             "external launcher); on CPU use --vllm-tensor-parallel 1 (one engine per agent per rank)")
+# What torchrun puts in a rank's environment. A data-parallel engine runs in its own processes with its own
+# one-process torch.distributed group: it must not see these, or it would try to join the trainers' group.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SEED_MODULUS = 2 ** 31 - 1
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 log = logging.getLogger(__name__)
@@ -107,7 +115,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, seed: int, max_model_len: int,
                   logprobs: bool = False, device: str = "cuda", sleep_mode: bool = True,
-                  kv_cache_bytes: int | None = None) -> dict:
+                  kv_cache_bytes: int | None = None, tensor_parallel: int = 1) -> dict:
     """Arguments of ``vllm.LLM`` for one agent's engine.
 
     - skip_tokenizer_init: prompts arrive as token ids and responses leave as
@@ -120,6 +128,10 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
       sleep mode (vLLM refuses it there), eager execution.
     - processed log-probabilities (after temperature) when the health metric is on,
       so they are comparable with the training model's tempered log-probabilities.
+    - ``tensor_parallel`` K > 1 (``--vllm-tensor-parallel``, CUDA under
+      torchrun): the engine spans K consecutive ranks through vLLM's
+      ``external_launcher`` (in each rank's own process, on its own GPU,
+      joining torchrun's process group), each rank holding 1/K of the model.
     """
     kwargs = dict(
         model=str(model_path),
@@ -129,9 +141,13 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
         enable_prefix_caching=True,
         max_model_len=int(max_model_len),
         generation_config="vllm",
-        tensor_parallel_size=1,
+        tensor_parallel_size=int(tensor_parallel),
         worker_extension_cls=EXTENSION_CLS,
     )
+    if tensor_parallel > 1:
+        if device == "cpu":
+            raise ValueError(TENSOR_PARALLEL_CPU_ERROR)
+        kwargs["distributed_executor_backend"] = "external_launcher"
     if device == "cpu":
         if not kv_cache_bytes or kv_cache_bytes <= 0:
             raise ValueError(f"a CPU engine needs a KV cache size in bytes (got kv_cache_bytes={kv_cache_bytes})")
@@ -322,6 +338,84 @@ def plan_sleep(awake: set[str], sleep_mode: bool = True) -> list[str]:
     return [f"wake:{tag}" for tag in WAKE_TAGS if tag not in awake] + ["sleep"]
 
 
+# ---------------------------------------------------------------------------
+# Several processes (torchrun): where each rank's engines run (pure)
+# ---------------------------------------------------------------------------
+def engine_environment(environ: dict, device: str, tensor_parallel: int = 1) -> dict:
+    """The environment a rank's engine starts in (its processes inherit it).
+
+    Data parallel (K = 1): the engine is this rank's own, in its own processes
+    with vLLM's own one-process torch.distributed group, so torchrun's
+    variables are removed (vLLM would otherwise read RANK / MASTER_* and try
+    to join the trainers' group), and on CUDA the engine sees only the rank's
+    GPU (CUDA_VISIBLE_DEVICES = the LOCAL_RANK-th visible device; it is the
+    engine's device 0, and IPC handles are opened there:
+    ``vllm_weights._materialize``). One process: unchanged. Tensor parallel
+    (K > 1): unchanged, the external launcher needs RANK, LOCAL_RANK and
+    MASTER_* to join torchrun's group."""
+    env = dict(environ)
+    if tensor_parallel > 1 or int(env.get("WORLD_SIZE", "1")) <= 1:
+        return env
+    local = int(env.get("LOCAL_RANK", "0"))
+    for name in TORCHRUN_VARIABLES:
+        env.pop(name, None)
+    if device != "cpu":
+        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if visible and local >= len(visible):
+            raise ValueError(f"LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES lists {len(visible)} GPUs: start one "
+                             "process per visible GPU (torchrun --nproc-per-node)")
+        env["CUDA_VISIBLE_DEVICES"] = visible[local] if visible else str(local)
+    return env
+
+
+def check_tensor_parallel(tensor_parallel: int, world: int, device: str, n_blocks: int, reuse: str) -> None:
+    """One line for a --vllm-tensor-parallel K that cannot work: K >= 1; K > 1
+    needs CUDA; K must divide the number of processes (an engine spans K
+    consecutive ranks); there must be at least one rollout block per engine
+    group; ``--reuse regenerate`` redraws on rank 0 alone, which a K-rank
+    engine cannot serve."""
+    if tensor_parallel < 1:
+        raise ValueError(f"--vllm-tensor-parallel must be >= 1 (got {tensor_parallel})")
+    if tensor_parallel == 1:
+        return
+    if not device.startswith("cuda"):
+        raise ValueError(TENSOR_PARALLEL_CPU_ERROR)
+    if world % tensor_parallel:
+        raise ValueError(f"--vllm-tensor-parallel {tensor_parallel} must divide the number of processes ({world}): "
+                         "each engine spans that many consecutive ranks")
+    if n_blocks < world // tensor_parallel:
+        raise ValueError(f"--rollout-blocks {n_blocks} leaves engine groups idle: use at least {world // tensor_parallel} "
+                         f"(processes / --vllm-tensor-parallel)")
+    if reuse == "regenerate":
+        raise ValueError("--reuse regenerate is not supported with --vllm-tensor-parallel > 1 yet (rank 0 redraws alone, "
+                         "a tensor-parallel engine needs all its ranks): use --reuse weights, or --vllm-tensor-parallel 1")
+
+
+def engine_blocks(n_blocks: int, rank: int, world: int, tensor_parallel: int = 1) -> range:
+    """The rollout blocks this rank generates: rank r of N takes blocks r, r + N,
+    ... (data parallel); with K-rank tensor-parallel engines, the K ranks of
+    engine group g = r // K all take blocks g, g + N/K, ... (they run one
+    engine together, each receiving every output)."""
+    groups = world // tensor_parallel
+    return range(rank // tensor_parallel, n_blocks, groups)
+
+
+class _environment:
+    """``os.environ`` replaced by ``env`` for the duration (while an engine's processes are spawned)."""
+
+    def __init__(self, env: dict):
+        self.env = env
+
+    def __enter__(self):
+        self.saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        os.environ.clear()
+        os.environ.update(self.saved)
+
+
 def engine_in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
@@ -373,6 +467,12 @@ def engine_source(agent, tmp_root: str) -> str:
     if not (path / "config.json").exists():
         agent.model.save_pretrained(path)
         agent.tokenizer.save_pretrained(path)
+    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank needs its own
+        from safetensors.torch import save_file
+
+        agent.model.config.save_pretrained(path)
+        tensors = {n: p.detach().cpu().contiguous() for n, p in agent.model.named_parameters()}  # a tied matrix once,
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})  # under its embedding name
     return str(path)
 
 
@@ -385,13 +485,14 @@ class EngineRegistry:
 
     def __init__(self, n_engines: int = 3, train_fraction: float = 0.5, reserve: float = 0.05, seed: int = 0,
                  max_model_len: int | None = None, health_logprobs: bool = False, kv_cache_bytes: int | None = None,
-                 **engine_overrides):
+                 tensor_parallel: int = 1, **engine_overrides):
         self.fraction = engine_memory_fractions(n_engines, train_fraction, reserve)[0]
         self.n_engines = n_engines
         self.seed = seed
         self.max_model_len = max_model_len
         self.health_logprobs = health_logprobs
         self.kv_cache_bytes = kv_cache_bytes  # CPU engines; None: cpu_kv_cache_bytes
+        self.tensor_parallel = tensor_parallel  # K > 1: engines spanning K ranks (external launcher, CUDA)
         self.engine_overrides = engine_overrides
         self.engines: dict[int, Engine] = {}
         self.book = VersionBook()
@@ -428,9 +529,11 @@ class EngineRegistry:
         dtype = next(agent.model.parameters()).dtype
         kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
-                               self.health_logprobs, self.device, self.sleep_mode, kv_bytes)
+                               self.health_logprobs, self.device, self.sleep_mode, kv_bytes, self.tensor_parallel)
         kwargs.update(self.engine_overrides)
-        eng = Engine(LLM(**kwargs), path, agent.spec.name, weakref.ref(agent), max_len)
+        with _environment(engine_environment(os.environ, self.device, self.tensor_parallel)):  # torchrun: the rank's own
+            llm = LLM(**kwargs)
+        eng = Engine(llm, path, agent.spec.name, weakref.ref(agent), max_len)
         self.engines[id(agent)] = eng
         return eng
 
@@ -476,16 +579,51 @@ class EngineRegistry:
             else:
                 raise ValueError(f"unknown engine action {action!r}")
 
-    def _push(self, eng: Engine, agent) -> None:
-        named = weights_for_vllm(agent.model)
-        payload = payload_for(named, engine_in_process())
-        if any(t.is_cuda for _, t in named):
-            torch.cuda.synchronize()  # IPC readers do not follow our stream order: finish the writes first
-        results = eng.llm.collective_rpc("sat_load_weights", args=(payload,))
-        missing = results[0] if results else None
+    def _push(self, eng: Engine, agent, groups=None) -> None:
+        """Push the agent's weights one group at a time: ``groups`` of (HF
+        name, whole tensor), by default the agent's own parameters by decoder
+        layer (``vllm_weights.layer_groups``), under torchrun possibly
+        ``distributed.full_weights_by_layer`` of its FSDP2 shards. Each group
+        is checked (names, shapes, dtype, nothing twice) before it is sent and
+        the push must cover every parameter; the engine loads it layerwise."""
+        tied = bool(getattr(agent.model.config, "tie_word_embeddings", False))
+        specs, seen, in_process = parameter_specs(agent.model), set(), engine_in_process()
+        eng.llm.collective_rpc("sat_begin_push")
+        missing = None
+        try:
+            for group in (layer_groups(agent.model) if groups is None else groups):
+                named = vllm_group(group, tied)
+                check_group(named, specs, seen)
+                if not named:
+                    continue
+                if any(t.is_cuda for _, t in named):
+                    torch.cuda.synchronize()  # IPC readers do not follow our stream order: finish the writes first
+                eng.llm.collective_rpc("sat_load_group", args=(payload_for(named, in_process),))
+                del named
+        finally:  # always close the push: layers not (yet) loaded get their previous tensors back
+            results = eng.llm.collective_rpc("sat_end_push")
+            missing = results[0] if results else None
+        if set(specs) - seen:
+            raise RuntimeError(f"agent {eng.name}: the weight push lacked {len(set(specs) - seen)} parameters "
+                               f"(e.g. {sorted(set(specs) - seen)[:3]}): push every layer")
         if missing:
             raise RuntimeError(f"agent {eng.name}: the vLLM engine did not receive {len(missing)} of its parameters "
                                f"(e.g. {missing[:3]}): the weight names do not match this model class")
+
+    def sync_from_layers(self, agent, groups) -> None:
+        """Push ``groups`` (an iterable of [(HF name, whole tensor)], e.g.
+        ``distributed.full_weights_by_layer(sharded, dtype)``: under torchrun
+        every rank iterates it, a collective, and loads each layer into its own
+        engine) as the agent's current weights. The engine's weights are woken
+        first where they sleep; its KV cache is left as it is."""
+        eng = self.engine(agent)
+        version = self.agent_version(agent)
+        if "weights" not in eng.awake:
+            self._run(eng, agent, ["wake:weights"], eng.version)
+        self._push(eng, agent, groups)
+        eng.version, eng.pending = version, False
+        if "kv_cache" in eng.awake:
+            eng.llm.reset_prefix_cache()
 
     def wake_for_rollout(self, agent) -> Engine:
         """Wake the agent's engine, pushing its weights if it is new or a push was deferred."""
@@ -574,6 +712,19 @@ def sync_weights(agent) -> None:
 
 def wake_for_rollout(agent):
     return registry().wake_for_rollout(agent)
+
+
+def sync_from_layers(agent, groups) -> None:
+    """After a promotion under torchrun: push the agent's new weights into this
+    rank's engine from ``groups`` (``distributed.full_weights_by_layer`` of
+    its FSDP2 shards), one layer at a time, so no rank holds the whole model
+    twice."""
+    registry().sync_from_layers(agent, groups)
+
+
+def tensor_parallel() -> int:
+    """K of the configured engines (1: one engine per agent per rank)."""
+    return 1 if _REGISTRY is None else _REGISTRY.tensor_parallel
 
 
 def sleep_all() -> None:

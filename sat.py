@@ -325,7 +325,8 @@ def run(cfg: Config, log=None) -> list[dict]:
             value_heads[k] = make_value_head(agent)
             if str(k) in state.get("value_heads", {}) or k in state.get("value_heads", {}):
                 value_heads[k].load_state_dict(state["value_heads"].get(k, state["value_heads"].get(str(k))))
-    start_backend(cfg.backend, len(team), cfg.seed, train_fraction=check_run(cfg, team, log))
+    start_backend(cfg.backend, len(team), cfg.seed, train_fraction=check_run(cfg, team, log),
+                  tensor_parallel=cfg.vllm_tensor_parallel)
     if not cfg.device.startswith("cuda"):
         log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default 1)")
     for agent in team.agents:
@@ -441,6 +442,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--shard-rollouts", dest="shard_rollouts", action=argparse.BooleanOptionalAction,
                    help="roll out in seeded blocks (on under torchrun; with one process: reproduce a torchrun run)")
     p.add_argument("--rollout-blocks", dest="rollout_blocks", type=int, help="seeded blocks per rollout (default 8)")
+    p.add_argument("--vllm-tensor-parallel", dest="vllm_tensor_parallel", type=int,
+                   help="ranks per vLLM engine under torchrun (default 1: one engine per agent per rank; >1 needs CUDA)")
     p.add_argument("--offload-frozen", dest="offload_frozen", action=argparse.BooleanOptionalAction,
                    help="frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: $OMP_NUM_THREADS, else 1)")

@@ -71,6 +71,53 @@ def weights_for_vllm(model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def layer_groups(model) -> list[list[tuple[str, torch.Tensor]]]:
+    """A model's parameters in the order of ``distributed.full_weights_by_layer``:
+    first everything outside the decoder layers (embeddings, final norm, an
+    untied head), then one group per decoder layer; HF names, the tensors
+    themselves. A push in these groups sends one layer's bytes at a time."""
+    named = list(model.named_parameters())
+    layers = {}
+    root = []
+    for name, p in named:
+        parts = name.split(".")
+        idx = next((i for i in range(len(parts) - 1) if parts[i] == "layers" and parts[i + 1].isdigit()), None)
+        if idx is None:
+            root.append((name, p.detach()))
+        else:
+            layers.setdefault(int(parts[idx + 1]), []).append((name, p.detach()))
+    return [root] + [layers[k] for k in sorted(layers)]
+
+
+def parameter_specs(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """vLLM name -> (shape, dtype) of every parameter a push must deliver:
+    what an engine built for this model expects (``check_group``)."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in weights_for_vllm(model)}
+
+
+def vllm_group(group, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """One group of (HF name, tensor) as (vLLM name, tensor), RoPE buffers and a tied head dropped."""
+    return [(target, t) for name, t in group if (target := vllm_weight_name(name, tied)) is not None]
+
+
+def check_group(named: list[tuple[str, torch.Tensor]], specs: dict, seen: set) -> None:
+    """Before a group is sent: every name is a parameter of the agent, not
+    sent before in this push, with the agent's shape and dtype (a group cast
+    to another dtype, or a layer of another model, would load wrongly or fail
+    deep inside the engine)."""
+    for name, t in named:
+        if name not in specs:
+            raise RuntimeError(f"weight push: {name!r} is not a parameter of the agent's model (names must be the "
+                               "plain model's, wrapper prefixes stripped)")
+        if name in seen:
+            raise RuntimeError(f"weight push: {name!r} sent twice in one push")
+        shape, dtype = specs[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise RuntimeError(f"weight push: {name!r} is {tuple(t.shape)} {t.dtype} but the engine's model has "
+                               f"{shape} {dtype}: push the whole tensor (not a shard) in the agent's dtype")
+        seen.add(name)
+
+
 # ---------------------------------------------------------------------------
 # Versions
 # ---------------------------------------------------------------------------
@@ -144,11 +191,20 @@ def payload_for(named_tensors: list[tuple[str, torch.Tensor]], in_process: bool)
 # ---------------------------------------------------------------------------
 # Engine side: runs inside each engine's worker process
 # ---------------------------------------------------------------------------
+IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
+
+
 def _materialize(obj):
-    """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args)."""
+    """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args).
+    A handle names the trainer's device index; an engine pinned to the rank's
+    GPU (``rollout_vllm.engine_environment``: CUDA_VISIBLE_DEVICES) sees that
+    GPU as its device 0, so the handle is opened on the engine's own device."""
     if isinstance(obj, torch.Tensor):
         return obj
     rebuild, args = obj
+    if getattr(rebuild, "__name__", "") == "rebuild_cuda_tensor" and torch.cuda.is_available():
+        args = list(args)
+        args[IPC_DEVICE_ARG] = torch.cuda.current_device()
     return rebuild(*args)
 
 
@@ -221,3 +277,57 @@ class WeightSyncExtension:
         if not loaded or loaded[0] is None:
             return None
         return sorted(expected - set(loaded[0]))
+
+    # -- a push in groups (one decoder layer at a time) ------------------------------------------
+    def sat_begin_push(self) -> bool:
+        """Start a push in groups (``sat_load_group`` per group, then
+        ``sat_end_push``). With vLLM's layerwise reload each layer is processed
+        (CPU repacking included) as soon as its last tensor arrives and the
+        received tensors are dropped, so the engine never holds a second copy
+        of the model; without it (an older vLLM) the groups are collected and
+        loaded at the end. Returns whether the push is layerwise."""
+        self._sat_push = {"loaded": set(), "pending": [], "layerwise": None}
+        api = _layerwise_api() if callable(getattr(self, "reload_weights", None)) else None
+        if api is not None:
+            api[0](_engine_model(self))  # every layer to meta, its kernel tensors kept for the copy back
+            self._sat_push["layerwise"] = api
+        return api is not None
+
+    def sat_load_group(self, payload) -> None:
+        """Load one group of (name, tensor-or-IPC-handle) pairs."""
+        push = self._sat_push
+        weights = [(name, _materialize(obj)) for name, obj in _unpack(payload)]
+        if push["layerwise"] is None:
+            push["pending"].extend(weights)
+            return
+        loaded = _engine_model(self).load_weights(weights)
+        if loaded is None:
+            push["loaded"] = None
+        elif push["loaded"] is not None:
+            push["loaded"] |= set(loaded)
+        if any(t.is_cuda for _, t in weights):
+            torch.cuda.synchronize()  # the trainer frees or overwrites this layer's memory right after we return
+        del weights
+
+    def sat_end_push(self) -> list[str] | None:
+        """Finish the push; the engine parameters that were NOT loaded (must
+        be empty), or None when load_weights does not report them."""
+        push, self._sat_push = self._sat_push, None
+        if push["layerwise"] is None:
+            return self.sat_load_weights(push["pending"])
+        model = _engine_model(self)
+        push["layerwise"][1](model, self.model_runner.model_config)  # layers left unloaded get their old tensors back
+        refresh_packed_copies(model)
+        if push["loaded"] is None:
+            return None
+        return sorted({name for name, _ in model.named_parameters()} - push["loaded"])
+
+
+def _layerwise_api():
+    """(initialize, finalize) of vLLM's layerwise in-place reload, or None in a vLLM without it."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                       initialize_layerwise_reload)
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
