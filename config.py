@@ -156,8 +156,6 @@ def validate_run_inputs(cfg: "Config") -> None:
     if cfg.group_size == 1 and cfg.adv == "grpo":
         raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
                          "trained; use --group-size 2 or more (or --adv gae)")
-    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
     if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
         from rollout_vllm import check_tensor_parallel
 
@@ -165,6 +163,8 @@ def validate_run_inputs(cfg: "Config") -> None:
             raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")
         check_tensor_parallel(cfg.vllm_tensor_parallel, int(os.environ.get("WORLD_SIZE", "1")), cfg.device,
                               cfg.rollout_blocks, cfg.reuse)
+    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:

@@ -167,7 +167,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
                     optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
-                    offload_frozen: bool = False) -> dict[str, int]:
+                    offload_frozen: bool = False, engine_tensor_parallel: int = 1) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring).
 
     micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
@@ -192,6 +192,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     offload_frozen: the agents not being trained wait in host memory during
         another agent's turn (``distributed.frozen_on_host``), so the training
         peak holds only the trained agents' weights; they come back for rollouts.
+    engine_tensor_parallel: K of ``--vllm-tensor-parallel``: each vLLM engine
+        spans K ranks, so a rank holds 1/K of every engine's weights.
     """
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
@@ -201,6 +203,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         raise ValueError(f"n_agents must be >= 1 (got {n_agents})")
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1 (got {gpus})")
+    if engine_tensor_parallel < 1:
+        raise ValueError(f"engine_tensor_parallel must be >= 1 (got {engine_tensor_parallel})")
     params = count_parameters(model_config)
     trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
     weight_bytes = params * dtype_bytes
@@ -222,7 +226,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check)
         + head_fp32_bytes(model_config),
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
-        "engine_weights": n_agents * weight_bytes if backend == "vllm" else 0,
+        "engine_weights": -(-n_agents * weight_bytes // engine_tensor_parallel) if backend == "vllm" else 0,
         "frozen_offload": -(n_agents - trained) * weight_bytes if offload_frozen else 0,
     }
     for peak, parts in PEAKS.items():
@@ -353,7 +357,8 @@ def check_run(cfg, team, log) -> float | None:
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096,
                           dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
-                          gpus=int(os.environ.get("WORLD_SIZE", "1")), offload_frozen=bool(getattr(cfg, "offload_frozen", False)))
+                          gpus=int(os.environ.get("WORLD_SIZE", "1")), offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
+                          engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1))
     available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade (the replacement taken to be as large as the biggest agent)
         est.update(stage0_bytes(biggest.model.config, len(team), micro_batch_tokens=cfg.token_budget,
@@ -381,11 +386,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--available-gib", type=float, default=None)
     p.add_argument("--gpus", default="1", help="processes / GPUs under torchrun, e.g. 4 or 1,2,4,8 (per-rank plan)")
+    p.add_argument("--vllm-tensor-parallel", type=int, default=1, help="ranks per vLLM engine (each rank holds 1/K of it)")
     p.add_argument("--gpu-gib", default="79.6,140.4",
                    help="memory per GPU in GiB as the driver reports it, for the fit columns of the per-rank plan "
                         "(an H100 80GB reports 79.6, an H200 140.4)")
     args = p.parse_args(argv)
-    for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens"):
+    for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
             p.exit(2, f"memory.py: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
     if args.available_gib is not None and args.available_gib <= 0:
@@ -395,11 +401,13 @@ def main(argv=None) -> None:
         print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")], update=args.update,
                          micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
                          gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
-                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len)))
+                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len),
+                         engine_tensor_parallel=args.vllm_tensor_parallel))
         return
     est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, args.update, micro_batch_tokens=args.rows * args.max_seq_len,
                           max_seq_len=args.max_seq_len, gradient_checkpointing=not args.no_checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
-                          logits_chunk_tokens=args.rows * min(1024, args.max_seq_len))  # rollout.py's chunking today
+                          logits_chunk_tokens=args.rows * min(1024, args.max_seq_len),  # rollout.py's chunking today
+                          engine_tensor_parallel=args.vllm_tensor_parallel)
     available = int(args.available_gib * GiB) if args.available_gib else None
     print(f"{args.model} x{args.n_agents}, {args.update} update, backend {args.backend}: "
           f"{count_parameters(QWEN3_DIMS[args.model]) / 1e9:.3f} B parameters per agent")

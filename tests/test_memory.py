@@ -88,6 +88,10 @@ def test_estimate_is_monotone_and_backend_aware():
     assert estimate(max_seq_len=32768)["kv_cache"] > estimate(max_seq_len=4096)["kv_cache"]
     assert estimate(n_agents=4)["weights"] > estimate(n_agents=3)["weights"]
     assert estimate(backend="hf")["engine_weights"] == 0 < estimate(backend="vllm")["engine_weights"]
+    whole, split = estimate(backend="vllm"), estimate(backend="vllm", engine_tensor_parallel=2)
+    assert split["engine_weights"] * 2 == whole["engine_weights"]  # --vllm-tensor-parallel 2: half of each engine per rank
+    assert whole["peak_rollout"] - split["peak_rollout"] == whole["engine_weights"] // 2
+    assert split["peak_training"] == whole["peak_training"]
     est = estimate()
     for peak, parts in memory.PEAKS.items():
         assert est[peak] == sum(est[p] for p in parts)

@@ -14,6 +14,7 @@ response ids and rewards, and the score gaps of every rank.
 """
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -62,7 +63,6 @@ def main(out_path: str) -> None:
     gaps = distributed.gather_objects({"before": before, "stale": stale, "after": after})
     if distributed.is_main():
         rows = [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
-        Path = __import__("pathlib").Path
         Path(out_path).write_text(json.dumps({"world": distributed.STATE.world, "responses": rows,
                                               "rewards": batch.rewards.tolist(), "gaps": gaps, "pushed": pushed}))
     rv.shutdown()
