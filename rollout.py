@@ -374,9 +374,35 @@ def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, samp
     for b in blocks_of_rank(len(starts), sampling):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed + b)
-            mine[b] = rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score)
+            mine[b] = with_sampler_logprobs(rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score),
+                                            team, sampling)
     parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
+    keep_sampler_logprobs(team, [parts[b] for b in range(len(starts))], sampling)
     return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
+
+
+def with_sampler_logprobs(part: TeamBatch, team: Team, sampling: SamplingConfig) -> TeamBatch:
+    """vLLM backend: attach the engines' own log-probabilities of this block
+    (each agent's last generate call) to the block, so they travel with it."""
+    if sampling.backend == "vllm":
+        import rollout_vllm
+
+        part.sampler_logprobs = [rollout_vllm.last_logprobs(a) for a in team.agents]
+    return part
+
+
+def keep_sampler_logprobs(team: Team, parts: list[TeamBatch], sampling: SamplingConfig) -> None:
+    """vLLM backend: the engines' log-probabilities of the whole batch, in its
+    row order (every block, whichever rank generated it), as each agent's last
+    ones, so the health metric (``after_rollout``) compares the same rows."""
+    if sampling.backend != "vllm" or any(getattr(p, "sampler_logprobs", None) is None for p in parts):
+        return
+    import rollout_vllm
+
+    for k, agent in enumerate(team.agents):
+        rows = [p.sampler_logprobs[k] for p in parts]
+        if all(r is not None for r in rows):
+            rollout_vllm.registry().last_logprobs[id(agent)] = [row for r in rows for row in r]
 
 
 def blocks_of_rank(n_blocks: int, sampling: SamplingConfig) -> range:

@@ -401,18 +401,23 @@ def engine_blocks(n_blocks: int, rank: int, world: int, tensor_parallel: int = 1
 
 
 class _environment:
-    """``os.environ`` replaced by ``env`` for the duration (while an engine's processes are spawned)."""
+    """``os.environ`` made ``env`` for the duration (while an engine's processes
+    are spawned): only the variables that differ are removed or set, and only
+    they are put back afterwards (what vLLM sets meanwhile stays)."""
 
     def __init__(self, env: dict):
         self.env = env
 
     def __enter__(self):
-        self.saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(self.env)
+        self.saved = {k: v for k, v in os.environ.items() if self.env.get(k) != v}  # removed or changed
+        self.added = [k for k in self.env if k not in os.environ]
+        for k in self.saved:
+            os.environ.pop(k)
+        os.environ.update({k: self.env[k] for k in list(self.saved) + self.added if k in self.env})
 
     def __exit__(self, *exc):
-        os.environ.clear()
+        for k in self.added:
+            os.environ.pop(k, None)
         os.environ.update(self.saved)
 
 
@@ -531,8 +536,12 @@ class EngineRegistry:
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
                                self.health_logprobs, self.device, self.sleep_mode, kv_bytes, self.tensor_parallel)
         kwargs.update(self.engine_overrides)
-        with _environment(engine_environment(os.environ, self.device, self.tensor_parallel)):  # torchrun: the rank's own
+        if self.tensor_parallel > 1:  # the external launcher runs the engine in this process, in torchrun's group
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             llm = LLM(**kwargs)
+        else:
+            with _environment(engine_environment(os.environ, self.device)):  # torchrun: the rank's own engine
+                llm = LLM(**kwargs)
         eng = Engine(llm, path, agent.spec.name, weakref.ref(agent), max_len)
         self.engines[id(agent)] = eng
         return eng

@@ -498,3 +498,16 @@ def test_push_in_groups_loads_everything_once_at_the_end_without_layerwise_reloa
     worker.sat_begin_push()
     worker.sat_load_group(vw.cpu_payload([("a.weight", torch.zeros(2, 2))]))
     assert worker.sat_end_push() == ["b.weight"]  # a push that misses a parameter is reported
+
+
+def test_environment_swap_restores_only_what_it_changed(monkeypatch):
+    import os
+
+    for k, v in TORCHRUN_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with rv._environment(rv.engine_environment(dict(os.environ), "cuda")):
+        assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+        os.environ["SET_BY_VLLM"] = "0"  # what the engine's constructor sets in this process stays
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,6" and os.environ["SET_BY_VLLM"] == "0"
+    monkeypatch.delenv("SET_BY_VLLM")

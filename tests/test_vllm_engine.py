@@ -184,6 +184,54 @@ def test_cpu_refuses_sleep_mode_at_engine_creation(tmp_path):
             enforce_eager=True, max_model_len=64)
 
 
+# -- several ranks (torchrun, gloo) ------------------------------------------------------------------
+def test_two_ranks_match_one_and_engines_hold_pushed_shards(team3, tmp_path):
+    """``tests/dist/vllm_worker.py`` under ``torchrun --nproc-per-node 2``
+    (each rank its own 2 engines, torchrun's variables hidden from them)
+    against the same block rollout here, with one process and this module's
+    engines (agents of seeds 1 and 2, untouched by the tests above): the
+    response ids and rewards are equal token for token, and the health metric
+    compares every block's rows (the engines' log-probs of the whole batch vs
+    the training model's). After a promotion each rank's engine receives the
+    agent's FSDP2 shards one layer at a time
+    (``sync_from_layers(full_weights_by_layer(...))``) and scores like the
+    trained agent (gap < BOUND); before the push it was far off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rollout import after_rollout, rollout_in_blocks
+    from tasks import arithmetic_problems
+    from team import Team, TeamConfig
+
+    agents, reg = team3
+    team = Team([agents[1], agents[2]], TeamConfig(protocol="chain"))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, backend="vllm")  # as in the worker
+    batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4)
+    one_health = after_rollout(team, batch, sampling)
+    one = [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "TQDM_DISABLE": "1"}
+    out = tmp_path / "two.json"
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(root / "tests" / "dist" / "vllm_worker.py"), str(out)]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
+    two = json.loads(out.read_text())
+    assert two["world"] == 2 and two["pushed"] == "shards, by layer" and len(two["gaps"]) == 2
+    assert two["responses"] == one and two["rewards"] == batch.rewards.tolist()  # token for token
+    assert len(one[0]) == 16 and sum(map(len, one[1])) > 16
+    for health in (one_health, two["health"]):  # the engines' log-probs of every block, row by row
+        assert len(health) == 2 and all(h < BOUND for h in health), health
+    for gaps in two["gaps"]:  # every rank's engine
+        assert gaps["before"] < BOUND and gaps["stale"] > 100 * BOUND and gaps["after"] < BOUND, gaps
+    after, stale = [g["after"] for g in two["gaps"]], [round(g["stale"], 3) for g in two["gaps"]]
+    print(f"\n[vllm] 1 vs 2 ranks: {sum(map(len, one[1]))} response tokens of agent 2 identical; health "
+          f"{[f'{h:.1e}' for h in two['health']]}; engine gaps after the push {[f'{g:.1e}' for g in after]} (stale {stale})")
+
+
 # -- the command lines ---------------------------------------------------------------------------
 def test_sat_and_eval_with_the_vllm_backend(tmp_path):
     """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
@@ -212,38 +260,3 @@ def test_sat_and_eval_with_the_vllm_backend(tmp_path):
     rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)
 
-
-# -- several ranks (torchrun, gloo) ------------------------------------------------------------------
-def test_two_ranks_match_one_and_engines_hold_pushed_shards(tmp_path):
-    """``tests/dist/vllm_worker.py`` with one process and under ``torchrun
-    --nproc-per-node 2`` (each rank its own 2 engines, torchrun's variables
-    hidden from them): the block rollout's response ids and rewards are the
-    one-process ones, token for token. After a promotion each rank's engine
-    receives the agent's FSDP2 shards one layer at a time
-    (``sync_from_layers(full_weights_by_layer(...))``) and scores like the
-    trained agent (gap < BOUND); before the push it was far off."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "TQDM_DISABLE": "1"}
-    rv.shutdown()  # the module's engines are no longer needed
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"n{nproc}.json"
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        cmd = ["nice", "-n", "10", sys.executable, *launcher, str(root / "tests" / "dist" / "vllm_worker.py"), str(out)]
-        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
-        results[nproc] = json.loads(out.read_text())
-    one, two = results[1], results[2]
-    assert one["world"] == 1 and two["world"] == 2 and two["pushed"] == "shards, by layer"
-    assert two["responses"] == one["responses"] and two["rewards"] == one["rewards"]  # token for token
-    assert len(one["responses"][0]) == 16 and any(len(r) > 1 for r in one["responses"][1])
-    for gaps in one["gaps"] + two["gaps"]:  # every rank's engine
-        assert gaps["before"] < BOUND and gaps["stale"] > 100 * BOUND and gaps["after"] < BOUND, gaps
-    print(f"\n[vllm] 1 vs 2 ranks: {sum(map(len, one['responses'][1]))} tokens of agent 2 identical; "
-          f"engine gaps after the push {[round(g['after'], 8) for g in two['gaps']]} (stale "
-          f"{[round(g['stale'], 3) for g in two['gaps']]})")
