@@ -132,3 +132,54 @@ def wait_background() -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed in a background process (its traceback is above); "
                            "rerun with --threads 1 on one core (taskset -c 0) to see it in the main process")
+
+
+class Pending:
+    """The answer of ``fork_call``'s child: ``result()`` waits for it (and
+    raises if the child failed); ``cancel()`` kills the child unread."""
+
+    def __init__(self, pid: int, read_fd: int):
+        self.pid, self.read_fd = pid, read_fd
+
+    def result(self):
+        with os.fdopen(self.read_fd, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        status, value = pickle.loads(data) if data else ("error", "the worker process died without an answer")
+        if status != "ok":
+            raise RuntimeError(f"speculative worker failed (rerun with one core to see it directly):\n{value}")
+        return value
+
+    def cancel(self) -> None:
+        import signal
+        os.kill(self.pid, signal.SIGKILL)  # our own child, by its id
+        os.waitpid(self.pid, 0)
+        os.close(self.read_fd)
+
+
+def fork_call(fn, parallel: bool | None = None) -> Pending | None:
+    """Start fn() in a forked child (a snapshot of this process) on the spare
+    core and return at once: a ``Pending`` whose ``result()`` is fn()'s value,
+    pickled back. For speculative work the caller may not need (``cancel()``
+    then). ``fn`` must draw no random numbers. None where there is no spare
+    core (``parallel=None``: ``spare_core()``): the caller then computes it
+    itself when it needs it, so the answer never depends on the fork."""
+    if not (spare_core() if parallel is None else parallel):
+        return None
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent(parent)
+        os.close(read_fd)
+        global IN_CHILD
+        IN_CHILD = True
+        try:
+            payload = pickle.dumps(("ok", fn()), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+            payload = pickle.dumps(("error", traceback.format_exc()))
+        with os.fdopen(write_fd, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    return Pending(pid, read_fd)

@@ -24,6 +24,13 @@ evaluation and checkpoint) over that floor.
     python bench/stage.py                          # the tiny default stage
     python bench/stage.py --workload matched       # 16 prompts x G=4, 32 new tokens, one checkpoint x3
     python bench/stage.py --src /path/to/other/checkout   # the same bench on another version of the code
+    python bench/stage.py --repeat 5               # median of 5 timings of the same stage
+
+``--repeat K`` (default 3) times the SAME stage K times: each repeat starts
+from a fresh copy of the one warm team, with fresh controllers and the same
+seeds, so every repeat computes the same thing (same samples, same steps);
+each phase, the floor and the ratio are reported as the median over the
+repeats (the ratio is the median of the per-repeat ratios), with min-max.
 
 Timings depend on the machine's load: report ``uptime`` with them.
 """
@@ -32,6 +39,8 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +52,7 @@ ap.add_argument("--warmup-steps", type=int, default=100, help="warm start before
 ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: what sat.py picks)")
 ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose code is timed")
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--repeat", type=int, default=3, help="time the same stage this many times; report medians")
 args = ap.parse_args()
 sys.path.insert(0, args.src)
 
@@ -59,6 +69,7 @@ from team import Agent, Team, TeamConfig, warm_start  # noqa: E402
 PHASES = ["rollout", "behaviour lp", "update", "KL checks"]
 seconds = {p: 0.0 for p in PHASES}
 tokens = {p: 0 for p in PHASES}
+calls = {p: 0 for p in PHASES}
 
 
 def timed(phase: str, fn, count):
@@ -68,6 +79,7 @@ def timed(phase: str, fn, count):
         out = fn(*a, **kw)
         seconds[phase] += time.perf_counter() - t0
         tokens[phase] += count(a, out)
+        calls[phase] += 1
         return out
     return wrapper
 
@@ -137,39 +149,62 @@ def main() -> None:
         warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
     sampling = rollout.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                       token_budget=cfg.token_budget, backend="hf")
-    controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
     prompts = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
-    t0 = time.perf_counter()
-    rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
-    stage = time.perf_counter() - t0
-    phase_seconds, phase_tokens = dict(seconds), dict(tokens)  # the evaluation below generates too
-    batch = batches[0]
-    t0 = time.perf_counter()
-    sat.evaluate(team, heldout, sampling, cfg)
-    evaluation = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        records.save_checkpoint(Path(tmp), 1, team, controllers, {}, rng, {})
-        checkpoint = time.perf_counter() - t0
-    steps = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
-    gen_floor, upd_floor = floor_seconds(team, batch, cfg, steps)
-    floor = gen_floor + upd_floor
+    warm = copy.deepcopy(team)
+    runs = []
+    for r in range(args.repeat):
+        runs.append(one_stage(copy.deepcopy(warm), prompts, heldout, cfg, sampling))
+    batch, steps = runs[0]["batch"], runs[0]["steps"]
     load = os.getloadavg()[0]
     print(f"workload {args.workload}: {len(batch)} joint trajectories x {len(team)} agents, max_new_tokens "
           f"{cfg.max_new_tokens}, {batch.num_tokens} response tokens, gradient steps {list(steps.values())}; "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"load average {load:.2f}; code {args.src}")
-    print(f"{'phase':<14}{'seconds':>9}{'tokens/s':>11}")
-    for p in PHASES:
-        print(f"{p:<14}{phase_seconds[p]:>9.2f}{phase_tokens[p] / max(phase_seconds[p], 1e-9):>11.0f}")
-    print(f"{'other':<14}{stage - sum(phase_seconds.values()):>9.2f}")
-    print(f"{'stage':<14}{stage:>9.2f}{batch.num_tokens / stage:>11.0f}")
-    print(f"{'evaluation':<14}{evaluation:>9.2f}")
-    print(f"{'checkpoint':<14}{checkpoint:>9.2f}")
-    print(f"floor: generate {gen_floor:.2f}s + update {upd_floor:.2f}s = {floor:.2f}s; "
-          f"stage/floor {stage / floor:.2f}x; (stage + evaluation + checkpoint)/floor "
-          f"{(stage + evaluation + checkpoint) / floor:.2f}x")
+    print("per agent: " + "; ".join(f"agent {a['agent']}: {a['inner_steps']} steps, early stop {a['early_stopped']}, "
+                                    f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"]))
+    if any(run["steps"] != steps for run in runs):
+        print(f"warning: the repeats took different gradient steps: {[list(run['steps'].values()) for run in runs]}")
+    med = lambda key: statistics.median(run[key] for run in runs)  # noqa: E731
+    span = lambda key: f"{min(run[key] for run in runs):.2f}-{max(run[key] for run in runs):.2f}"  # noqa: E731
+    print(f"median of {len(runs)} repeats of the same stage (fresh copies of one warm team, same seeds)")
+    print(f"{'phase':<14}{'seconds':>9}{'min-max':>12}{'tokens/s':>11}{'calls':>7}")
+    for p in PHASES + ["other", "stage", "evaluation", "checkpoint"]:
+        per_s = f"{runs[0]['tokens'][p] / max(med(p), 1e-9):>11.0f}" if p in PHASES else (
+            f"{batch.num_tokens / med(p):>11.0f}" if p == "stage" else "")
+        n_calls = f"{runs[0]['calls'][p]:>7}" if p in PHASES else ""
+        print(f"{p:<14}{med(p):>9.2f}{span(p):>12}{per_s}{n_calls}")
+    print(f"floor: generate {med('gen_floor'):.2f}s ({span('gen_floor')}) + update {med('upd_floor'):.2f}s "
+          f"({span('upd_floor')}) = {med('floor'):.2f}s ({span('floor')}); stage/floor {med('ratio'):.2f}x "
+          f"({span('ratio')}); (stage + evaluation + checkpoint)/floor {med('ratio_all'):.2f}x ({span('ratio_all')})")
 
+
+def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
+    """Time one stage (same seeds every call), its evaluation and checkpoint, and its floor."""
+    for p in PHASES:
+        seconds[p], tokens[p], calls[p] = 0.0, 0, 0
+    batches.clear()
+    rng = random.Random(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1)
+    controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
+    t0 = time.perf_counter()
+    rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
+    stage = time.perf_counter() - t0
+    out = {**seconds, "tokens": dict(tokens), "calls": dict(calls), "stage": stage, "batch": batches[0]}  # the evaluation below generates too
+    out["other"] = stage - sum(seconds[p] for p in PHASES)
+    t0 = time.perf_counter()
+    sat.evaluate(team, heldout, sampling, cfg)
+    out["evaluation"] = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        records.save_checkpoint(Path(tmp), 1, team, controllers, {}, rng, {})
+        out["checkpoint"] = time.perf_counter() - t0
+    out["steps"] = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
+    out["agents"] = rec["agents"]
+    out["gen_floor"], out["upd_floor"] = floor_seconds(team, out["batch"], cfg, out["steps"])
+    out["floor"] = out["gen_floor"] + out["upd_floor"]
+    out["ratio"] = stage / out["floor"]
+    out["ratio_all"] = (stage + out["evaluation"] + out["checkpoint"]) / out["floor"]
+    return out
 
 if __name__ == "__main__":
     main()

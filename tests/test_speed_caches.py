@@ -3,6 +3,7 @@ the reference pi_j,cur's outputs, the rollout's behaviour forward reused as
 pi_j,cur's, and in-loop KL measurements reused by the line search, each
 checked bit for bit against the computation without it; and the thread policy."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,41 @@ def test_fork_map_keeps_job_order_and_reports_a_failing_child():
         [(x, torch.full((3,), float(x))).__repr__() for x in range(5)]
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fork_map(lambda x: 1 / (x - 1), [0, 1, 2], parallel=True)  # job 1 runs in the child
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_speculative_line_search_on_the_spare_core_changes_nothing(monkeypatch, protocol):
+    """The first backtrack (fraction 1/2) measured in a forked child during the
+    in-loop check gives the stage record of the serial stage, and the parent
+    then makes fewer KL measurements of its own (the child's answer was used)."""
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=1, delta=0.02)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    records, calls = {}, {}
+    for fork in (True, False):
+        counted = []
+        with monkeypatch.context() as m:
+            m.setattr(parallel, "spare_core", lambda fork=fork: fork)
+            m.setattr(sat, "measure_kl", lambda *a, **kw: counted.append(1) or measure_kl(*a, **kw))
+            torch.manual_seed(0)
+            controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+            records[fork] = sat.sat_stage(copy.deepcopy(team), problems, cfg, sampling, controllers, {}, random.Random(0))
+        calls[fork] = len(counted)
+    assert strip_timing([records[True]]) == strip_timing([records[False]])
+    halves = sum(1 for a in records[False]["agents"] if a["early_stopped"] and a["backtracks"] >= 1)
+    assert halves > 0 and calls[True] == calls[False] - halves  # finish_update's parent-side measurements
+
+
+def test_fork_call_returns_the_value_or_is_cancelled():
+    from parallel import fork_call
+    pending = fork_call(lambda: torch.arange(5.0) * 2, parallel=True)
+    assert torch.equal(pending.result(), torch.arange(5.0) * 2)
+    fork_call(lambda: sum(range(10 ** 9)), parallel=True).cancel()  # killed, not waited for
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fork_call(lambda: 1 / 0, parallel=True).result()
+    assert fork_call(lambda: 1, parallel=False) is None
