@@ -36,6 +36,23 @@ def spare_core() -> bool:
     return cores >= 2 and not dist and not torch.cuda.is_initialized()
 
 
+def idle_core() -> bool:
+    """``spare_core()`` and, right now, a core nobody else is running on
+    (/proc/loadavg's count of running tasks, this process included, below the
+    core count). For speculative or overlapping work that only pays when the
+    other core is idle: on a machine whose cores are busy with other processes
+    a forked child merely takes turns with this one. Decides only whether to
+    fork, never what is computed."""
+    if not spare_core():
+        return False
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        return True
+    return running < len(os.sched_getaffinity(0))
+
+
 def _die_with_parent(parent: int) -> None:
     """In a forked child: be killed when the parent dies (Linux), so a run
     killed mid-stage leaves no writer behind to race with its resume (a torn

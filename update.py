@@ -185,10 +185,10 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                 # the trust-region statistic itself): go back to the last inside iterate.
                 for j in sorted(active):
-                    # the line search's first backtrack, measured on the spare core meanwhile (None: no fork)
+                    # the line search's first backtrack, measured on an idle core meanwhile (None: no fork)
                     half = parallel.fork_call(lambda: measure_at_fraction(team.agents[j], references[j], inputs[j].turn,
-                                                                          inside[j], 0.5, cfg)) \
-                        if reusable and cfg.max_backtracks >= 1 else None
+                                                                          inside[j], 0.5, cfg), parallel=True) \
+                        if reusable and cfg.max_backtracks >= 1 and parallel.idle_core() else None
                     with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
                         measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
                                               cfg.token_budget, return_log_rho=True, frozen_reference=True)

@@ -6,9 +6,14 @@ held-out evaluation and the checkpoint ``sat.run`` adds to every stage, and
 splits the time into phases (by timing the functions that do each phase):
 
     rollout        ``rollout.generate``: one batched generate per agent turn
-    behaviour lp   ``rollout.batched_response_logprobs``: the behaviour log-probs
+    behaviour lp   ``rollout.batched_response_logprobs``: the behaviour log-probs (with a core
+                   idle, ``parallel.idle_core``, those of all agents but the last run in a
+                   forked child while the next agent generates: not counted here; a wait for
+                   them falls in "other")
     update         ``update._gradient_step``: forward + backward + AdamW step
-    KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search)
+    KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search), in this
+                   process (the line search's first backtrack, measured in a forked child
+                   during the in-loop check, is not counted; a wait for it falls in "other")
     other          the rest of the stage (advantages, copies of pi_j,cur, ...)
     evaluation     ``sat.evaluate`` on the held-out problems
     checkpoint     ``records.save_checkpoint`` (timed here in the main process; ``sat.run`` writes
@@ -53,6 +58,8 @@ ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads
 ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose code is timed")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--repeat", type=int, default=3, help="time the same stage this many times; report medians")
+ap.add_argument("--assume-idle-core", action="store_true",
+                help="fork the overlapping work even when the other core looks busy (parallel.idle_core)")
 args = ap.parse_args()
 sys.path.insert(0, args.src)
 
@@ -84,6 +91,9 @@ def timed(phase: str, fn, count):
     return wrapper
 
 
+if args.assume_idle_core:
+    import parallel  # noqa: E402
+    parallel.idle_core = parallel.spare_core  # (a checkout without idle_core: no effect)
 rollout.generate = timed("rollout", rollout.generate, lambda a, out: sum(len(r) for r in out))
 rollout.batched_response_logprobs = timed("behaviour lp", rollout.batched_response_logprobs, lambda a, out: int(a[1][3].sum()))
 update._gradient_step = timed("update", update._gradient_step, lambda a, out: int(a[1].turn.response_mask[a[2]].sum()))
@@ -159,7 +169,7 @@ def main() -> None:
     print(f"workload {args.workload}: {len(batch)} joint trajectories x {len(team)} agents, max_new_tokens "
           f"{cfg.max_new_tokens}, {batch.num_tokens} response tokens, gradient steps {list(steps.values())}; "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"load average {load:.2f}; code {args.src}")
+          f"load average {load:.2f}; code {args.src}" + ("; --assume-idle-core" if args.assume_idle_core else ""))
     print("per agent: " + "; ".join(f"agent {a['agent']}: {a['inner_steps']} steps, early stop {a['early_stopped']}, "
                                     f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"]))
     if any(run["steps"] != steps for run in runs):

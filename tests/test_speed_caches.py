@@ -182,7 +182,7 @@ def test_speculative_line_search_on_the_spare_core_changes_nothing(monkeypatch, 
     for fork in (True, False):
         counted = []
         with monkeypatch.context() as m:
-            m.setattr(parallel, "spare_core", lambda fork=fork: fork)
+            m.setattr(parallel, "idle_core", lambda fork=fork: fork)
             m.setattr(sat, "measure_kl", lambda *a, **kw: counted.append(1) or measure_kl(*a, **kw))
             torch.manual_seed(0)
             controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
@@ -201,3 +201,29 @@ def test_fork_call_returns_the_value_or_is_cancelled():
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fork_call(lambda: 1 / 0, parallel=True).result()
     assert fork_call(lambda: 1, parallel=False) is None
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_rollout_scoring_in_a_child_equals_the_serial_rollout(monkeypatch, protocol):
+    """Agent k's behaviour log-probs computed in a forked child while agent k+1
+    generates: the same batch (tokens, log-probs, kept outputs) bit for bit."""
+    import parallel
+    from rollout import rollout
+    team = Team([Agent.load("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol))
+    batches, forks = [], []
+    fork_call = parallel.fork_call
+    for idle in (False, True):
+        monkeypatch.setattr(parallel, "idle_core", lambda idle=idle: idle)
+        monkeypatch.setattr(parallel, "fork_call", lambda fn, parallel=None: forks.append(1) or fork_call(fn, parallel))
+        torch.manual_seed(1)
+        batches.append(rollout(team, arithmetic_problems(5, seed=2), 3, SamplingConfig(temperature=1.0, max_new_tokens=5)))
+    assert len(forks) == 2  # agents 1 and 2 scored in children, agent 3 here
+    for a, b in zip(batches[0].turns, batches[1].turns):
+        for name in ("context_ids", "response_ids", "response_mask", "behaviour_logprobs"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+        assert a.answers == b.answers and a.behaviour_logprobs.abs().sum() > 0
+        assert a.scoring["version"] == b.scoring["version"] and a.scoring["outputs"].keys() == b.scoring["outputs"].keys()
+        for key, (lp, pieces) in a.scoring["outputs"].items():
+            assert torch.equal(lp, b.scoring["outputs"][key][0])
+            assert all(torch.equal(x, y) for x, y in zip(pieces, b.scoring["outputs"][key][1]))
+    assert torch.equal(batches[0].rewards, batches[1].rewards)
