@@ -37,7 +37,11 @@ seeds, so every repeat computes the same thing (same samples, same steps);
 each phase, the floor and the ratio are reported as the median over the
 repeats (the ratio is the median of the per-repeat ratios), with min-max.
 
-Timings depend on the machine's load: report ``uptime`` with them.
+Timings depend on the machine's load: report ``uptime`` with them. On a
+loaded machine ``--clock cpu`` times this process's CPU seconds instead of
+wall seconds: what the main process computes, without the time it waits for
+the CPU (nor the work of forked children on the other core, which an idle
+machine would run beside it, nor any wait for them).
 """
 from __future__ import annotations
 
@@ -60,8 +64,12 @@ ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--repeat", type=int, default=3, help="time the same stage this many times; report medians")
 ap.add_argument("--assume-idle-core", action="store_true",
                 help="fork the overlapping work even when the other core looks busy (parallel.idle_core)")
+ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time; forked children "
+                     "excluded), a proxy for the idle-machine wall time of the critical path on a loaded machine")
 args = ap.parse_args()
 sys.path.insert(0, args.src)
+clock = time.perf_counter if args.clock == "wall" else time.process_time
 
 import torch  # noqa: E402
 
@@ -82,9 +90,9 @@ calls = {p: 0 for p in PHASES}
 def timed(phase: str, fn, count):
     """fn, with its wall time and the response tokens it processed added to ``phase``."""
     def wrapper(*a, **kw):
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn(*a, **kw)
-        seconds[phase] += time.perf_counter() - t0
+        seconds[phase] += clock() - t0
         tokens[phase] += count(a, out)
         calls[phase] += 1
         return out
@@ -120,24 +128,24 @@ def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> 
     for agent, turn in zip(team.agents, batch.turns):
         gen_cfg = rollout.sampler_config(agent, rollout.SamplingConfig(temperature=cfg.temperature,
                                                                        max_new_tokens=cfg.max_new_tokens))
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.no_grad():
             agent.model.generate(input_ids=turn.context_ids, attention_mask=turn.context_mask, generation_config=gen_cfg)
-        gen += time.perf_counter() - t0
+        gen += clock() - t0
     upd = 0.0
     for k, turn in enumerate(batch.turns):
         model = copy.deepcopy(team.agents[k].model).train().requires_grad_(True)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         perm = torch.randperm(len(turn.texts))
         turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-        t0 = time.perf_counter()
+        t0 = clock()
         for s in range(steps[k]):
             idx = perm[(s * cfg.minibatch_size) % len(perm):][: cfg.minibatch_size]
             logp, _ = logprobs.turn_forward(model, turn_like, idx, cfg.temperature)  # [b, Lr]
             opt.zero_grad(set_to_none=True)
             (-logp.sum() / max(1, int(turn.response_mask[idx].sum()))).backward()
             opt.step()
-        upd += time.perf_counter() - t0
+        upd += clock() - t0
     return gen, upd
 
 
@@ -169,7 +177,7 @@ def main() -> None:
     print(f"workload {args.workload}: {len(batch)} joint trajectories x {len(team)} agents, max_new_tokens "
           f"{cfg.max_new_tokens}, {batch.num_tokens} response tokens, gradient steps {list(steps.values())}; "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"load average {load:.2f}; code {args.src}" + ("; --assume-idle-core" if args.assume_idle_core else ""))
+          f"load average {load:.2f}; clock {args.clock}; code {args.src}" + ("; --assume-idle-core" if args.assume_idle_core else ""))
     print("per agent: " + "; ".join(f"agent {a['agent']}: {a['inner_steps']} steps, early stop {a['early_stopped']}, "
                                     f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"]))
     if any(run["steps"] != steps for run in runs):
@@ -196,18 +204,18 @@ def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
     rng = random.Random(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)
     controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
-    t0 = time.perf_counter()
+    t0 = clock()
     rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
-    stage = time.perf_counter() - t0
+    stage = clock() - t0
     out = {**seconds, "tokens": dict(tokens), "calls": dict(calls), "stage": stage, "batch": batches[0]}  # the evaluation below generates too
     out["other"] = stage - sum(seconds[p] for p in PHASES)
-    t0 = time.perf_counter()
+    t0 = clock()
     sat.evaluate(team, heldout, sampling, cfg)
-    out["evaluation"] = time.perf_counter() - t0
+    out["evaluation"] = clock() - t0
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
+        t0 = clock()
         records.save_checkpoint(Path(tmp), 1, team, controllers, {}, rng, {})
-        out["checkpoint"] = time.perf_counter() - t0
+        out["checkpoint"] = clock() - t0
     out["steps"] = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
     out["agents"] = rec["agents"]
     out["gen_floor"], out["upd_floor"] = floor_seconds(team, out["batch"], cfg, out["steps"])
