@@ -7,9 +7,12 @@ count changes float summation order, and a second thread made a shared
 machine collapse), so on a two-core machine the second core is idle. Work
 that is independent of the main thread's and draws no random numbers (the
 warm start of independent agents, whose batches are drawn beforehand in the
-serial order) runs in a forked child on that core: the same kernels on one
-thread each, so the results are the serial ones bit for bit, whatever the
-load or timing (``tests/test_speed_caches.py`` checks it).
+serial order; agent k's behaviour log-probs while agent k+1 generates; the
+line search's first backtrack, fraction 1/2, while the in-loop check measures
+the proposal: these two only when a core is idle right now, ``idle_core``)
+runs in a forked child on that core: the same kernels on one thread each, so
+the results are the serial ones bit for bit, whatever the load or timing
+(``tests/test_speed_caches.py`` checks it).
 """
 from __future__ import annotations
 

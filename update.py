@@ -189,9 +189,14 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                     half = parallel.fork_call(lambda: measure_at_fraction(team.agents[j], references[j], inputs[j].turn,
                                                                           inside[j], 0.5, cfg), parallel=True) \
                         if reusable and cfg.max_backtracks >= 1 and parallel.idle_core() else None
-                    with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
-                        measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
-                                              cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                    try:
+                        with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
+                            measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
+                                                  cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                    except BaseException:
+                        if half is not None:  # leave no child behind
+                            half.cancel()
+                        raise
                     kl = measured[0]
                     if reusable:  # finish_update measures these same weights again: hand it the answer
                         stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
