@@ -7,9 +7,12 @@ count changes float summation order, and a second thread made a shared
 machine collapse), so on a two-core machine the second core is idle. Work
 that is independent of the main thread's and draws no random numbers (the
 warm start of independent agents, whose batches are drawn beforehand in the
-serial order) runs in a forked child on that core: the same kernels on one
-thread each, so the results are the serial ones bit for bit, whatever the
-load or timing (``tests/test_speed_caches.py`` checks it).
+serial order; agent k's behaviour log-probs while agent k+1 generates; the
+line search's first backtrack, fraction 1/2, while the in-loop check measures
+the proposal: these two only when a core is idle right now, ``idle_core``)
+runs in a forked child on that core: the same kernels on one thread each, so
+the results are the serial ones bit for bit, whatever the load or timing
+(``tests/test_speed_caches.py`` checks it).
 """
 from __future__ import annotations
 
@@ -34,6 +37,23 @@ def spare_core() -> bool:
         cores = os.cpu_count() or 1
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     return cores >= 2 and not dist and not torch.cuda.is_initialized()
+
+
+def idle_core() -> bool:
+    """``spare_core()`` and, right now, a core nobody else is running on
+    (/proc/loadavg's count of running tasks, this process included, below the
+    core count). For speculative or overlapping work that only pays when the
+    other core is idle: on a machine whose cores are busy with other processes
+    a forked child merely takes turns with this one. Decides only whether to
+    fork, never what is computed."""
+    if not spare_core():
+        return False
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):  # pragma: no cover - not Linux
+        return True
+    return running < len(os.sched_getaffinity(0))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -132,3 +152,54 @@ def wait_background() -> None:
     if status != 0:
         raise RuntimeError(f"{what} failed in a background process (its traceback is above); "
                            "rerun with --threads 1 on one core (taskset -c 0) to see it in the main process")
+
+
+class Pending:
+    """The answer of ``fork_call``'s child: ``result()`` waits for it (and
+    raises if the child failed); ``cancel()`` kills the child unread."""
+
+    def __init__(self, pid: int, read_fd: int):
+        self.pid, self.read_fd = pid, read_fd
+
+    def result(self):
+        with os.fdopen(self.read_fd, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        status, value = pickle.loads(data) if data else ("error", "the worker process died without an answer")
+        if status != "ok":
+            raise RuntimeError(f"speculative worker failed (rerun with one core to see it directly):\n{value}")
+        return value
+
+    def cancel(self) -> None:
+        import signal
+        os.kill(self.pid, signal.SIGKILL)  # our own child, by its id
+        os.waitpid(self.pid, 0)
+        os.close(self.read_fd)
+
+
+def fork_call(fn, parallel: bool | None = None) -> Pending | None:
+    """Start fn() in a forked child (a snapshot of this process) on the spare
+    core and return at once: a ``Pending`` whose ``result()`` is fn()'s value,
+    pickled back. For speculative work the caller may not need (``cancel()``
+    then). ``fn`` must draw no random numbers. None where there is no spare
+    core (``parallel=None``: ``spare_core()``): the caller then computes it
+    itself when it needs it, so the answer never depends on the fork."""
+    if not (spare_core() if parallel is None else parallel):
+        return None
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent(parent)
+        os.close(read_fd)
+        global IN_CHILD
+        IN_CHILD = True
+        try:
+            payload = pickle.dumps(("ok", fn()), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+            payload = pickle.dumps(("error", traceback.format_exc()))
+        with os.fdopen(write_fd, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    return Pending(pid, read_fd)

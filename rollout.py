@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 import distributed
+import parallel
 from grading import answers_match, vote_reward
 from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
 from tasks import Problem
@@ -255,23 +256,38 @@ def generate(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list
 # ---------------------------------------------------------------------------
 # The joint rollout
 # ---------------------------------------------------------------------------
-def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig, score: bool = True) -> Turn:
+def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig, score: bool = True,
+               overlap: bool = False):
     """Agent k answers every context: one batched generate, one batched scoring
-    (skipped with ``score=False``: evaluation needs no log-probabilities)."""
+    (skipped with ``score=False``: evaluation needs no log-probabilities).
+    ``overlap``: return (unscored turn, finish) instead, the scoring running in
+    a forked child on the second core while the caller goes on
+    (``parallel.fork_call``; it draws no random numbers, so the log-probs are
+    the serial ones bit for bit); ``finish()`` returns the scored turn."""
     agent = team.agents[k]
     tok = agent.tokenizer
     responses = generate(agent, contexts, sampling)
     ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [N, Lc]
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
-    scoring = {} if score else None
-    if score:
-        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget,
-                                         keep=scoring)
-    else:
-        logp = torch.zeros(resp.shape)  # [N, Lr]
     texts = tok.batch_decode([r for r in responses], skip_special_tokens=True)
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])
-    return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated, scoring or None)
+    answers = [team.extract(t) for t in texts]
+
+    def scored() -> tuple[torch.Tensor, dict | None]:  # behaviour log-probs [N, Lr], the forward's outputs kept
+        if not score:
+            return torch.zeros(resp.shape), None
+        scoring = {}
+        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature,
+                                         sampling.token_budget, keep=scoring)
+        return logp, scoring or None
+
+    def turn(logp: torch.Tensor | None, scoring: dict | None = None) -> Turn:
+        return Turn(k, ctx, cmask, resp, rmask, logp, texts, answers, truncated, scoring)
+
+    if not overlap:
+        return turn(*scored())
+    pending = parallel.fork_call(scored, parallel=score)
+    return turn(None), (lambda: turn(*pending.result())) if pending is not None else (lambda: turn(*scored()))
 
 
 def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) -> list[list[int]]:
@@ -336,8 +352,19 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     flat = [p for p in problems for _ in range(group_size)]  # [N]
     group_ids = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     turns: list[Turn] = []
+    overlap = score and sampling.backend == "hf" and parallel.idle_core()
+    finish = None  # agent k-1's scoring, running in a child beside agent k's generate
     for k in range(len(team)):
-        turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, score))
+        # Agent k's scoring needs only its own turn and weights (the next agent's contexts need
+        # only its answers): with an idle core a child scores it while agent k+1 generates.
+        if overlap and k < len(team) - 1:
+            turn, finish_k = agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, score, overlap=True)
+        else:
+            turn, finish_k = agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, score), None
+        if finish is not None:
+            turns[-1] = finish()
+        turns.append(turn)
+        finish = finish_k
     return TeamBatch(flat, group_ids, turns, *score_team(team, flat, turns, group_ids))
 
 

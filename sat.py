@@ -200,8 +200,10 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     cur = anchor if anchor is not None else [p.detach().clone() for p in reference.parameters()]
     new = [p.detach().clone() for p in params]
     measured = {}
-    # the in-loop check may already have measured the proposal (fraction 1) and the anchor
-    known = {1.0: stats.pop("proposal_measure", None), 0.0: stats.pop("anchor_measure", None)}
+    # the in-loop check may already have measured the proposal (fraction 1) and the anchor,
+    # and, on the spare core, the first backtrack (fraction 1/2: update.measure_at_fraction)
+    known = {1.0: stats.pop("proposal_measure", None), 0.0: stats.pop("anchor_measure", None),
+             0.5: stats.pop("half_measure", None)}
     at = {"frac": 1.0}
 
     def apply_step(frac: float) -> None:

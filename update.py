@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 import distributed
+import parallel
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
 from team import Agent, Team
-from trust_region import QuantileController, kl_penalty, quantile
+from trust_region import QuantileController, interpolate_parameters, kl_penalty, quantile
 
 # ``cfg`` below is the run's ``config.Config`` (read for lr, epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
@@ -184,18 +185,31 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                 # the trust-region statistic itself): go back to the last inside iterate.
                 for j in sorted(active):
-                    with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
-                        measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
-                                              cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                    # the line search's first backtrack, measured on an idle core meanwhile (None: no fork)
+                    half = parallel.fork_call(lambda: measure_at_fraction(team.agents[j], references[j], inputs[j].turn,
+                                                                          inside[j], 0.5, cfg), parallel=True) \
+                        if reusable and cfg.max_backtracks >= 1 and parallel.idle_core() else None
+                    try:
+                        with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
+                            measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
+                                                  cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                    except BaseException:
+                        if half is not None:  # leave no child behind
+                            half.cancel()
+                        raise
                     kl = measured[0]
                     if reusable:  # finish_update measures these same weights again: hand it the answer
-                        stats[j]["last_measure"] = (stats[j]["steps"], measured)
+                        stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
                     if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
                         # this step crossed the boundary: stop; the line search in
                         # finish_update backtracks from here toward the last inside iterate
                         stats[j]["early_stopped"] = True
                         active.discard(j)
+                        if half is not None:
+                            stats[j]["last_measure"] = (stats[j]["steps"], measured, half.result())
                     else:
+                        if half is not None:  # inside: no backtracking from here
+                            half.cancel()
                         inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
                         if reusable:
                             stats[j]["anchor_measure"] = measured
@@ -216,7 +230,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             stats[j]["step0_log_ratio_max"] = max(distributed.gather_objects(stats[j].get("step0_log_ratio_max", 0.0)))
         tokens = stats[j]["tokens"]
         last = stats[j].get("last_measure")
-        measures = {"proposal_measure": last[1] if last is not None and last[0] == stats[j]["steps"] else None,
+        fresh = last is not None and last[0] == stats[j]["steps"]  # measured at the weights training ended on
+        measures = {"proposal_measure": last[1] if fresh else None, "half_measure": last[2] if fresh else None,
                     "anchor_measure": stats[j].get("anchor_measure")}  # popped by finish_update, never logged
         stats[j] = {**measures, "loss": float(np.mean(stats[j]["loss"])), "clip_fraction": stats[j]["clip_tokens"] / max(tokens, 1),
                     "ratio_mean": float(np.mean(stats[j]["ratio"])), "ratio_min": float(np.min(stats[j]["ratio"])),
@@ -243,6 +258,19 @@ def weights_as_frozen(model, on: bool = True):
     finally:
         for p, flag in zip(model.parameters(), flags):
             p.requires_grad_(flag)
+
+
+def measure_at_fraction(agent: Agent, reference, turn, anchor: list[torch.Tensor], frac: float, cfg):
+    """``measure_kl`` (with log rho) at anchor + frac (theta - anchor), theta the
+    agent's weights now: what finish_update's line search measures at step
+    fraction ``frac`` (same ``interpolate_parameters``, frozen flags, rows and
+    chunks). Changes the agent's weights: run it in a forked child
+    (``parallel.fork_call``), where the change dies with the child."""
+    params = list(agent.model.parameters())
+    interpolate_parameters(params, anchor, [p.detach().clone() for p in params], frac)
+    with weights_as_frozen(agent.model):
+        return measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True,
+                          frozen_reference=True)
 
 
 def dropout_free(model) -> bool:

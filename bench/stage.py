@@ -6,9 +6,14 @@ held-out evaluation and the checkpoint ``sat.run`` adds to every stage, and
 splits the time into phases (by timing the functions that do each phase):
 
     rollout        ``rollout.generate``: one batched generate per agent turn
-    behaviour lp   ``rollout.batched_response_logprobs``: the behaviour log-probs
+    behaviour lp   ``rollout.batched_response_logprobs``: the behaviour log-probs (with a core
+                   idle, ``parallel.idle_core``, those of all agents but the last run in a
+                   forked child while the next agent generates: not counted here; a wait for
+                   them falls in "other")
     update         ``update._gradient_step``: forward + backward + AdamW step
-    KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search)
+    KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search), in this
+                   process (the line search's first backtrack, measured in a forked child
+                   during the in-loop check, is not counted; a wait for it falls in "other")
     other          the rest of the stage (advantages, copies of pi_j,cur, ...)
     evaluation     ``sat.evaluate`` on the held-out problems
     checkpoint     ``records.save_checkpoint`` (timed here in the main process; ``sat.run`` writes
@@ -24,14 +29,27 @@ evaluation and checkpoint) over that floor.
     python bench/stage.py                          # the tiny default stage
     python bench/stage.py --workload matched       # 16 prompts x G=4, 32 new tokens, one checkpoint x3
     python bench/stage.py --src /path/to/other/checkout   # the same bench on another version of the code
+    python bench/stage.py --repeat 5               # median of 5 timings of the same stage
 
-Timings depend on the machine's load: report ``uptime`` with them.
+``--repeat K`` (default 3) times the SAME stage K times: each repeat starts
+from a fresh copy of the one warm team, with fresh controllers and the same
+seeds, so every repeat computes the same thing (same samples, same steps);
+each phase, the floor and the ratio are reported as the median over the
+repeats (the ratio is the median of the per-repeat ratios), with min-max.
+
+Timings depend on the machine's load: report ``uptime`` with them. On a
+loaded machine ``--clock cpu`` times this process's CPU seconds instead of
+wall seconds: what the main process computes, without the time it waits for
+the CPU (nor the work of forked children on the other core, which an idle
+machine would run beside it, nor any wait for them).
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -43,8 +61,15 @@ ap.add_argument("--warmup-steps", type=int, default=100, help="warm start before
 ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: what sat.py picks)")
 ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose code is timed")
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--repeat", type=int, default=3, help="time the same stage this many times; report medians")
+ap.add_argument("--assume-idle-core", action="store_true",
+                help="fork the overlapping work even when the other core looks busy (parallel.idle_core)")
+ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time; forked children "
+                     "excluded), a proxy for the idle-machine wall time of the critical path on a loaded machine")
 args = ap.parse_args()
 sys.path.insert(0, args.src)
+clock = time.perf_counter if args.clock == "wall" else time.process_time
 
 import torch  # noqa: E402
 
@@ -59,19 +84,24 @@ from team import Agent, Team, TeamConfig, warm_start  # noqa: E402
 PHASES = ["rollout", "behaviour lp", "update", "KL checks"]
 seconds = {p: 0.0 for p in PHASES}
 tokens = {p: 0 for p in PHASES}
+calls = {p: 0 for p in PHASES}
 
 
 def timed(phase: str, fn, count):
     """fn, with its wall time and the response tokens it processed added to ``phase``."""
     def wrapper(*a, **kw):
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn(*a, **kw)
-        seconds[phase] += time.perf_counter() - t0
+        seconds[phase] += clock() - t0
         tokens[phase] += count(a, out)
+        calls[phase] += 1
         return out
     return wrapper
 
 
+if args.assume_idle_core:
+    import parallel  # noqa: E402
+    parallel.idle_core = parallel.spare_core  # (a checkout without idle_core: no effect)
 rollout.generate = timed("rollout", rollout.generate, lambda a, out: sum(len(r) for r in out))
 rollout.batched_response_logprobs = timed("behaviour lp", rollout.batched_response_logprobs, lambda a, out: int(a[1][3].sum()))
 update._gradient_step = timed("update", update._gradient_step, lambda a, out: int(a[1].turn.response_mask[a[2]].sum()))
@@ -98,24 +128,24 @@ def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> 
     for agent, turn in zip(team.agents, batch.turns):
         gen_cfg = rollout.sampler_config(agent, rollout.SamplingConfig(temperature=cfg.temperature,
                                                                        max_new_tokens=cfg.max_new_tokens))
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.no_grad():
             agent.model.generate(input_ids=turn.context_ids, attention_mask=turn.context_mask, generation_config=gen_cfg)
-        gen += time.perf_counter() - t0
+        gen += clock() - t0
     upd = 0.0
     for k, turn in enumerate(batch.turns):
         model = copy.deepcopy(team.agents[k].model).train().requires_grad_(True)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         perm = torch.randperm(len(turn.texts))
         turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-        t0 = time.perf_counter()
+        t0 = clock()
         for s in range(steps[k]):
             idx = perm[(s * cfg.minibatch_size) % len(perm):][: cfg.minibatch_size]
             logp, _ = logprobs.turn_forward(model, turn_like, idx, cfg.temperature)  # [b, Lr]
             opt.zero_grad(set_to_none=True)
             (-logp.sum() / max(1, int(turn.response_mask[idx].sum()))).backward()
             opt.step()
-        upd += time.perf_counter() - t0
+        upd += clock() - t0
     return gen, upd
 
 
@@ -137,39 +167,62 @@ def main() -> None:
         warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
     sampling = rollout.SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                       token_budget=cfg.token_budget, backend="hf")
-    controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
     prompts = [train[rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
-    t0 = time.perf_counter()
-    rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
-    stage = time.perf_counter() - t0
-    phase_seconds, phase_tokens = dict(seconds), dict(tokens)  # the evaluation below generates too
-    batch = batches[0]
-    t0 = time.perf_counter()
-    sat.evaluate(team, heldout, sampling, cfg)
-    evaluation = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        records.save_checkpoint(Path(tmp), 1, team, controllers, {}, rng, {})
-        checkpoint = time.perf_counter() - t0
-    steps = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
-    gen_floor, upd_floor = floor_seconds(team, batch, cfg, steps)
-    floor = gen_floor + upd_floor
+    warm = copy.deepcopy(team)
+    runs = []
+    for r in range(args.repeat):
+        runs.append(one_stage(copy.deepcopy(warm), prompts, heldout, cfg, sampling))
+    batch, steps = runs[0]["batch"], runs[0]["steps"]
     load = os.getloadavg()[0]
     print(f"workload {args.workload}: {len(batch)} joint trajectories x {len(team)} agents, max_new_tokens "
           f"{cfg.max_new_tokens}, {batch.num_tokens} response tokens, gradient steps {list(steps.values())}; "
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-          f"load average {load:.2f}; code {args.src}")
-    print(f"{'phase':<14}{'seconds':>9}{'tokens/s':>11}")
-    for p in PHASES:
-        print(f"{p:<14}{phase_seconds[p]:>9.2f}{phase_tokens[p] / max(phase_seconds[p], 1e-9):>11.0f}")
-    print(f"{'other':<14}{stage - sum(phase_seconds.values()):>9.2f}")
-    print(f"{'stage':<14}{stage:>9.2f}{batch.num_tokens / stage:>11.0f}")
-    print(f"{'evaluation':<14}{evaluation:>9.2f}")
-    print(f"{'checkpoint':<14}{checkpoint:>9.2f}")
-    print(f"floor: generate {gen_floor:.2f}s + update {upd_floor:.2f}s = {floor:.2f}s; "
-          f"stage/floor {stage / floor:.2f}x; (stage + evaluation + checkpoint)/floor "
-          f"{(stage + evaluation + checkpoint) / floor:.2f}x")
+          f"load average {load:.2f}; clock {args.clock}; code {args.src}" + ("; --assume-idle-core" if args.assume_idle_core else ""))
+    print("per agent: " + "; ".join(f"agent {a['agent']}: {a['inner_steps']} steps, early stop {a['early_stopped']}, "
+                                    f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"]))
+    if any(run["steps"] != steps for run in runs):
+        print(f"warning: the repeats took different gradient steps: {[list(run['steps'].values()) for run in runs]}")
+    med = lambda key: statistics.median(run[key] for run in runs)  # noqa: E731
+    span = lambda key: f"{min(run[key] for run in runs):.2f}-{max(run[key] for run in runs):.2f}"  # noqa: E731
+    print(f"median of {len(runs)} repeats of the same stage (fresh copies of one warm team, same seeds)")
+    print(f"{'phase':<14}{'seconds':>9}{'min-max':>12}{'tokens/s':>11}{'calls':>7}")
+    for p in PHASES + ["other", "stage", "evaluation", "checkpoint"]:
+        per_s = f"{runs[0]['tokens'][p] / max(med(p), 1e-9):>11.0f}" if p in PHASES else (
+            f"{batch.num_tokens / med(p):>11.0f}" if p == "stage" else "")
+        n_calls = f"{runs[0]['calls'][p]:>7}" if p in PHASES else ""
+        print(f"{p:<14}{med(p):>9.2f}{span(p):>12}{per_s}{n_calls}")
+    print(f"floor: generate {med('gen_floor'):.2f}s ({span('gen_floor')}) + update {med('upd_floor'):.2f}s "
+          f"({span('upd_floor')}) = {med('floor'):.2f}s ({span('floor')}); stage/floor {med('ratio'):.2f}x "
+          f"({span('ratio')}); (stage + evaluation + checkpoint)/floor {med('ratio_all'):.2f}x ({span('ratio_all')})")
 
+
+def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
+    """Time one stage (same seeds every call), its evaluation and checkpoint, and its floor."""
+    for p in PHASES:
+        seconds[p], tokens[p], calls[p] = 0.0, 0, 0
+    batches.clear()
+    rng = random.Random(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1)
+    controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
+    t0 = clock()
+    rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
+    stage = clock() - t0
+    out = {**seconds, "tokens": dict(tokens), "calls": dict(calls), "stage": stage, "batch": batches[0]}  # the evaluation below generates too
+    out["other"] = stage - sum(seconds[p] for p in PHASES)
+    t0 = clock()
+    sat.evaluate(team, heldout, sampling, cfg)
+    out["evaluation"] = clock() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = clock()
+        records.save_checkpoint(Path(tmp), 1, team, controllers, {}, rng, {})
+        out["checkpoint"] = clock() - t0
+    out["steps"] = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
+    out["agents"] = rec["agents"]
+    out["gen_floor"], out["upd_floor"] = floor_seconds(team, out["batch"], cfg, out["steps"])
+    out["floor"] = out["gen_floor"] + out["upd_floor"]
+    out["ratio"] = stage / out["floor"]
+    out["ratio_all"] = (stage + out["evaluation"] + out["checkpoint"]) / out["floor"]
+    return out
 
 if __name__ == "__main__":
     main()

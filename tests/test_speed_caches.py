@@ -3,6 +3,7 @@ the reference pi_j,cur's outputs, the rollout's behaviour forward reused as
 pi_j,cur's, and in-loop KL measurements reused by the line search, each
 checked bit for bit against the computation without it; and the thread policy."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,67 @@ def test_fork_map_keeps_job_order_and_reports_a_failing_child():
         [(x, torch.full((3,), float(x))).__repr__() for x in range(5)]
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fork_map(lambda x: 1 / (x - 1), [0, 1, 2], parallel=True)  # job 1 runs in the child
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_speculative_line_search_on_the_spare_core_changes_nothing(monkeypatch, protocol):
+    """The first backtrack (fraction 1/2) measured in a forked child during the
+    in-loop check gives the stage record of the serial stage, and the parent
+    then makes fewer KL measurements of its own (the child's answer was used)."""
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=1, delta=0.02)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    records, calls = {}, {}
+    for fork in (True, False):
+        counted = []
+        with monkeypatch.context() as m:
+            m.setattr(parallel, "idle_core", lambda fork=fork: fork)
+            m.setattr(sat, "measure_kl", lambda *a, **kw: counted.append(1) or measure_kl(*a, **kw))
+            torch.manual_seed(0)
+            controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+            records[fork] = sat.sat_stage(copy.deepcopy(team), problems, cfg, sampling, controllers, {}, random.Random(0))
+        calls[fork] = len(counted)
+    assert strip_timing([records[True]]) == strip_timing([records[False]])
+    halves = sum(1 for a in records[False]["agents"] if a["early_stopped"] and a["backtracks"] >= 1)
+    assert halves > 0 and calls[True] == calls[False] - halves  # finish_update's parent-side measurements
+
+
+def test_fork_call_returns_the_value_or_is_cancelled():
+    from parallel import fork_call
+    pending = fork_call(lambda: torch.arange(5.0) * 2, parallel=True)
+    assert torch.equal(pending.result(), torch.arange(5.0) * 2)
+    fork_call(lambda: sum(range(10 ** 9)), parallel=True).cancel()  # killed, not waited for
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fork_call(lambda: 1 / 0, parallel=True).result()
+    assert fork_call(lambda: 1, parallel=False) is None
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_rollout_scoring_in_a_child_equals_the_serial_rollout(monkeypatch, protocol):
+    """Agent k's behaviour log-probs computed in a forked child while agent k+1
+    generates: the same batch (tokens, log-probs, kept outputs) bit for bit."""
+    import parallel
+    from rollout import rollout
+    team = Team([Agent.load("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol))
+    batches, forks = [], []
+    fork_call = parallel.fork_call
+    for idle in (False, True):
+        monkeypatch.setattr(parallel, "idle_core", lambda idle=idle: idle)
+        monkeypatch.setattr(parallel, "fork_call", lambda fn, parallel=None: forks.append(1) or fork_call(fn, parallel))
+        torch.manual_seed(1)
+        batches.append(rollout(team, arithmetic_problems(5, seed=2), 3, SamplingConfig(temperature=1.0, max_new_tokens=5)))
+    assert len(forks) == 2  # agents 1 and 2 scored in children, agent 3 here
+    for a, b in zip(batches[0].turns, batches[1].turns):
+        for name in ("context_ids", "response_ids", "response_mask", "behaviour_logprobs"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+        assert a.answers == b.answers and a.behaviour_logprobs.abs().sum() > 0
+        assert a.scoring["version"] == b.scoring["version"] and a.scoring["outputs"].keys() == b.scoring["outputs"].keys()
+        for key, (lp, pieces) in a.scoring["outputs"].items():
+            assert torch.equal(lp, b.scoring["outputs"][key][0])
+            assert all(torch.equal(x, y) for x, y in zip(pieces, b.scoring["outputs"][key][1]))
+    assert torch.equal(batches[0].rewards, batches[1].rewards)
