@@ -50,7 +50,7 @@ import torch
 
 import distributed
 from grading import answers_match, vote_reward
-from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
+from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad, turn_forward, turn_rows
 from tasks import Problem
 from team import Team
 
@@ -222,15 +222,26 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     widths = [len(contexts[i]) + sampling.max_new_tokens for i in order]
     responses: list[list[int]] = [None] * len(contexts)
-    for sl in chunks_by_budget(widths, sampling.token_budget):
+    inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its inner model
+    chunks = chunks_by_budget(widths, sampling.token_budget)
+    for sl in chunks:
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)
-        with _sampler(agent.model, gen_cfg):
+        with _sampler(inner, gen_cfg):
             out = agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
         new = out[:, ids.shape[1]:].cpu()  # [n, <=max_new]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
+    if distributed.is_sharded(agent.model):  # as many generate calls as the busiest rank: dummy ones, own RNG
+        ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
+        for _ in range(distributed.extra_calls(len(chunks))):
+            with torch.random.fork_rng(devices=_rng_devices()), _sampler(inner, gen_cfg):
+                agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
     return responses
+
+
+def _rng_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
 def default_backend(device: str) -> str:
@@ -263,12 +274,17 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     responses = generate(agent, contexts, sampling)
     ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [N, Lc]
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
-    scoring = {} if score else None
+    sharded = distributed.is_sharded(agent.model)
+    scoring = {} if score and not sharded else None  # a sharded reference is a copy: it measures its own outputs
     if score:
-        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature, sampling.token_budget,
-                                         keep=scoring)
+        turn_like = (ctx, cmask, resp, rmask)
+        logp = batched_response_logprobs(agent.model, turn_like, sampling.temperature, sampling.token_budget, keep=scoring)
+        if sharded:  # as many forwards as the busiest rank (their all-gathers meet)
+            for _ in range(distributed.extra_calls(-(-len(contexts) // turn_rows(turn_like, sampling.token_budget)))):
+                turn_forward(agent.model, turn_like, slice(0, 1), sampling.temperature)
     else:
         logp = torch.zeros(resp.shape)  # [N, Lr]
+    distributed.reshard(agent.model)  # a sharded agent keeps no gathered root between turns
     texts = tok.batch_decode([r for r in responses], skip_special_tokens=True)
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])
     return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated, scoring or None)
@@ -369,12 +385,16 @@ def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, samp
     processes (one process generates every block itself)."""
     size = -(-len(problems) // max(1, n_blocks))  # problems per block
     starts = list(range(0, len(problems), size))
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    world = distributed.STATE.world
+    # sharded agents (--shard-frozen): every rank runs as many blocks; a rank past the last block redoes one, discarded
+    rounds = -(-len(starts) // world) * world if any(distributed.is_sharded(a.model) for a in team.agents) else len(starts)
     mine = {}
-    for b in range(distributed.STATE.rank, len(starts), distributed.STATE.world):
-        with torch.random.fork_rng(devices=devices):
+    for b in range(distributed.STATE.rank, rounds, world):
+        with torch.random.fork_rng(devices=_rng_devices()):
             torch.manual_seed(seed + b)
-            mine[b] = rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score)
+            part = rollout(team, problems[starts[b % len(starts)] : starts[b % len(starts)] + size], group_size, sampling, score)
+        if b < len(starts):
+            mine[b] = part
     parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
     return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
 
