@@ -224,6 +224,8 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     responses: list[list[int]] = [None] * len(contexts)
     inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its inner model
     chunks = chunks_by_budget(widths, sampling.token_budget)
+    # a sharded agent (--shard-frozen): as many generate calls as the busiest rank, agreed before the first
+    extra = distributed.extra_calls(len(chunks)) if distributed.is_sharded(agent.model) else 0
     for sl in chunks:
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)
@@ -232,9 +234,9 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
         new = out[:, ids.shape[1]:].cpu()  # [n, <=max_new]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
-    if distributed.is_sharded(agent.model):  # as many generate calls as the busiest rank: dummy ones, own RNG
+    if extra:  # dummy calls, under their own RNG (the batch's draws stay those of one process)
         ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
-        for _ in range(distributed.extra_calls(len(chunks))):
+        for _ in range(extra):
             with torch.random.fork_rng(devices=_rng_devices()), _sampler(inner, gen_cfg):
                 agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
     return responses
@@ -278,10 +280,11 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     scoring = {} if score and not sharded else None  # a sharded reference is a copy: it measures its own outputs
     if score:
         turn_like = (ctx, cmask, resp, rmask)
+        # a sharded agent: as many forwards as the busiest rank (their all-gathers meet), agreed before the first
+        extra = distributed.extra_calls(-(-len(contexts) // turn_rows(turn_like, sampling.token_budget))) if sharded else 0
         logp = batched_response_logprobs(agent.model, turn_like, sampling.temperature, sampling.token_budget, keep=scoring)
-        if sharded:  # as many forwards as the busiest rank (their all-gathers meet)
-            for _ in range(distributed.extra_calls(-(-len(contexts) // turn_rows(turn_like, sampling.token_budget)))):
-                turn_forward(agent.model, turn_like, slice(0, 1), sampling.temperature)
+        for _ in range(extra):
+            turn_forward(agent.model, turn_like, slice(0, 1), sampling.temperature)
     else:
         logp = torch.zeros(resp.shape)  # [N, Lr]
     distributed.reshard(agent.model)  # a sharded agent keeps no gathered root between turns
