@@ -28,9 +28,23 @@ that decides something is computed on the whole batch. Under
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
-- frozen agents and the reference pi_j,cur are held whole on every rank (they
-  generate with the HF backend and compute behaviour log-probs); on CUDA the
-  frozen agents wait in host memory during another agent's turn
+- ``--shard-frozen`` (default on CUDA with the HF backend): every agent is
+  held as FSDP2 shards in its own dtype (``shard_in_place``); HF generate runs
+  through the shards with ``synced_gpus=True`` (``ShardedLM.generate``), and
+  the callers agree on the number of calls into a sharded agent before the
+  first (``extra_calls``: dummy calls, a dummy rollout block), so every
+  all-gather meets its peers; the trained agent's fp32 copy is built from its
+  shards (``training_copy``) and written back into them (``copy_local_into``),
+  so it is never whole; the reference pi_j,cur is a sharded copy
+  (``frozen_copy``, built on the meta device: FSDP2 modules cannot be
+  deep-copied) and the line search keeps and interpolates this rank's shards
+  only (``local_parameters``; the decision comes from the gathered KL,
+  ``any_rank`` agrees on the rest). ``--reuse regenerate`` then runs on every
+  rank. The whole weights exist only for the HF export of a checkpoint,
+  gathered layer by layer on rank 0 (``whole_copy_on_main``);
+- without it the agents and the reference pi_j,cur are held whole on every
+  rank (they generate with the HF backend and compute behaviour log-probs); on
+  CUDA the frozen agents wait in host memory during another agent's turn
   (``frozen_on_host``); only rank 0 writes files, except the sharded
   checkpoint, where every rank writes its shards (``records.save_sharded``).
 
