@@ -314,7 +314,7 @@ def frozen_on_host(team, j: int, on: bool):
     besides the trained agent's sharded state (``--offload-frozen``, on under
     torchrun on CUDA; memory.py's ``frozen_offload``); they come back before
     the next rollout. Their values never change (no effect on CPU)."""
-    others = [a for k, a in enumerate(team.agents) if k != j] if on else []
+    others = [a for k, a in enumerate(team.agents) if k != j and not is_sharded(a.model)] if on else []  # shards stay
     devices = [a.device for a in others]
     for agent in others:
         agent.model.to("cpu")
@@ -539,6 +539,9 @@ def check_options(cfg) -> None:
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")
+    if getattr(cfg, "shard_frozen", None) and cfg.backend == "vllm":
+        raise ValueError("--shard-frozen needs --backend hf: vLLM engines hold their own whole weights; "
+                         "drop --shard-frozen or use --backend hf")
     for name in ("batch_size", "minibatch_size"):
         if getattr(cfg, name) % STATE.world:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
