@@ -64,13 +64,17 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
         tmp.mkdir(parents=True)
     distributed.barrier()  # the folder exists before any rank writes its shards
     save_sharded(tmp / "sharded", team)  # every rank
-    whole = [distributed.whole_copy_on_main(a.model) for a in team.agents]  # --shard-frozen: gathered layer by layer
+    sharded = any(distributed.is_sharded(a.model) for a in team.agents)
+    if sharded:  # --shard-frozen: the Hugging Face folders need whole models, gathered on rank 0 one agent at a time
+        for k, agent in enumerate(team.agents):
+            whole = distributed.whole_copy_on_main(agent.model)  # a collective, layer by layer
+            if whole is not None:
+                Agent(agent.spec, whole, agent.tokenizer).save(tmp / "team" / f"agent_{k}")
+            del whole
     if not distributed.is_main():
         distributed.barrier()
         return final
-    if any(m is not a.model for a, m in zip(team.agents, whole)):  # Hugging Face folders need whole models
-        team = Team([Agent(a.spec, m, a.tokenizer) for a, m in zip(team.agents, whole)], team.config)
-    team.save(tmp / "team")
+    team.save_meta(tmp / "team") if sharded else team.save(tmp / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
