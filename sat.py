@@ -337,7 +337,6 @@ def run(cfg: Config, log=None) -> list[dict]:
     for agent in team.agents:
         if cfg.backend == "hf":
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
-    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards from here on
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending_upgrades = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
     if cfg.upgrade:
@@ -355,6 +354,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         save_checkpoint(out, start, team, controllers, value_heads, rng,
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
+    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
     atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
     if not records:
