@@ -28,9 +28,23 @@ that decides something is computed on the whole batch. Under
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
-- frozen agents and the reference pi_j,cur are held whole on every rank (they
-  generate with the HF backend and compute behaviour log-probs); on CUDA the
-  frozen agents wait in host memory during another agent's turn
+- ``--shard-frozen`` (default on CUDA with the HF backend): every agent is
+  held as FSDP2 shards in its own dtype (``shard_in_place``); HF generate runs
+  through the shards with ``synced_gpus=True`` (``ShardedLM.generate``), and
+  the callers agree on the number of calls into a sharded agent before the
+  first (``extra_calls``: dummy calls, a dummy rollout block), so every
+  all-gather meets its peers; the trained agent's fp32 copy is built from its
+  shards (``training_copy``) and written back into them (``copy_local_into``),
+  so it is never whole; the reference pi_j,cur is a sharded copy
+  (``frozen_copy``, built on the meta device: FSDP2 modules cannot be
+  deep-copied) and the line search keeps and interpolates this rank's shards
+  only (``local_parameters``; the decision comes from the gathered KL,
+  ``any_rank`` agrees on the rest). ``--reuse regenerate`` then runs on every
+  rank. The whole weights exist only for the HF export of a checkpoint,
+  gathered layer by layer on rank 0 (``whole_copy_on_main``);
+- without it the agents and the reference pi_j,cur are held whole on every
+  rank (they generate with the HF backend and compute behaviour log-probs); on
+  CUDA the frozen agents wait in host memory during another agent's turn
   (``frozen_on_host``); only rank 0 writes files, except the sharded
   checkpoint, where every rank writes its shards (``records.save_sharded``).
 
@@ -214,6 +228,16 @@ class ShardedLM(torch.nn.Module):
     def gradient_checkpointing_disable(self):
         self.lm.gradient_checkpointing_disable()
 
+    def generate(self, **kwargs):
+        """HF ``generate`` through the shards (a collective: every rank calls
+        it as many times). generate calls the inner model, not this module, so
+        the root's embeddings / final norm / head are gathered first; each
+        decoder layer gathers itself. ``synced_gpus=True``: a rank whose rows
+        are done keeps running the forward (without sampling) until every
+        rank's are, so the layers' all-gathers stay matched."""
+        self.unshard()
+        return self.lm.generate(synced_gpus=True, **kwargs)
+
 
 def shard_model(model: torch.nn.Module, masters: list[torch.Tensor] | None = None) -> ShardedLM:
     """An fp32 copy of ``model`` sharded with FSDP2: ``fully_shard`` on each
@@ -290,7 +314,7 @@ def frozen_on_host(team, j: int, on: bool):
     besides the trained agent's sharded state (``--offload-frozen``, on under
     torchrun on CUDA; memory.py's ``frozen_offload``); they come back before
     the next rollout. Their values never change (no effect on CPU)."""
-    others = [a for k, a in enumerate(team.agents) if k != j] if on else []
+    others = [a for k, a in enumerate(team.agents) if k != j and not is_sharded(a.model)] if on else []  # shards stay
     devices = [a.device for a in others]
     for agent in others:
         agent.model.to("cpu")
@@ -301,6 +325,159 @@ def frozen_on_host(team, j: int, on: bool):
     finally:
         for agent, device in zip(others, devices):
             agent.model.to(device)
+
+
+# ---------------------------------------------------------------------------
+# Frozen agents, the reference and the line-search snapshots as FSDP2 shards (--shard-frozen)
+# ---------------------------------------------------------------------------
+def is_sharded(model) -> bool:
+    return isinstance(model, ShardedLM)
+
+
+def _finish_sharding(wrapped: ShardedLM) -> ShardedLM:
+    """Make ``wrapped`` FSDP2's root now (its first forward would otherwise be
+    a decoder layer's, inside ``generate``), frozen and in eval mode."""
+    wrapped._get_fsdp_state()._lazy_init()
+    wrapped.eval()
+    wrapped.requires_grad_(False)
+    return wrapped
+
+
+def shard_in_place(model: torch.nn.Module) -> ShardedLM:
+    """A frozen agent held as FSDP2 shards in its own dtype: ``fully_shard`` on
+    each decoder layer, then on the whole, in place (the whole weights are
+    freed as each unit is sharded). Generation (``ShardedLM.generate``),
+    behaviour log-probs and the KL's forwards gather one layer at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped = ShardedLM(model)
+    for layer in model.base_model.layers:
+        fully_shard(layer)
+    fully_shard(wrapped)
+    return _finish_sharding(wrapped)
+
+
+def shard_team(team, on: bool) -> None:
+    """``--shard-frozen``: every agent of the team held as shards from now on
+    (the trained one is sharded already during its turn and stays so after)."""
+    if not (on and active()):
+        return
+    for agent in team.agents:
+        if not is_sharded(agent.model):
+            agent.model = shard_in_place(agent.model)
+
+
+def reshard(model) -> None:
+    """Free a sharded model's gathered root (FSDP2 keeps it after a no-grad
+    forward): its parameters are the shards again, and the next forward
+    gathers their current values. Nothing for a plain model."""
+    if is_sharded(model):
+        model.reshard()
+
+
+@torch.no_grad()
+def sharded_copy(src: ShardedLM, dtype: torch.dtype | None = None, policy=None) -> ShardedLM:
+    """A new sharded model with ``src``'s values (cast to ``dtype``): built on
+    the meta device, sharded the same way (so every rank's shards line up with
+    ``src``'s), then each rank copies its own shards; no rank gathers
+    anything. FSDP2 modules cannot be deep-copied."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    src.reshard()
+    dtype = dtype or next(src.parameters()).dtype
+    config = src.lm.config
+    with torch.device("meta"):
+        lm = type(src.lm)._from_config(config, dtype=dtype, attn_implementation=getattr(config, "_attn_implementation", None))
+    copy_ = ShardedLM(lm)
+    for layer in lm.base_model.layers:
+        fully_shard(layer, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(copy_, mp_policy=policy or MixedPrecisionPolicy())
+    copy_.to_empty(device=next(src.parameters()).device)
+    for p, q in zip(copy_.parameters(), src.parameters(), strict=True):
+        p.to_local().copy_(q.to_local())
+    for b, c in zip(copy_.buffers(), src.buffers(), strict=True):  # rotary frequencies
+        b.copy_(c)
+    return _finish_sharding(copy_)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy (the reference pi_j,cur): sharded like ``model`` when it is sharded."""
+    return sharded_copy(model) if is_sharded(model) else copy.deepcopy(model)
+
+
+def local_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's shards of a sharded model's parameters (views: writing them
+    changes the model from its next forward on), else the parameters. The
+    line search interpolates elementwise, so it works shard by shard."""
+    if not is_sharded(model):
+        return list(model.parameters())
+    model.reshard()
+    return [p.to_local() for p in model.parameters()]
+
+
+def training_copy(frozen: ShardedLM, masters: list[torch.Tensor] | None = None) -> ShardedLM:
+    """The fp32 sharded copy that trains for the agent's turn (as ``shard_model``
+    makes from a whole agent), built from a sharded frozen agent shard by
+    shard; a bf16 agent computes in bf16 and reduces in fp32, and its kept
+    fp32 master shards are restored where the bf16 weight still equals
+    round(master) (``shard_model``'s rule)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = next(frozen.parameters()).dtype
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else None
+    wrapped = sharded_copy(frozen, torch.float32, policy)
+    params = [p.to_local() for p in wrapped.lm.parameters()]
+    if masters is not None and low != torch.float32 and [m.shape for m in masters] == [p.shape for p in params]:
+        with torch.no_grad():
+            for local, m in zip(params, masters):
+                m = m.to(local.device)
+                local.copy_(torch.where(m.to(low) == local.to(low), m, local))
+    return wrapped
+
+
+@torch.no_grad()
+def copy_local_into(src: ShardedLM, dst: ShardedLM) -> None:
+    """Write ``src``'s shards into ``dst``'s (same layout), cast to ``dst``'s dtype: no communication."""
+    for p, q in zip(local_parameters(dst), local_parameters(src), strict=True):
+        p.copy_(q)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on some rank (the identity with one process)."""
+    return bool(sum_ranks(torch.tensor([float(flag)]))[0] > 0) if active() else flag
+
+
+def extra_calls(n: int) -> int:
+    """How many dummy calls this rank adds so that every rank makes as many
+    calls into a sharded model as the busiest (each call's all-gathers must
+    meet their peers'): max over ranks of ``n`` - ``n``. 0 with one process."""
+    return max(gather_objects(n)) - n if active() else 0
+
+
+@torch.no_grad()
+def whole_copy_on_main(model: torch.nn.Module):
+    """A plain model with a sharded model's whole weights on rank 0 (on the
+    host), gathered one layer at a time (``full_weights_by_layer``); None on
+    the other ranks. A collective. A plain model is returned as it is."""
+    if not is_sharded(model):
+        return model
+    dtype = next(model.parameters()).dtype
+    plain = None
+    if is_main():
+        config = model.lm.config
+        with torch.device("meta"):
+            plain = type(model.lm)._from_config(config, dtype=dtype, attn_implementation=getattr(config, "_attn_implementation", None))
+        plain.to_empty(device="cpu")
+        plain.tie_weights()
+        for b, c in zip(plain.buffers(), model.lm.buffers(), strict=True):
+            b.copy_(c.cpu())
+        plain.generation_config = model.lm.generation_config
+    params = dict(plain.named_parameters()) if plain is not None else {}
+    for group in full_weights_by_layer(model):
+        for name, tensor in group:
+            if plain is not None:
+                params[name].copy_(tensor.cpu())
+    return plain
 
 
 # ---------------------------------------------------------------------------
@@ -320,6 +497,8 @@ def local_rows(t: torch.Tensor) -> torch.Tensor:
     dim 0; ranks past the last chunk hold 0 rows); the tensor itself with one process."""
     if not active():
         return t
+    if hasattr(t, "to_local"):  # a sharded agent's parameter: its rows are this rank's shard
+        return t.to_local()
     chunks = t.chunk(STATE.world, 0)
     return chunks[STATE.rank] if STATE.rank < len(chunks) else t[:0]
 
@@ -360,6 +539,9 @@ def check_options(cfg) -> None:
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")
+    if getattr(cfg, "shard_frozen", None) and cfg.backend == "vllm":
+        raise ValueError("--shard-frozen needs --backend hf: vLLM engines hold their own whole weights; "
+                         "drop --shard-frozen or use --backend hf")
     for name in ("batch_size", "minibatch_size"):
         if getattr(cfg, name) % STATE.world:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "

@@ -281,6 +281,8 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int, re
     ``frozen_reference``: the caller promises ``reference`` does not change
     while it may be passed again with this turn; its outputs are then cached."""
     model = agent.model
+    if distributed.is_sharded(reference):  # its head may be used below without a forward (cached hidden states)
+        reference.unshard()
     keep = reference_cache_kind(reference, turn, frozen_reference)
     turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
     rows = turn_rows(turn_like, token_budget)

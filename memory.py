@@ -18,13 +18,18 @@ per component so that a run can say at start whether it fits, and why not:
     engine_weights       the vLLM engines' own copy of the weights (0 with --backend hf)
     frozen_offload       minus the frozen agents' weights when they wait in host memory during
                          another agent's turn (--offload-frozen; on under torchrun on CUDA), else 0
+    gathered             --shard-frozen under torchrun (weights, reference and line-search snapshots
+                         held as FSDP2 shards, 1/N each): what the all-gathers hold whole at once,
+                         for two models (the agent and its reference): the root (embeddings, final
+                         norm, an untied head) and two decoder layers (the current one, the
+                         prefetched next), plus two layers' unsharded fp32 gradients; else 0
 
 Two peaks are what must fit, because vLLM sleeps during training and the
 optimizer is gone during rollouts:
 
     peak_training = weights + master_weights + grads_optimizer + reference + trust_region_copies + activations
-                    + frozen_offload
-    peak_rollout  = weights + engine_weights + kv_cache
+                    + frozen_offload + gathered
+    peak_rollout  = weights + engine_weights + kv_cache + gathered
 
 Parameters are counted exactly from the config (Qwen3 layout: embeddings,
 q/k/v/o projections with per-head q_norm/k_norm, gate/up/down MLP, two RMSNorms
@@ -41,11 +46,11 @@ import os
 GiB = 1024 ** 3
 
 PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights",
-          "frozen_offload")
+          "frozen_offload", "gathered")
 PEAKS = {
     "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
-                      "frozen_offload"),
-    "peak_rollout": ("weights", "engine_weights", "kv_cache"),
+                      "frozen_offload", "gathered"),
+    "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered"),
 }
 # One-line fixes, per component, for check_fits.
 FIXES = {
@@ -68,6 +73,7 @@ PHASE_NOTES = {
     "kv_cache": "rollout KV cache",
     "engine_weights": "vLLM engines' copy (asleep in training)",
     "frozen_offload": "frozen agents in host memory during a turn",
+    "gathered": "--shard-frozen: units gathered whole at once",
 }
 
 
@@ -167,7 +173,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
                     optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
-                    offload_frozen: bool = False, engine_tensor_parallel: int = 1) -> dict[str, int]:
+                    offload_frozen: bool = False, engine_tensor_parallel: int = 1,
+                    shard_frozen: bool = False) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring).
 
     micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
@@ -194,6 +201,9 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         peak holds only the trained agents' weights; they come back for rollouts.
     engine_tensor_parallel: K of ``--vllm-tensor-parallel``: each vLLM engine
         spans K ranks, so a rank holds 1/K of every engine's weights.
+    shard_frozen: (gpus > 1) every agent, the reference and the line-search
+        snapshots are FSDP2 shards (``--shard-frozen``): weights, reference and
+        trust_region_copies divided by gpus, no offload, plus ``gathered``.
     """
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
@@ -228,7 +238,15 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
         "engine_weights": -(-n_agents * weight_bytes // engine_tensor_parallel) if backend == "vllm" else 0,
         "frozen_offload": -(n_agents - trained) * weight_bytes if offload_frozen else 0,
+        "gathered": 0,
     }
+    if shard_frozen and gpus > 1:  # --shard-frozen: each rank holds 1/gpus of every whole-model term
+        for part in ("weights", "reference", "trust_region_copies"):
+            estimate[part] = -(-estimate[part] // gpus)
+        root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
+        layer = (params - root) // d["layers"]
+        estimate["frozen_offload"] = 0
+        estimate["gathered"] = 2 * (root + 2 * layer) * dtype_bytes + 2 * layer * 4
     for peak, parts in PEAKS.items():
         estimate[peak] = sum(estimate[p] for p in parts)
     return estimate
@@ -301,15 +319,20 @@ def format_table(estimate: dict[str, int], available: int | None = None) -> str:
     return "\n".join(rows)
 
 
-def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
+def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], shard_frozen: bool = False, **kw) -> str:
     """Per-rank peaks (estimates) for each number of GPUs, and whether they fit
     GPUs of each size (GiB of memory per GPU, as the driver reports it: the
-    cards sold as "80 GB" and "141 GB" report about 79.6 and 140.4 GiB)."""
+    cards sold as "80 GB" and "141 GB" report about 79.6 and 140.4 GiB).
+    ``shard_frozen``: the agents, the reference and the line-search snapshots
+    as FSDP2 shards for gpus > 1 (``--shard-frozen``) instead of the frozen
+    agents in host memory during a turn."""
     head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>6g} GiB" for g in gib_list)
-    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: frozen agents in host memory "
-            f"during a turn, the torchrun default on CUDA)", head]
-    for n in gpus_list:  # under torchrun on CUDA the frozen agents wait in host memory (--offload-frozen)
-        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, offload_frozen=n > 1, **kw)
+    how = ("agents, reference and line-search snapshots as FSDP2 shards (--shard-frozen)" if shard_frozen
+           else "frozen agents in host memory during a turn (--offload-frozen)")
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: {how})", head]
+    for n in gpus_list:
+        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, offload_frozen=n > 1 and not shard_frozen,
+                              shard_frozen=shard_frozen, **kw)
         worst = max(est[p] for p in PEAKS)
         fits = "  ".join(f"{'fits' if worst <= g * GiB else 'NO':>10}" for g in gib_list)
         rows.append(f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
@@ -358,7 +381,8 @@ def check_run(cfg, team, log) -> float | None:
                           dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=int(os.environ.get("WORLD_SIZE", "1")), offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
-                          engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1))
+                          engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1),
+                          shard_frozen=bool(getattr(cfg, "shard_frozen", False)))
     available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade (the replacement taken to be as large as the biggest agent)
         est.update(stage0_bytes(biggest.model.config, len(team), micro_batch_tokens=cfg.token_budget,
@@ -390,6 +414,8 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-gib", default="79.6,140.4",
                    help="memory per GPU in GiB as the driver reports it, for the fit columns of the per-rank plan "
                         "(an H100 80GB reports 79.6, an H200 140.4)")
+    p.add_argument("--shard-frozen", action="store_true",
+                   help="per-rank plan with the agents, the reference and the line-search snapshots as FSDP2 shards")
     args = p.parse_args(argv)
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
@@ -399,6 +425,7 @@ def main(argv=None) -> None:
     gpus = [int(g) for g in str(args.gpus).split(",")]
     if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
         print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")], update=args.update,
+                         shard_frozen=args.shard_frozen,
                          micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
                          gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
                          rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len),

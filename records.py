@@ -38,7 +38,7 @@ import torch
 
 import distributed
 import parallel
-from team import Team
+from team import Agent, Team
 from trust_region import QuantileController
 
 
@@ -64,10 +64,17 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
         tmp.mkdir(parents=True)
     distributed.barrier()  # the folder exists before any rank writes its shards
     save_sharded(tmp / "sharded", team)  # every rank
+    sharded = any(distributed.is_sharded(a.model) for a in team.agents)
+    if sharded:  # --shard-frozen: the Hugging Face folders need whole models, gathered on rank 0 one agent at a time
+        for k, agent in enumerate(team.agents):
+            whole = distributed.whole_copy_on_main(agent.model)  # a collective, layer by layer
+            if whole is not None:
+                Agent(agent.spec, whole, agent.tokenizer).save(tmp / "team" / f"agent_{k}")
+            del whole
     if not distributed.is_main():
         distributed.barrier()
         return final
-    team.save(tmp / "team")
+    team.save_meta(tmp / "team") if sharded else team.save(tmp / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
@@ -115,6 +122,7 @@ def fp32_state(agent) -> list[torch.Tensor]:
     """This rank's part of the agent's fp32 training state, one tensor per
     parameter: the master weights of a bf16 agent where it has them (its shards
     under torchrun), else its weights in fp32 (the rank's rows under torchrun)."""
+    distributed.reshard(agent.model)  # a sharded agent (--shard-frozen): its parameters are its shards
     params = [p.detach() for p in agent.model.parameters()]
     kept = agent.master_shards if distributed.active() else agent.master_weights
     if kept is None:
@@ -129,7 +137,7 @@ def fp32_state(agent) -> list[torch.Tensor]:
 def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dict:
     """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process),
     and {optimizer.IDX.exp_avg(_sq): ...} for the AdamW moments kept by --keep-optimizer-state."""
-    names = [n for n, _ in agent.model.named_parameters()]
+    names = [n for n, _ in getattr(agent.model, "lm", agent.model).named_parameters()]  # a ShardedLM's: the plain names
     out = {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
     if moments:
         out.update({key: distributed.as_sharded(t, shape) for key, t, shape in _moments(agent)})

@@ -51,7 +51,7 @@ import torch
 import distributed
 import parallel
 from grading import answers_match, vote_reward
-from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad
+from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad, right_pad, turn_forward, turn_rows
 from tasks import Problem
 from team import Team
 
@@ -223,15 +223,28 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     widths = [len(contexts[i]) + sampling.max_new_tokens for i in order]
     responses: list[list[int]] = [None] * len(contexts)
-    for sl in chunks_by_budget(widths, sampling.token_budget):
+    inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its inner model
+    chunks = chunks_by_budget(widths, sampling.token_budget)
+    # a sharded agent (--shard-frozen): as many generate calls as the busiest rank, agreed before the first
+    extra = distributed.extra_calls(len(chunks)) if distributed.is_sharded(agent.model) else 0
+    for sl in chunks:
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)
-        with _sampler(agent.model, gen_cfg):
+        with _sampler(inner, gen_cfg):
             out = agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
         new = out[:, ids.shape[1]:].cpu()  # [n, <=max_new]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
+    if extra:  # dummy calls, under their own RNG (the batch's draws stay those of one process)
+        ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
+        for _ in range(extra):
+            with torch.random.fork_rng(devices=_rng_devices()), _sampler(inner, gen_cfg):
+                agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
     return responses
+
+
+def _rng_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
 def default_backend(device: str) -> str:
@@ -275,10 +288,17 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
 
     def scored() -> tuple[torch.Tensor, dict | None]:  # behaviour log-probs [N, Lr], the forward's outputs kept
         if not score:
+            distributed.reshard(agent.model)  # a sharded agent keeps no gathered root between turns
             return torch.zeros(resp.shape), None
-        scoring = {}
-        logp = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), sampling.temperature,
-                                         sampling.token_budget, keep=scoring)
+        turn_like = (ctx, cmask, resp, rmask)
+        sharded = distributed.is_sharded(agent.model)
+        scoring = {} if not sharded else None  # a sharded reference is a copy: it measures its own outputs
+        # a sharded agent: as many forwards as the busiest rank (their all-gathers meet), agreed before the first
+        extra = distributed.extra_calls(-(-len(contexts) // turn_rows(turn_like, sampling.token_budget))) if sharded else 0
+        logp = batched_response_logprobs(agent.model, turn_like, sampling.temperature, sampling.token_budget, keep=scoring)
+        for _ in range(extra):
+            turn_forward(agent.model, turn_like, slice(0, 1), sampling.temperature)
+        distributed.reshard(agent.model)
         return logp, scoring or None
 
     def turn(logp: torch.Tensor | None, scoring: dict | None = None) -> Turn:
@@ -396,13 +416,18 @@ def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, samp
     processes (one process generates every block itself)."""
     size = -(-len(problems) // max(1, n_blocks))  # problems per block
     starts = list(range(0, len(problems), size))
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    world = distributed.STATE.world
+    # sharded agents (--shard-frozen): every rank runs as many blocks; a rank past the last block redoes one, discarded
+    rounds = -(-len(starts) // world) * world if any(distributed.is_sharded(a.model) for a in team.agents) else len(starts)
     mine = {}
-    for b in blocks_of_rank(len(starts), sampling):
-        with torch.random.fork_rng(devices=devices):
+    # sharded agents (--shard-frozen, HF backend): rank r takes r, r + N, ... up to a multiple of N
+    blocks = range(distributed.STATE.rank, rounds, world) if rounds != len(starts) else blocks_of_rank(len(starts), sampling)
+    for b in blocks:
+        with torch.random.fork_rng(devices=_rng_devices()):
             torch.manual_seed(seed + b)
-            mine[b] = with_sampler_logprobs(rollout(team, problems[starts[b] : starts[b] + size], group_size, sampling, score),
-                                            team, sampling)
+            part = rollout(team, problems[starts[b % len(starts)] : starts[b % len(starts)] + size], group_size, sampling, score)
+        if b < len(starts):
+            mine[b] = with_sampler_logprobs(part, team, sampling)
     parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
     keep_sampler_logprobs(team, [parts[b] for b in range(len(starts))], sampling)
     return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])

@@ -32,7 +32,6 @@ latest). A folder holding a run is never overwritten: --resume it, pass a new
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import random
@@ -133,7 +132,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     agent_records: list[dict] = [None] * n_agents
     if cfg.update == "joint":  # the baseline SAT argues against: every agent at once, no weights
         inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
-        references = {j: copy.deepcopy(team.agents[j].model) for j in sigma}
+        references = {j: distributed.frozen_copy(team.agents[j].model) for j in sigma}
         for j in sigma:
             adopt_scoring(references[j], team.agents[j].model, batch.turns[j])
         train_stats = train_sharded(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
@@ -148,7 +147,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                 pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
             # lines 6-7: pi_hat^{i-1}; weights w = prod min(1, rho_t) of agents sigma(1..i-1); advantages
             inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
-            reference = copy.deepcopy(team.agents[j].model)  # pi_j,cur, frozen
+            reference = distributed.frozen_copy(team.agents[j].model)  # pi_j,cur, frozen (sharded with --shard-frozen)
             adopt_scoring(reference, team.agents[j].model, batch.turns[j])  # its outputs on the turn: the rollout's
             # lines 8-9: pi_tar^j <- OPTIMIZE(L_i)
             with distributed.frozen_on_host(team, j, cfg.offload_frozen):  # --offload-frozen: the others wait on the host
@@ -165,7 +164,9 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
             if cfg.reuse == "regenerate":  # redraw what the promotion changed: behaviour = pi_hat^i, no weights
                 t_gen = time.time()
                 # under torchrun rank 0 draws; every rank receives its batch and RNG state (one process: just the call)
-                batch, generated = distributed.on_main(lambda: regenerate(team, batch, j, sampling))
+                # (--shard-frozen: every rank redraws the same rows, the sharded agents' forwards are collectives)
+                on = (lambda fn: fn()) if cfg.shard_frozen else distributed.on_main
+                batch, generated = on(lambda: regenerate(team, batch, j, sampling))
                 after_rollout(team, batch, sampling)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             else:  # cache log rho on agent j's tokens (from the KL's forwards) for the later agents' weights
@@ -192,12 +193,13 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     theta_cur) for f = 1/2, 1/4, ...; after the budget, restore theta_cur
     (reject). A violating step is never kept."""
     agent, turn = team.agents[j], inputs.turn
-    params = list(agent.model.parameters())
+    params = distributed.local_parameters(agent.model)  # this rank's shards of a sharded agent (elementwise below)
     # Backtrack from the proposal toward the anchor: pi_j,cur itself, or the last
     # iterate that the in-loop check measured inside the ball (--kl-check-every).
     anchor = stats.pop("anchor", None)
-    moved_inside = anchor is not None and any(not torch.equal(a, r) for a, r in zip(anchor, reference.parameters()))
-    cur = anchor if anchor is not None else [p.detach().clone() for p in reference.parameters()]
+    ref_params = distributed.local_parameters(reference)
+    moved_inside = distributed.any_rank(anchor is not None and any(not torch.equal(a, r) for a, r in zip(anchor, ref_params)))
+    cur = anchor if anchor is not None else [p.detach().clone() for p in ref_params]
     new = [p.detach().clone() for p in params]
     measured = {}
     # the in-loop check may already have measured the proposal (fraction 1) and the anchor,
@@ -207,6 +209,7 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
     at = {"frac": 1.0}
 
     def apply_step(frac: float) -> None:
+        distributed.reshard(agent.model)  # a sharded agent gathers the new shards at its next forward
         interpolate_parameters(params, cur, new, frac)
         at["frac"] = frac
 
@@ -281,8 +284,11 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.threads = configure_threads(cfg.threads, cfg.device)  # recorded in config.json
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
+    if cfg.shard_frozen is None:  # recorded in config.json as resolved
+        cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.backend == "hf"
+    cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
     if cfg.offload_frozen is None:  # recorded in config.json as resolved
-        cfg.offload_frozen = distributed.active() and cfg.device.startswith("cuda")
+        cfg.offload_frozen = distributed.active() and cfg.device.startswith("cuda") and not cfg.shard_frozen
     if not distributed.is_main():
         log = lambda *args: None  # noqa: E731  rank 0 speaks and writes
     resume_run = (run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
@@ -351,6 +357,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         save_checkpoint(out, start, team, controllers, value_heads, rng,
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
+    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
     atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
     if not records:
@@ -448,6 +455,8 @@ def parse_args(argv=None) -> Config:
                    help="ranks per vLLM engine under torchrun (default 1: one engine per agent per rank; >1 needs CUDA)")
     p.add_argument("--offload-frozen", dest="offload_frozen", action=argparse.BooleanOptionalAction,
                    help="frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)")
+    p.add_argument("--shard-frozen", dest="shard_frozen", action=argparse.BooleanOptionalAction,
+                   help="under torchrun hold every agent as FSDP2 shards, the reference too (default: on on CUDA with --backend hf)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: $OMP_NUM_THREADS, else 1)")
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if args.pop("resample", False):

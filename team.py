@@ -548,6 +548,12 @@ class Team:
         path = Path(path)
         for k, agent in enumerate(self.agents):
             agent.save(path / f"agent_{k}")
+        self.save_meta(path)
+
+    def save_meta(self, path: str | Path) -> None:
+        """team.json: the protocol, the instruction and the agents' names (``save`` writes the agents too)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
         (path / "team.json").write_text(json.dumps({"protocol": self.config.protocol, "enable_thinking": self.config.enable_thinking,
                                                     "instruction": self.config.instruction, "agents": [a.spec.name for a in self.agents]}))
 

@@ -163,3 +163,22 @@ def test_plan_table_fit_columns_compare_gib_at_the_boundary():
     worst_gib = max(est[p] for p in memory.PEAKS) / memory.GiB
     table = memory.plan_table("qwen3-4b", 3, [2], [worst_gib - 0.01, worst_gib + 0.01])
     assert table.splitlines()[-1].split()[-2:] == ["NO", "fits"]
+
+
+def test_sharded_frozen_agents_divide_the_whole_model_terms_by_the_ranks():
+    """--shard-frozen: weights, the reference and the line-search snapshots are
+    1/N per rank, plus the units gathered whole at once (two models' root and two
+    layers, two layers' fp32 gradients); one process is unchanged."""
+    dims = memory.QWEN3_DIMS["qwen3-8b"]  # untied head: the root holds embeddings and head
+    params = memory.count_parameters(dims)
+    assert estimate(model_config=dims, shard_frozen=True) == estimate(model_config=dims)  # nothing to shard with one GPU
+    plain, sharded = estimate(model_config=dims, gpus=4), estimate(model_config=dims, gpus=4, shard_frozen=True)
+    assert sharded["weights"] == -(-3 * params * 2 // 4) and sharded["reference"] == -(-params * 2 // 4)
+    assert sharded["trust_region_copies"] == -(-2 * params * 2 // 4) and sharded["frozen_offload"] == 0
+    assert sharded["grads_optimizer"] == plain["grads_optimizer"]
+    root = 2 * 151936 * 4096 + 4096
+    layer = (params - root) // 36
+    assert sharded["gathered"] == 2 * (root + 2 * layer) * 2 + 2 * layer * 4
+    for peak, parts in memory.PEAKS.items():
+        assert sharded[peak] == sum(sharded[p] for p in parts)
+    assert sharded["peak_training"] < plain["peak_training"]
