@@ -203,12 +203,32 @@ def in_background(fn, what: str, parallel: bool | None = None) -> None:
     _BACKGROUND.update(pid=pid, what=what)
 
 
-def wait_background() -> None:
-    """Wait for the work ``in_background`` started, if any; raise if it failed."""
+def background_call(fn, what: str, parallel: bool | None = None) -> None:
+    """``in_background`` for work with a result: fn() in a forked child (a
+    snapshot of this process) while this process goes on; its result comes
+    back pickled and ``wait_background`` returns it. One at a time, in order,
+    with ``in_background`` (the previous one is waited for first). Serial where
+    there is no spare core: fn() runs now and its result waits for the call."""
+    wait_background()
+    if not (spare_core() if parallel is None else parallel):
+        _BACKGROUND["result"] = fn()
+        return
+    pid, read_fd = _fork_jobs(lambda _: fn(), [None])
+    _BACKGROUND.update(pid=pid, what=what, fd=read_fd)
+
+
+def wait_background():
+    """Wait for the work ``in_background`` or ``background_call`` started, if
+    any; raise if it failed. Returns ``background_call``'s result (else None)."""
     pid, what = _BACKGROUND["pid"], _BACKGROUND["what"]
     if pid is None:
-        return
+        return _BACKGROUND.pop("result", None)
     _BACKGROUND["pid"] = None
+    if "fd" in _BACKGROUND:
+        try:
+            return _collect(pid, _BACKGROUND.pop("fd"))[0]
+        except RuntimeError as err:
+            raise RuntimeError(f"{what} failed in a background process: {err}") from None
     _, status = os.waitpid(pid, 0)
     if status != 0:
         raise RuntimeError(f"{what} failed in a background process (its traceback is above); "

@@ -103,6 +103,29 @@ def save_checkpoint_in_background(out: Path, stage: int, team: Team, controllers
                            f"writing the checkpoint of stage {stage}")
 
 
+def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | None = None) -> None:
+    """The end of a stage, off the critical path: ``make_row()`` (the held-out
+    evaluation and the stage's metrics row), metrics.jsonl rewritten with
+    ``records`` + that row, then ``save()`` (the stage's checkpoint), so a
+    checkpoint is never on disk before the row it continues from. In a forked
+    child on the second core (a snapshot of the team and RNGs as they are
+    now) while the next stage runs; ``closed_stage`` returns the row. Serial
+    under torchrun, with ``fork=False`` or without a spare core. One at a
+    time, in order, with ``save_checkpoint_in_background``."""
+    def job() -> dict:
+        row = make_row()
+        write_metrics(out, records + [row])
+        save()
+        return row
+
+    parallel.background_call(job, f"closing stage {len(records)}", False if distributed.active() else fork)
+
+
+def closed_stage() -> dict | None:
+    """The row of the stage ``close_stage`` is closing (waits for it; raises if it failed)."""
+    return parallel.wait_background()
+
+
 def finish_checkpoints() -> None:
     """Wait for a checkpoint being written in the background; raise if it failed."""
     parallel.wait_background()
@@ -369,6 +392,15 @@ def read_metrics(out: Path) -> list[dict]:
 
 def write_metrics(out: Path, records: list[dict]) -> None:
     atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+
+def prepare_plot() -> None:
+    """Import matplotlib (about a second) while a background child evaluates the last stage."""
+    if distributed.is_main():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
 
 
 def plot_run(out: Path, records: list[dict]) -> None:

@@ -238,3 +238,22 @@ def test_fork_map_each_keeps_job_order_and_reports_a_failing_child():
         [(x, torch.full((3,), float(x))).__repr__() for x in range(4)]
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fork_map_each(lambda x: 1 / (x - 2), [0, 1, 2, 3], parallel=True)  # job 2 runs in a child
+
+
+def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_alone(tmp_path, monkeypatch):
+    """records.close_stage (held-out evaluation, metrics row, checkpoint) in a forked child gives the
+    serial run's metrics; the evaluation draws from its own seeded stream, so evaluating on other
+    problems changes no training figure."""
+    import parallel
+    import records
+    small = dict(stages=2, warmup_steps=5, batch_size=16, minibatch_size=8, eval_size=8)
+    forked = sat.run(small_config(tmp_path / "forked", **small), log=lambda *_: None)
+    monkeypatch.setattr(parallel, "spare_core", lambda: False)
+    serial = sat.run(small_config(tmp_path / "serial", **small), log=lambda *_: None)
+    other_eval = sat.run(small_config(tmp_path / "other", **{**small, "eval_size": 12}), log=lambda *_: None)
+    assert strip_timing(forked) == strip_timing(serial)  # and the same seed gave the same run twice
+    assert strip_timing(records.read_metrics(tmp_path / "forked" / "run")) == strip_timing(forked)
+    assert records.latest_checkpoint(tmp_path / "forked" / "run").name == "stage_0002"
+    training = lambda recs: [{k: v for k, v in r.items() if not k.startswith("eval") and k not in  # noqa: E731
+                              ("measured_change", "violation")} for r in strip_timing(recs)[1:]]
+    assert training(other_eval) == training(serial)
