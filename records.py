@@ -24,6 +24,7 @@ holds a run is never overwritten without --overwrite.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import random
@@ -121,9 +122,32 @@ def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | Non
     parallel.background_call(job, f"closing stage {len(records)}", False if distributed.active() else fork)
 
 
-def closed_stage() -> dict | None:
-    """The row of the stage ``close_stage`` is closing (waits for it; raises if it failed)."""
-    return parallel.wait_background()
+def collect_stage(records: list[dict], log) -> None:
+    """Wait for the stage ``close_stage`` is closing (raise if it failed),
+    append its row to ``records`` and print its console line."""
+    row = parallel.wait_background()
+    if row is None:
+        return
+    records.append(row)
+    if row["stage"] == 0:
+        log(f"stage 0 (before SAT): held-out team accuracy {row['eval_accuracy']:.3f} "
+            f"agents {fmt_list(row['eval_agent_accuracy'])}")
+        log(STAGE_HEADER)
+    else:
+        log(stage_line(row))
+
+
+def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, upgrades: list) -> dict:
+    """A stage's metrics row: its record, held-out evaluation, and the change
+    from ``prev``; a violation (paper, Section 5) is a fall beyond noise (2 standard errors)."""
+    rec.update(evaluation, **how)
+    rec["stage"] = stage
+    if upgrades:
+        rec["upgrades"] = upgrades
+    rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
+    noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
+    rec["violation"] = rec["measured_change"] < -noise
+    return rec
 
 
 def finish_checkpoints() -> None:

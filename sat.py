@@ -53,9 +53,9 @@ from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
-from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
-                     record_upgrades, rollout_record, save_checkpoint, finish_checkpoints, close_stage, closed_stage, prepare_plot,
-                     stage_line, atomic_write, check_out_folder, clear_run_files, run_folder_of)
+from records import (STAGE_HEADER, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
+                     record_upgrades, rollout_record, save_checkpoint, finish_checkpoints, close_stage, collect_stage, prepare_plot, stage_row,
+                     atomic_write, check_out_folder, clear_run_files, run_folder_of)
 from rollout import (REWARD_RANGE, SamplingConfig, TeamBatch, after_rollout, check_sampler,
                      regenerate, rollout, rollout_in_blocks, start_backend, stop_backend,
                      sync_weights)
@@ -116,19 +116,6 @@ def evaluate_seeded(team: Team, problems: list[Problem], sampling: SamplingConfi
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed} {stage}").getrandbits(63))
         return evaluate(team, problems, sampling, cfg)
-
-
-def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, upgrades: list) -> dict:
-    """A stage's metrics row: its record, held-out evaluation, and the change
-    from ``prev``; a violation is a fall beyond noise (2 standard errors)."""
-    rec.update(evaluation, **how)
-    rec["stage"] = stage
-    if upgrades:
-        rec["upgrades"] = upgrades
-    rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
-    noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
-    rec["violation"] = rec["measured_change"] < -noise
-    return rec
 
 
 # ---------------------------------------------------------------------------
@@ -376,25 +363,10 @@ def run(cfg: Config, log=None) -> list[dict]:
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
     atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
-    # the end of a stage (held-out evaluation on its own seed, metrics row, checkpoint) runs in a
-    # child on the second core while the next stage runs (records.close_stage); its row arrives a stage later
-    fork = None if cfg.backend == "hf" else False  # a vLLM engine stays in this process
+    fork = None if cfg.backend == "hf" else False  # the end of a stage runs in a child (records.close_stage); vLLM stays here
 
-    def close(stage: int, make_row) -> None:
-        save = lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, {})  # noqa: E731
-        close_stage(out, records, make_row, save, fork)
-
-    def collect() -> None:
-        row = closed_stage()
-        if row is None:
-            return
-        records.append(row)
-        if row["stage"] == 0:
-            log(f"stage 0 (before SAT): held-out team accuracy {row['eval_accuracy']:.3f} "
-                f"agents {fmt_list(row['eval_agent_accuracy'])}")
-            log(STAGE_HEADER)
-        else:
-            log(stage_line(row))
+    def close(stage: int, make_row) -> None:  # evaluation, metrics row, checkpoint: overlaps the next stage
+        close_stage(out, records, make_row, lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, {}), fork)
 
     if not records:
         close(0, lambda: {"stage": 0, "seconds": 0.0, **evaluate_seeded(team, heldout, sampling, cfg, 0), **how})
@@ -406,13 +378,13 @@ def run(cfg: Config, log=None) -> list[dict]:
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, pbar)
-        collect()  # the previous stage's row: this one's measured change is against it
+        collect_stage(records, log)  # the previous stage's row: this one's measured change is against it
         prev, upgrades = baseline or records[-1], pending_upgrades
         baseline, pending_upgrades = None, []
         close(stage, lambda: stage_row(rec, evaluate_seeded(team, heldout, sampling, cfg, stage), how, stage, prev, upgrades))
     if cfg.stages > 0:
         prepare_plot()  # matplotlib's import overlaps the last evaluation
-    collect()  # the last row and checkpoint are on disk before the run returns
+    collect_stage(records, log)  # the last row and checkpoint are on disk before the run returns
     finish_checkpoints()
     if len(records) > 1:
         plot_run(out, records)
