@@ -110,6 +110,67 @@ def fork_map(fn, jobs: list, parallel: bool | None = None) -> list:
     return out
 
 
+def _fork_jobs(fn, jobs: list) -> tuple[int, int]:
+    """Fork a child that runs [fn(job) for job in jobs] on one thread and
+    pickles ("ok", results) or ("error", traceback) into a pipe; (pid, read fd)."""
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent(parent)
+        os.close(read_fd)
+        global IN_CHILD
+        IN_CHILD = True
+        try:
+            payload = pickle.dumps(("ok", [fn(job) for job in jobs]), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+            payload = pickle.dumps(("error", traceback.format_exc()))
+        with os.fdopen(write_fd, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def _collect(pid: int, read_fd: int) -> list:
+    """The results of a ``_fork_jobs`` child; RuntimeError if it failed or died."""
+    with os.fdopen(read_fd, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    status, theirs = pickle.loads(data) if data else ("error", "the worker process died without an answer")
+    if status != "ok":
+        raise RuntimeError(f"parallel worker failed (rerun with one core to see it directly):\n{theirs}")
+    return theirs
+
+
+def fork_map_each(fn, jobs: list, parallel: bool | None = None) -> list:
+    """[fn(job) for job in jobs], every job after the first in its own forked
+    child while this process runs the first: all jobs at once, the OS sharing
+    the cores among them (three warm-start agents on two cores take about 1.5
+    agents' time where ``fork_map`` takes 2). Same contract as ``fork_map``:
+    ``fn`` draws no random numbers and does not depend on the other jobs;
+    each process runs one torch thread, so the results are the serial ones
+    bit for bit. ``parallel=None``: fork when ``spare_core()``; False: serial."""
+    if parallel is None:
+        parallel = spare_core()
+    if not parallel or len(jobs) < 2:
+        return [fn(job) for job in jobs]
+    children = [_fork_jobs(fn, [job]) for job in jobs[1:]]
+    try:
+        mine = fn(jobs[0])
+    finally:  # read every child's answer even if ours failed, so none blocks on a full pipe
+        answers = []
+        for pid, read_fd in children:
+            try:
+                answers.append(_collect(pid, read_fd))
+            except RuntimeError as err:
+                answers.append(err)
+    for a in answers:
+        if isinstance(a, RuntimeError):
+            raise a
+    return [mine] + [a[0] for a in answers]
+
+
 _BACKGROUND: dict = {"pid": None, "what": ""}
 
 
@@ -142,12 +203,32 @@ def in_background(fn, what: str, parallel: bool | None = None) -> None:
     _BACKGROUND.update(pid=pid, what=what)
 
 
-def wait_background() -> None:
-    """Wait for the work ``in_background`` started, if any; raise if it failed."""
+def background_call(fn, what: str, parallel: bool | None = None) -> None:
+    """``in_background`` for work with a result: fn() in a forked child (a
+    snapshot of this process) while this process goes on; its result comes
+    back pickled and ``wait_background`` returns it. One at a time, in order,
+    with ``in_background`` (the previous one is waited for first). Serial where
+    there is no spare core: fn() runs now and its result waits for the call."""
+    wait_background()
+    if not (spare_core() if parallel is None else parallel):
+        _BACKGROUND["result"] = fn()
+        return
+    pid, read_fd = _fork_jobs(lambda _: fn(), [None])
+    _BACKGROUND.update(pid=pid, what=what, fd=read_fd)
+
+
+def wait_background():
+    """Wait for the work ``in_background`` or ``background_call`` started, if
+    any; raise if it failed. Returns ``background_call``'s result (else None)."""
     pid, what = _BACKGROUND["pid"], _BACKGROUND["what"]
     if pid is None:
-        return
+        return _BACKGROUND.pop("result", None)
     _BACKGROUND["pid"] = None
+    if "fd" in _BACKGROUND:
+        try:
+            return _collect(pid, _BACKGROUND.pop("fd"))[0]
+        except RuntimeError as err:
+            raise RuntimeError(f"{what} failed in a background process: {err}") from None
     _, status = os.waitpid(pid, 0)
     if status != 0:
         raise RuntimeError(f"{what} failed in a background process (its traceback is above); "

@@ -24,6 +24,7 @@ holds a run is never overwritten without --overwrite.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import random
@@ -108,6 +109,52 @@ def save_checkpoint_in_background(out: Path, stage: int, team: Team, controllers
         return
     parallel.in_background(lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, extra),
                            f"writing the checkpoint of stage {stage}")
+
+
+def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | None = None) -> None:
+    """The end of a stage, off the critical path: ``make_row()`` (the held-out
+    evaluation and the stage's metrics row), metrics.jsonl rewritten with
+    ``records`` + that row, then ``save()`` (the stage's checkpoint), so a
+    checkpoint is never on disk before the row it continues from. In a forked
+    child on the second core (a snapshot of the team and RNGs as they are
+    now) while the next stage runs; ``closed_stage`` returns the row. Serial
+    under torchrun, with ``fork=False`` or without a spare core. One at a
+    time, in order, with ``save_checkpoint_in_background``."""
+    def job() -> dict:
+        row = make_row()
+        write_metrics(out, records + [row])
+        save()
+        return row
+
+    parallel.background_call(job, f"closing stage {len(records)}", False if distributed.active() else fork)
+
+
+def collect_stage(records: list[dict], log) -> None:
+    """Wait for the stage ``close_stage`` is closing (raise if it failed),
+    append its row to ``records`` and print its console line."""
+    row = parallel.wait_background()
+    if row is None:
+        return
+    records.append(row)
+    if row["stage"] == 0:
+        log(f"stage 0 (before SAT): held-out team accuracy {row['eval_accuracy']:.3f} "
+            f"agents {fmt_list(row['eval_agent_accuracy'])}")
+        log(STAGE_HEADER)
+    else:
+        log(stage_line(row))
+
+
+def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, upgrades: list) -> dict:
+    """A stage's metrics row: its record, held-out evaluation, and the change
+    from ``prev``; a violation (paper, Section 5) is a fall beyond noise (2 standard errors)."""
+    rec.update(evaluation, **how)
+    rec["stage"] = stage
+    if upgrades:
+        rec["upgrades"] = upgrades
+    rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
+    noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
+    rec["violation"] = rec["measured_change"] < -noise
+    return rec
 
 
 def finish_checkpoints() -> None:
@@ -377,6 +424,15 @@ def read_metrics(out: Path) -> list[dict]:
 
 def write_metrics(out: Path, records: list[dict]) -> None:
     atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+
+def prepare_plot() -> None:
+    """Import matplotlib (about a second) while a background child evaluates the last stage."""
+    if distributed.is_main():
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
 
 
 def plot_run(out: Path, records: list[dict]) -> None:

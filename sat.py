@@ -52,9 +52,9 @@ from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl
 from memory import check_run
 from plug_and_play import apply_upgrades
-from records import (STAGE_HEADER, fmt_list, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
-                     record_upgrades, rollout_record, save_checkpoint, save_checkpoint_in_background, finish_checkpoints,
-                     stage_line, atomic_write, write_metrics, check_out_folder, clear_run_files, run_folder_of)
+from records import (STAGE_HEADER, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
+                     record_upgrades, rollout_record, save_checkpoint, finish_checkpoints, close_stage, collect_stage, prepare_plot, stage_row,
+                     atomic_write, check_out_folder, clear_run_files, run_folder_of)
 from rollout import (REWARD_RANGE, SamplingConfig, TeamBatch, after_rollout, check_sampler,
                      regenerate, rollout, rollout_in_blocks, start_backend, stop_backend,
                      sync_weights)
@@ -105,6 +105,16 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist()}
+
+
+def evaluate_seeded(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, stage: int) -> dict:
+    """``evaluate`` on its own random stream, seeded by the run seed and the
+    stage: the training stream does not depend on whether, when or in which
+    process the evaluation ran (``records.close_stage`` runs it in a child)."""
+    devices = [torch.cuda.current_device()] if cfg.device.startswith("cuda") and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed} {stage}").getrandbits(63))
+        return evaluate(team, problems, sampling, cfg)
 
 
 # ---------------------------------------------------------------------------
@@ -360,33 +370,29 @@ def run(cfg: Config, log=None) -> list[dict]:
     distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
     atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
+    fork = None if cfg.backend == "hf" else False  # the end of a stage runs in a child (records.close_stage); vLLM stays here
+
+    def close(stage: int, make_row) -> None:  # evaluation, metrics row, checkpoint: overlaps the next stage
+        close_stage(out, records, make_row, lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, {}), fork)
+
     if not records:
-        records.append({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg), **how})
-        write_metrics(out, records)
-        save_checkpoint_in_background(out, 0, team, controllers, value_heads, rng, {})  # overlaps stage 1
-        log(f"stage 0 (before SAT): held-out team accuracy {records[0]['eval_accuracy']:.3f} "
-            f"agents {fmt_list(records[0]['eval_agent_accuracy'])}")
-    log(STAGE_HEADER)
+        close(0, lambda: {"stage": 0, "seconds": 0.0, **evaluate_seeded(team, heldout, sampling, cfg, 0), **how})
+    else:
+        log(STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
                 disable=not distributed.is_main())
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, pbar)
-        rec.update(evaluate(team, heldout, sampling, cfg), **how)
-        rec["stage"] = stage
-        prev = baseline or records[-1]
-        if pending_upgrades:
-            rec["upgrades"], pending_upgrades = pending_upgrades, []
-        baseline = None
-        rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
-        noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
-        rec["violation"] = rec["measured_change"] < -noise  # fell beyond noise (2 standard errors)
-        records.append(rec)
-        write_metrics(out, records)
-        save_checkpoint_in_background(out, stage, team, controllers, value_heads, rng, {})  # overlaps the next stage
-        log(stage_line(rec))
-    finish_checkpoints()  # the last checkpoint is on disk before the run returns
+        collect_stage(records, log)  # the previous stage's row: this one's measured change is against it
+        prev, upgrades = baseline or records[-1], pending_upgrades
+        baseline, pending_upgrades = None, []
+        close(stage, lambda: stage_row(rec, evaluate_seeded(team, heldout, sampling, cfg, stage), how, stage, prev, upgrades))
+    if cfg.stages > 0:
+        prepare_plot()  # matplotlib's import overlaps the last evaluation
+    collect_stage(records, log)  # the last row and checkpoint are on disk before the run returns
+    finish_checkpoints()
     if len(records) > 1:
         plot_run(out, records)
     plot_note = f", plot in {out / 'progress.png'}" if len(records) > 1 else " (no plot: no stage trained)"

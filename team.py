@@ -579,9 +579,10 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
 
     Every agent's batches are drawn first, in the serial order (agent 1's
     steps, then agent 2's, ...); the agents then train independently, on the
-    second core where there is one (``parallel.fork_map``): the same weights
-    bit for bit as one agent after the other."""
-    from parallel import fork_map
+    other cores where there are some: the same weights
+    bit for bit as one agent after the other. All agents train at once
+    (``parallel.fork_map_each``: one process each, the OS sharing the cores)."""
+    from parallel import fork_map_each
 
     rng = random.Random(seed)
     jobs = []
@@ -596,7 +597,7 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
             batches.append((*left_pad(contexts, tok.pad_token_id), *right_pad(targets, tok.pad_token_id)))  # [b, Lc] x2, [b, Lr] x2
         jobs.append((k, batches))
-    results = fork_map(lambda job: _warm_train(team.agents[job[0]], job[0], job[1], lr), jobs, parallel)
+    results = fork_map_each(lambda job: _warm_train(team.agents[job[0]], job[0], job[1], lr), jobs, parallel)
     for (k, _), (state, master) in zip(jobs, results):
         team.agents[k].model.load_state_dict(state)  # a no-op copy for the agents trained here
         team.agents[k].master_weights = master

@@ -3,6 +3,8 @@
     python bench/compare.py updates  --seeds 0 1 2 --stages 15   # sequential vs joint, 3 agents vs 1, both protocols
     python bench/compare.py upgrades --seeds 0 1 2 --train-stages 4 --stages 6 --stage0-problems 32   # plug-and-play
     python bench/compare.py stage0-states --seeds 1 --arms weaker --train-stages 4   # Stage-0 held-out KL vs states
+    python bench/compare.py matched --release ../SAT-AAMAS --release-python ../venv-authors/bin/python --runs 3
+                                       # whole-process wall time against the authors' release (4f6d2f8), alternating
 
 Every arm of one seed starts from the same warm-started checkpoint (made once,
 then ``--resume``d), so arms differ only in what is being compared. Prints a
@@ -198,9 +200,83 @@ def stage0_states(args) -> None:
               f"{os.getloadavg()[0]:.1f} |", flush=True)
 
 
+# The matched workload (issue 16): 3 stages of 16 prompts x G = 4 (192 responses a stage) of up to 32 new
+# tokens, one 0.6 M-parameter tiny Qwen3 checkpoint as all three agents, against the authors' release.
+MATCHED_OURS = ("--task arithmetic --stages 3 --batch-size 64 --group-size 4 --max-new-tokens 32 --epochs 1 "
+                "--minibatch-size 16 --eval-size 64 --temperature 0.8 --lr 1e-5 --backend hf "
+                "--no-gradient-checkpointing --reuse weights --overwrite")
+MATCHED_RELEASE = {("data", "train_batch_size"): 192, ("data", "max_response_length"): 32, ("sat", "group_size"): 4,
+                   ("training", "num_stages"): 3}  # on top of the release's configs/sat_demo.yaml
+
+
+def matched_setup(args) -> tuple[list[str], list[str]]:
+    """The checkpoint, the release's config and both command lines (made once in --out)."""
+    import subprocess
+
+    import yaml
+
+    from team import Agent
+
+    ckpt, release = args.out / "ckpt", args.release.resolve()
+    if not (ckpt / "model.safetensors").exists():
+        Agent.load("tiny", seed=0).save(ckpt)
+        tok = json.loads((ckpt / "tokenizer_config.json").read_text())  # so that transformers 4 (the release's) loads it
+        tok.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=["input_ids", "attention_mask"])
+        (ckpt / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
+    data = args.out / "data"
+    if not (data / "demo" / "train.jsonl").exists():  # the release's own demo data
+        subprocess.run([args.release_python, "scripts/prepare_data.py", "--dataset", "demo", "--out_dir", str(data.resolve())],
+                       cwd=release, check=True, stdout=subprocess.DEVNULL)
+    cfg = yaml.safe_load((release / "configs" / "sat_demo.yaml").read_text())
+    for (section, key), value in MATCHED_RELEASE.items():
+        cfg[section][key] = value
+    cfg["sat"]["agents"] = [{"name": f"agent_{k + 1}", "path": str(ckpt.resolve())} for k in range(3)]
+    cfg["logging"]["save_dir"] = str((args.out / "release_out").resolve())
+    cfg["dataset"].update(train_path=str((data / "demo" / "train.jsonl").resolve()),
+                          test_path=str((data / "demo" / "test.jsonl").resolve()))
+    (args.out / "release_matched.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    agents = ",".join([str(ckpt.resolve())] * 3)
+    ours = [[sys.executable, str(Path(src).resolve() / "sat.py"), "--agents", agents, *MATCHED_OURS.split(),
+             "--out", str((args.out / f"ours{i}").resolve())] for i, src in enumerate(args.src)]
+    theirs = [args.release_python, "scripts/train.py", "--config", str((args.out / "release_matched.yaml").resolve())]
+    return ours, theirs
+
+
+def matched(args) -> None:
+    """Whole-process wall time of the matched workload, this code against the
+    authors' release, alternating runs; prints the table and the ratio's
+    median and range. Report ``uptime`` with it: the load changes both."""
+    import os
+    import subprocess
+    import time
+
+    ours, theirs = matched_setup(args)
+    print(f"release ({args.release}, 4f6d2f8): cd {args.release} && {' '.join(theirs)}", flush=True)
+    for src, cmd in zip(args.src, ours):
+        print(f"this code ({src}): {' '.join(cmd)}", flush=True)
+    names = [f"{Path(src).resolve().name} s" for src in args.src]
+    print(f"\n| run | release s | {' | '.join(names)} | ratio (release / each) | load (1 min) before |", flush=True)
+    print("|---|---|" + "---|" * len(names) + "---|---|", flush=True)
+    ratios = [[] for _ in args.src]
+    for i in range(args.runs):
+        load = os.getloadavg()[0]
+        times = []
+        for cmd, cwd in [(theirs, args.release)] + [(c, None) for c in ours]:
+            t0 = time.perf_counter()
+            subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            times.append(time.perf_counter() - t0)
+        for k, t in enumerate(times[1:]):
+            ratios[k].append(times[0] / t)
+        print(f"| {i + 1} | {times[0]:.1f} | {' | '.join(f'{t:.1f}' for t in times[1:])} | "
+              f"{' / '.join(f'{times[0] / t:.1f}x' for t in times[1:])} | {load:.1f} |", flush=True)
+    print(f"\nOMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, {len(ratios[0])} alternating runs")
+    for name, r in zip(names, ratios):
+        print(f"{name[:-2]}: release / this code, median {statistics.median(r):.1f}x (min {min(r):.1f}x, max {max(r):.1f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["updates", "upgrades", "stage0-states"])
+    ap.add_argument("what", choices=["updates", "upgrades", "stage0-states", "matched"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--protocols", nargs="+", default=["independent", "chain"], choices=["independent", "chain"])
     ap.add_argument("--stages", type=int, default=12, help="SAT stages per arm")
@@ -215,11 +291,16 @@ def main() -> None:
                     help="upgrades: which arms to run (stage0-states: the last one named)")
     ap.add_argument("--stage0-problems-list", type=int, nargs="+", default=[16, 32, 128],
                     help="stage0-states: the numbers of Stage-0 prompts to try (on the first --seeds base)")
+    ap.add_argument("--release", type=Path, default=Path("../SAT-AAMAS"), help="matched: a checkout of the authors' release (4f6d2f8)")
+    ap.add_argument("--release-python", default="python", help="matched: the Python of the release's environment")
+    ap.add_argument("--runs", type=int, default=3, help="matched: alternating runs of each")
+    ap.add_argument("--src", nargs="+", default=[str(Path(__file__).resolve().parents[1])],
+                    help="matched: checkouts of this code to time (default: this one)")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "args.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}))
-    {"updates": updates, "upgrades": upgrades, "stage0-states": stage0_states}[args.what](args)
+    {"updates": updates, "upgrades": upgrades, "stage0-states": stage0_states, "matched": matched}[args.what](args)
 
 
 if __name__ == "__main__":

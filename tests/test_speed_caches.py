@@ -146,7 +146,7 @@ def test_warm_start_on_two_cores_equals_one_agent_after_the_other(protocol):
     teams = [Team([Agent.load("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol)) for _ in range(3)]
     serial_warm_start(teams[0], problems, 4, 0.5, seed=3)
     warm_start(teams[1], problems, 4, 0.5, seed=3, batch=8, parallel=False)
-    warm_start(teams[2], problems, 4, 0.5, seed=3, batch=8, parallel=True)  # agent 2 in a forked child
+    warm_start(teams[2], problems, 4, 0.5, seed=3, batch=8, parallel=True)  # agents 2 and 3 each in a forked child
     start = Agent.load("tiny", seed=1).model.state_dict()
     for k in range(3):
         ref = teams[0].agents[k].model.state_dict()
@@ -227,3 +227,33 @@ def test_rollout_scoring_in_a_child_equals_the_serial_rollout(monkeypatch, proto
             assert torch.equal(lp, b.scoring["outputs"][key][0])
             assert all(torch.equal(x, y) for x, y in zip(pieces, b.scoring["outputs"][key][1]))
     assert torch.equal(batches[0].rewards, batches[1].rewards)
+
+
+def test_fork_map_each_keeps_job_order_and_reports_a_failing_child():
+    import os
+    from parallel import fork_map_each
+    pids = fork_map_each(lambda x: os.getpid(), [0, 1, 2], parallel=True)
+    assert pids[0] == os.getpid() and len(set(pids)) == 3  # one process per job
+    assert fork_map_each(lambda x: (x, torch.full((3,), float(x))).__repr__(), list(range(4)), parallel=True) == \
+        [(x, torch.full((3,), float(x))).__repr__() for x in range(4)]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fork_map_each(lambda x: 1 / (x - 2), [0, 1, 2, 3], parallel=True)  # job 2 runs in a child
+
+
+def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_alone(tmp_path, monkeypatch):
+    """records.close_stage (held-out evaluation, metrics row, checkpoint) in a forked child gives the
+    serial run's metrics; the evaluation draws from its own seeded stream, so evaluating on other
+    problems changes no training figure."""
+    import parallel
+    import records
+    small = dict(stages=2, warmup_steps=5, batch_size=16, minibatch_size=8, eval_size=8)
+    forked = sat.run(small_config(tmp_path / "forked", **small), log=lambda *_: None)
+    monkeypatch.setattr(parallel, "spare_core", lambda: False)
+    serial = sat.run(small_config(tmp_path / "serial", **small), log=lambda *_: None)
+    other_eval = sat.run(small_config(tmp_path / "other", **{**small, "eval_size": 12}), log=lambda *_: None)
+    assert strip_timing(forked) == strip_timing(serial)  # and the same seed gave the same run twice
+    assert strip_timing(records.read_metrics(tmp_path / "forked" / "run")) == strip_timing(forked)
+    assert records.latest_checkpoint(tmp_path / "forked" / "run").name == "stage_0002"
+    training = lambda recs: [{k: v for k, v in r.items() if not k.startswith("eval") and k not in  # noqa: E731
+                              ("measured_change", "violation")} for r in strip_timing(recs)[1:]]
+    assert training(other_eval) == training(serial)
