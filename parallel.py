@@ -79,31 +79,11 @@ def fork_map(fn, jobs: list, parallel: bool | None = None) -> list:
         parallel = spare_core()
     if not parallel or len(jobs) < 2:
         return [fn(job) for job in jobs]
-    read_fd, write_fd = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        _die_with_parent(parent)  # the child: run its share, send it back, exit without cleanup handlers
-        os.close(read_fd)
-        global IN_CHILD
-        IN_CHILD = True
-        try:
-            payload = pickle.dumps(("ok", [fn(job) for job in jobs[1::2]]), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-            payload = pickle.dumps(("error", traceback.format_exc()))
-        with os.fdopen(write_fd, "wb") as f:
-            f.write(payload)
-        os._exit(0)
-    os.close(write_fd)
+    pid, read_fd = _fork_jobs(fn, jobs[1::2])  # the child: its share, sent back pickled
     try:
         mine = [fn(job) for job in jobs[0::2]]
     finally:  # read the child's answer even if ours failed, so it never blocks on a full pipe
-        with os.fdopen(read_fd, "rb") as f:
-            data = f.read()
-        os.waitpid(pid, 0)
-    status, theirs = pickle.loads(data) if data else ("error", "the worker process died without an answer")
-    if status != "ok":
-        raise RuntimeError(f"parallel worker failed (rerun with one core to see it directly):\n{theirs}")
+        theirs = _collect(pid, read_fd)
     out = []
     for k in range(len(jobs)):
         out.append(mine[k // 2] if k % 2 == 0 else theirs[k // 2])
@@ -243,13 +223,7 @@ class Pending:
         self.pid, self.read_fd = pid, read_fd
 
     def result(self):
-        with os.fdopen(self.read_fd, "rb") as f:
-            data = f.read()
-        os.waitpid(self.pid, 0)
-        status, value = pickle.loads(data) if data else ("error", "the worker process died without an answer")
-        if status != "ok":
-            raise RuntimeError(f"speculative worker failed (rerun with one core to see it directly):\n{value}")
-        return value
+        return _collect(self.pid, self.read_fd)[0]
 
     def cancel(self) -> None:
         import signal
@@ -267,20 +241,5 @@ def fork_call(fn, parallel: bool | None = None) -> Pending | None:
     itself when it needs it, so the answer never depends on the fork."""
     if not (spare_core() if parallel is None else parallel):
         return None
-    read_fd, write_fd = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        _die_with_parent(parent)
-        os.close(read_fd)
-        global IN_CHILD
-        IN_CHILD = True
-        try:
-            payload = pickle.dumps(("ok", fn()), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-            payload = pickle.dumps(("error", traceback.format_exc()))
-        with os.fdopen(write_fd, "wb") as f:
-            f.write(payload)
-        os._exit(0)
-    os.close(write_fd)
+    pid, read_fd = _fork_jobs(lambda _: fn(), [None])
     return Pending(pid, read_fd)

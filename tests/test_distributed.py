@@ -108,6 +108,14 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_worker(worker: str, *paths) -> None:
+    """tests/dist/<worker> under ``torchrun --nproc-per-node 2`` (gloo), its outputs to ``paths``."""
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "dist" / worker), *map(str, paths)]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def rewind(run: Path, stage: int) -> None:
     """As if the run had been killed after the checkpoint of ``stage``."""
     (run / "latest.json").write_text(json.dumps({"stage": stage, "path": f"stage_{stage:04d}"}))
@@ -213,10 +221,7 @@ def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
     divide evenly over the ranks (dummy blocks and calls keep the collectives
     matched); the HF export gathered layer by layer equals the whole weights."""
     out = tmp_path / "frozen.json"
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "frozen_worker.py"), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("frozen_worker.py", str(out))
     r = json.loads(out.read_text())
     assert r["world"] == 2 and r["rows"] == 10 and r["dummy_calls"] > 0  # uneven: some rank had to pad
     assert r["rollout_same_ids"] and r["rollout_same_rewards"] and r["rollout_logprob_diff"] == 0.0
@@ -258,10 +263,7 @@ def test_sharded_update_equals_unsharded(tmp_path):
     """One AdamW step of agent j's objective (Eq. (5)) on the same minibatch:
     FSDP2 over 2 ranks (each computing half the rows) against one process."""
     out = tmp_path / "update.json"
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "update_worker.py"), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("update_worker.py", str(out))
     result = json.loads(out.read_text())
     assert result["world"] == 2 and result["steps"] == [1, 1]
     assert result["max_step"] > 1e-4  # the update moved the weights
@@ -283,10 +285,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     by both ranks) loads back exactly under 2 processes (in the worker) and
     under 1 (here)."""
     result_path, masters_path = tmp_path / "masters.json", tmp_path / "masters.pt"
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "master_worker.py"), str(result_path), str(masters_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("master_worker.py", str(result_path), str(masters_path))
     r = json.loads(result_path.read_text())
     assert r["world"] == 2
     assert r["bf16_moved_fraction"] < 0.5  # most steps are below bf16 resolution: only the master holds them
@@ -316,10 +315,7 @@ def test_stage0_under_two_processes_matches_one(tmp_path):
     values), quantiles and weights within float summation order, and every
     rank left holding the same replacement."""
     out = tmp_path / "stage0.json"
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist" / "stage0_worker.py"), str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("stage0_worker.py", str(out))
     r = json.loads(out.read_text())
     assert r["world"] == 2 and r["same_states"] and r["rows"] == 24 and r["states"][0] == r["states"][1] > 0
     assert r["kl_quantile_before"][0] > 0.05  # it really had to move (measured 0.068)
