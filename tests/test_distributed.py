@@ -121,15 +121,15 @@ def rewind(run: Path, stage: int) -> None:
     (run / "latest.json").write_text(json.dumps({"stage": stage, "path": f"stage_{stage:04d}"}))
 
 
-def assert_same_run(a: dict, b: dict, rtol: float = RTOL) -> None:
+def assert_same_run(a: dict, b: dict) -> None:
     """Two metrics rows of one stage: rollouts, rewards and decisions identical; floats close."""
-    for key in (k for k in EXACT_STAGE if k in a or k in b):
+    for key in EXACT_STAGE:
         assert a[key] == b[key], (a["stage"], key, a[key], b[key])
     for x, y in zip(a["agents"], b["agents"], strict=True):
         for key in EXACT_AGENT:
             assert x[key] == y[key], (a["stage"], x["agent"], key, x[key], y[key])
         for key in CLOSE_AGENT:
-            assert abs(x[key] - y[key]) <= ATOL + rtol * abs(y[key]), (a["stage"], x["agent"], key, x[key], y[key])
+            assert abs(x[key] - y[key]) <= ATOL + RTOL * abs(y[key]), (a["stage"], x["agent"], key, x[key], y[key])
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,8 @@ def runs(tmp_path_factory):
     # the same stage with every agent and the reference held as FSDP2 shards (--shard-frozen)
     shutil.copytree(root / "base", root / "small_sharded")
     run_sat(2, "--resume", str(root / "small_sharded"), *small, "--shard-frozen")
-    joint = ("--stages", "1", "--update", "joint", "--batch-size", "16", "--minibatch-size", "16")
+    # 32 trajectories, so the stage has a reward signal (with none, AdamW turns float-order noise into steps)
+    joint = ("--stages", "1", "--update", "joint", "--batch-size", "32", "--minibatch-size", "16")
     for name, nproc, extra in (("joint_one", 1, ("--shard-rollouts",)), ("joint_two", 2, ())):
         shutil.copytree(root / "base", root / name)
         run_sat(nproc, "--resume", str(root / name), *joint, *extra)
@@ -237,14 +238,8 @@ def test_joint_update_under_two_processes_matches_one(runs):
     decisions as with one process."""
     one, two = metrics(runs / "joint_one"), metrics(runs / "joint_two")
     assert [r["world_size"] for r in two] == [1, 2]
-    # every agent sharded at once moves the weights by float order; with no reward in the stage the step is AdamW on
-    # the near-zero KL-penalty gradient, which turns that noise into whole steps (measured: kl_mean 7.5% apart), and
-    # the held-out evaluation, a sample from those weights, may flip an answer (--eval-size 32); decisions exact
-    held_out = ("eval_accuracy", "eval_agent_accuracy")
-    accuracies = [[r[1]["eval_accuracy"], *r[1]["eval_agent_accuracy"]] for r in (one, two)]
-    assert max(abs(x - y) for x, y in zip(*accuracies)) <= 1 / 32
-    rtol = 0.15 if one[1]["team_reward"] == 0 else RTOL
-    assert_same_run(*[{k: v for k, v in r[1].items() if k not in held_out} for r in (one, two)], rtol=rtol)
+    assert one[1]["team_reward"] > 0, "no reward signal: the comparison would be vacuous"
+    assert_same_run(one[1], two[1])
     assert "kind" in two[1]["certificate"]  # labelled as not a bound, as with one process
 
 
