@@ -154,41 +154,12 @@ def fork_map_each(fn, jobs: list, parallel: bool | None = None) -> list:
 _BACKGROUND: dict = {"pid": None, "what": ""}
 
 
-def in_background(fn, what: str, parallel: bool | None = None) -> None:
-    """fn() in a forked child, a snapshot of this process (what changes here
-    afterwards does not reach it), while this process goes on; one at a time,
-    in order: the previous one is waited for first. Serial where there is no
-    spare core (``parallel=None``: ``spare_core()``). ``wait_background``
-    waits for it and raises if it failed."""
-    wait_background()
-    if not (spare_core() if parallel is None else parallel):
-        fn()
-        return
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the child: do it, report failure through the exit status, skip cleanup handlers
-        _die_with_parent(parent)
-        global IN_CHILD
-        IN_CHILD = True
-        code = 0
-        try:
-            fn()
-        except BaseException:  # noqa: BLE001 - the parent raises on the exit status
-            traceback.print_exc()
-            code = 1
-        finally:
-            import sys
-            sys.stderr.flush()
-            os._exit(code)
-    _BACKGROUND.update(pid=pid, what=what)
-
-
 def background_call(fn, what: str, parallel: bool | None = None) -> None:
-    """``in_background`` for work with a result: fn() in a forked child (a
-    snapshot of this process) while this process goes on; its result comes
-    back pickled and ``wait_background`` returns it. One at a time, in order,
-    with ``in_background`` (the previous one is waited for first). Serial where
-    there is no spare core: fn() runs now and its result waits for the call."""
+    """fn() in a forked child (a snapshot of this process: what changes here
+    afterwards does not reach it) while this process goes on; its result comes
+    back pickled and ``wait_background`` returns it. One at a time, in order
+    (the previous one is waited for first). Serial where there is no spare
+    core: fn() runs now and its result waits for the call."""
     wait_background()
     if not (spare_core() if parallel is None else parallel):
         _BACKGROUND["result"] = fn()
@@ -198,21 +169,16 @@ def background_call(fn, what: str, parallel: bool | None = None) -> None:
 
 
 def wait_background():
-    """Wait for the work ``in_background`` or ``background_call`` started, if
-    any; raise if it failed. Returns ``background_call``'s result (else None)."""
+    """Wait for the work ``background_call`` started, if any; raise if it
+    failed. Returns its result (None if there is none)."""
     pid, what = _BACKGROUND["pid"], _BACKGROUND["what"]
     if pid is None:
         return _BACKGROUND.pop("result", None)
     _BACKGROUND["pid"] = None
-    if "fd" in _BACKGROUND:
-        try:
-            return _collect(pid, _BACKGROUND.pop("fd"))[0]
-        except RuntimeError as err:
-            raise RuntimeError(f"{what} failed in a background process: {err}") from None
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        raise RuntimeError(f"{what} failed in a background process (its traceback is above); "
-                           "rerun with --threads 1 on one core (taskset -c 0) to see it in the main process")
+    try:
+        return _collect(pid, _BACKGROUND.pop("fd"))[0]
+    except RuntimeError as err:
+        raise RuntimeError(f"{what} failed in a background process: {err}") from None
 
 
 class Pending:

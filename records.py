@@ -97,20 +97,6 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     return final
 
 
-def save_checkpoint_in_background(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random,
-                                  extra: dict) -> None:
-    """``save_checkpoint`` in a forked child on the second core (a snapshot of
-    the team, controllers and RNGs as they are now), so writing it overlaps
-    the next stage; the same files. One at a time, in order; the run calls
-    ``finish_checkpoints`` before it returns. Serial under torchrun or
-    without a spare core (``parallel.spare_core``)."""
-    if distributed.active():
-        save_checkpoint(out, stage, team, controllers, value_heads, rng, extra)
-        return
-    parallel.in_background(lambda: save_checkpoint(out, stage, team, controllers, value_heads, rng, extra),
-                           f"writing the checkpoint of stage {stage}")
-
-
 def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | None = None) -> None:
     """The end of a stage, off the critical path: ``make_row()`` (the held-out
     evaluation and the stage's metrics row), metrics.jsonl rewritten with
@@ -119,7 +105,7 @@ def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | Non
     child on the second core (a snapshot of the team and RNGs as they are
     now) while the next stage runs; ``closed_stage`` returns the row. Serial
     under torchrun, with ``fork=False`` or without a spare core. One at a
-    time, in order, with ``save_checkpoint_in_background``."""
+    time, in order."""
     def job() -> dict:
         row = make_row()
         write_metrics(out, records + [row])
