@@ -64,8 +64,9 @@ import torch
 
 from logprobs import cut_at_eos
 from memory import cpu_kv_cache_bytes
-from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, prepare_environment, push_layers, start_llm,
-                        write_engine_folder)
+import distributed
+from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, prepare_environment, push_layers, shard_fingerprint,
+                        sharded_engine_kwargs, start_llm, write_engine_config, write_engine_folder)
 from vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
 
 WAKE_TAGS = ("weights", "kv_cache")
@@ -357,6 +358,8 @@ def engine_source(agent, tmp_root: str) -> str:
     if spec.kind in ("local", "hub"):
         return spec.source
     path = Path(tmp_root) / f"agent_{id(agent):x}"
+    if distributed.is_sharded(agent.model):  # dummy weights: the shards are pushed right after
+        write_engine_config(agent.model, path)
     if not (path / "config.json").exists():
         agent.model.save_pretrained(path)
         agent.tokenizer.save_pretrained(path)
@@ -417,7 +420,7 @@ class EngineRegistry:
         kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
                                self.health_logprobs, self.device, self.sleep_mode, kv_bytes, self.tensor_parallel)
-        kwargs.update(self.engine_overrides)
+        kwargs.update(sharded_engine_kwargs(agent.model), **self.engine_overrides)
         llm = start_llm(kwargs, self.device, self.tensor_parallel)
         eng = Engine(llm, path, agent.spec.name, weakref.ref(agent), max_len)
         self.engines[id(agent)] = eng
@@ -439,7 +442,8 @@ class EngineRegistry:
 
     # -- versions ---------------------------------------------------------------
     def agent_version(self, agent) -> int:
-        return self.book.observe(id(agent), weights_fingerprint(agent.model))
+        sharded = distributed.is_sharded(agent.model)  # its shards on this rank: no collective
+        return self.book.observe(id(agent), (shard_fingerprint if sharded else weights_fingerprint)(agent.model))
 
     def assert_in_sync(self, agent) -> None:
         eng = self.engines[id(agent)]
@@ -488,6 +492,9 @@ class EngineRegistry:
         """Wake the agent's engine, pushing its weights if it is new or a push was deferred."""
         eng = self.engine(agent)
         load = eng.version < 0 or eng.pending
+        if load and distributed.is_sharded(agent.model):  # a push from shards is a collective: never lazily here
+            raise RuntimeError(f"agent {eng.name}: its engine has not received the agent's shards; call "
+                               "rollout_vllm.sync_weights(agent) on every rank before generating")
         version = self.agent_version(agent) if load else eng.version
         self._run(eng, agent, plan_wake(eng.awake, load), version)
         return eng
@@ -495,6 +502,10 @@ class EngineRegistry:
     def sync_weights(self, agent) -> None:
         eng = self.engine(agent)
         version = self.agent_version(agent)
+        if distributed.is_sharded(agent.model):  # every rank pushes, or none: stale somewhere is stale everywhere
+            if distributed.any_rank(eng.version != version):
+                self.sync_from_layers(agent, None)
+            return
         self._run(eng, agent, plan_sync(eng.awake, eng.version != version), version)
 
     def sleep_all(self) -> None:
@@ -564,8 +575,10 @@ def generate_vllm(agent, contexts: list[list[int]], sampling) -> list[list[int]]
 
 def sync_weights(agent) -> None:
     """Call after changing ``agent``'s weights (a promotion): its engine gets
-    them now, or at its next wake if it sleeps."""
-    if _REGISTRY is not None and id(agent) in _REGISTRY.engines:
+    them now, or at its next wake if it sleeps. A sharded agent
+    (``--shard-frozen``): on every rank at once, its engine created if need be
+    and fed from the shards now (a collective)."""
+    if _REGISTRY is not None and (id(agent) in _REGISTRY.engines or distributed.is_sharded(agent.model)):
         _REGISTRY.sync_weights(agent)
 
 

@@ -19,7 +19,15 @@ the push that serves them all:
   ``distributed.full_weights_by_layer`` of its FSDP2 shards, so no rank holds
   a whole agent more than one layer at a time besides its engine;
 - an engine's folder on a rank where transformers did not write one
-  (``write_engine_folder``).
+  (``write_engine_folder``);
+- sharded agents (``--shard-frozen``): an engine starts from the agent's
+  config with dummy weights (``sharded_engine_kwargs``), and every push is
+  gathered from the FSDP2 shards layer by layer (``push_layers``), a
+  collective, so it happens on every rank at once: at the start of the run and
+  after each promotion (``rollout_vllm.sync_weights``, staleness agreed over
+  the ranks), never lazily inside a generate call. The weight version of a
+  sharded agent is the fingerprint of this rank's shards (``shard_fingerprint``:
+  no collective).
 
 vLLM is imported only inside the functions that start an engine.
 """
@@ -30,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+import distributed
 from vllm_weights import check_group, layer_groups, parameter_specs, payload_for, vllm_group
 
 TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through vLLM's "
@@ -184,10 +193,13 @@ def write_engine_folder(model, path: Path) -> None:
 def push_layers(llm, model, name: str, groups=None) -> None:
     """Push a model's weights into its engine one group at a time: ``groups``
     of (HF name, whole tensor), by default the model's own parameters by
-    decoder layer (``vllm_weights.layer_groups``), under torchrun possibly
-    ``distributed.full_weights_by_layer`` of its FSDP2 shards. Each group is
+    decoder layer (``vllm_weights.layer_groups``), for a sharded model
+    ``distributed.full_weights_by_layer`` of its FSDP2 shards (a collective). Each group is
     checked (names, shapes, dtype, nothing twice) before it is sent and the
     push must cover every parameter; the engine loads it layerwise."""
+    if distributed.is_sharded(model):  # --shard-frozen: whole tensors one FSDP2 unit at a time, on every rank at once
+        groups = distributed.full_weights_by_layer(model) if groups is None else groups
+        model = model.lm  # the plain model's names and (global) shapes
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     specs, seen, in_process = parameter_specs(model), set(), engine_in_process()
     llm.collective_rpc("sat_begin_push")
@@ -211,3 +223,31 @@ def push_layers(llm, model, name: str, groups=None) -> None:
     if missing:
         raise RuntimeError(f"agent {name}: the vLLM engine did not receive {len(missing)} of its parameters "
                            f"(e.g. {missing[:3]}): the weight names do not match this model class")
+
+
+# ---------------------------------------------------------------------------
+# Sharded agents (--shard-frozen)
+# ---------------------------------------------------------------------------
+def sharded_engine_kwargs(model) -> dict:
+    """``vllm.LLM`` overrides for a sharded agent's engine: dummy weights
+    (nothing read from disk, no whole copy written by the trainer); the real
+    ones arrive by the first push, from the shards."""
+    return {"load_format": "dummy"} if distributed.is_sharded(model) else {}
+
+
+def write_engine_config(model, path: Path) -> None:
+    """A sharded agent's engine folder: its config only (dummy weights), with
+    the architecture that ``save_pretrained`` records (vLLM picks its model
+    class by it; without it a tiny agent's engine is taken for a pooling model)."""
+    lm = getattr(model, "lm", model)
+    lm.config.architectures = [type(lm).__name__]
+    lm.config.save_pretrained(path)
+
+
+@torch.no_grad()
+def shard_fingerprint(model) -> tuple[float, ...]:
+    """``vllm_weights.weights_fingerprint`` of this rank's shards of a sharded
+    model (a DTensor sum would be a collective, and generate calls are not
+    matched across ranks)."""
+    sums = [p.sum(dtype=torch.float64) for p in distributed.local_parameters(model)]
+    return tuple(torch.stack(sums).tolist()) if sums else ()
