@@ -224,7 +224,7 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
     two = json.loads(out.read_text())
     assert two["world"] == 2 and two["pushed"] == "shards, by layer" and len(two["gaps"]) == 2
-    assert two["sharded_kind"] == ["ShardedLM"]
+    assert two["sharded"] == [True]
     for responses, rewards in ((two["responses"], two["rewards"]), (two["sharded_responses"], two["sharded_rewards"])):
         assert responses == one and rewards == batch.rewards.tolist()  # token for token, whole or sharded agents
     assert len(one[0]) == 16 and sum(map(len, one[0])) > 16

@@ -64,7 +64,7 @@ def main(out_path: str) -> None:
         sharded = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4)
         result.update(sharded_responses=rows_of(sharded), sharded_rewards=sharded.rewards.tolist(),
                       sharded_health=after_rollout(team, sharded, sampling),
-                      sharded_kind=[type(a.model).__name__ for a in team.agents])
+                      sharded=[distributed.is_sharded(a.model) for a in team.agents])
     agent = team.agents[0]
     contexts = [c[m.bool()].tolist() for c, m in zip(batch.turns[0].context_ids, batch.turns[0].context_mask)][:8]
     responses = [r[m.bool()].tolist() for r, m in zip(batch.turns[0].response_ids, batch.turns[0].response_mask)][:8]
