@@ -502,6 +502,24 @@ def test_push_in_groups_loads_everything_once_at_the_end_without_layerwise_reloa
     assert worker.sat_end_push() == ["b.weight"]  # a push that misses a parameter is reported
 
 
+def test_engine_config_of_a_sharded_agent_names_its_architecture(tmp_path):
+    """A sharded agent's engine starts from its config alone, with dummy
+    weights: the config must name the model class (an in-memory tiny config has
+    none, and vLLM then takes the model for a pooling model); a plain agent's
+    engine loads its weights as usual."""
+    import json
+
+    import distributed
+
+    model = tiny_model(tied=True)
+    assert not model.config.architectures and vr.sharded_engine_kwargs(model) == {}
+    wrapped = distributed.ShardedLM(model)  # what shard_in_place returns (here without the shards)
+    assert vr.sharded_engine_kwargs(wrapped) == {"load_format": "dummy"}
+    vr.write_engine_config(wrapped, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
 def test_environment_swap_restores_only_what_it_changed(monkeypatch):
     import os
 
