@@ -58,15 +58,14 @@ import math
 import tempfile
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+import distributed
 from logprobs import cut_at_eos
 from memory import cpu_kv_cache_bytes
-import distributed
-from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, prepare_environment, push_layers, shard_fingerprint,
-                        sharded_engine_kwargs, start_llm, write_engine_config, write_engine_folder)
+from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, engine_source, prepare_environment, push_layers,
+                        shard_fingerprint, sharded_engine_kwargs, start_llm)
 from vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
 
 WAKE_TAGS = ("weights", "kv_cache")
@@ -348,24 +347,6 @@ class Engine:
     version: int = -1  # -1: weights from disk, never pushed: always stale
     pending: bool = False  # a push was requested while the engine slept
     awake: set = field(default_factory=lambda: set(WAKE_TAGS))  # a new engine is awake
-
-
-def engine_source(agent, tmp_root: str) -> str:
-    """What an engine is created from: the agent's checkpoint folder or hub
-    id; an agent built in memory (tiny) is written to a temporary folder. Only
-    its architecture matters: the in-memory weights are pushed right after."""
-    spec = agent.spec
-    if spec.kind in ("local", "hub"):
-        return spec.source
-    path = Path(tmp_root) / f"agent_{id(agent):x}"
-    if distributed.is_sharded(agent.model):  # dummy weights: the shards are pushed right after
-        write_engine_config(agent.model, path)
-    if not (path / "config.json").exists():
-        agent.model.save_pretrained(path)
-        agent.tokenizer.save_pretrained(path)
-    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank needs its own
-        write_engine_folder(agent.model, path)
-    return str(path)
 
 
 def default_max_model_len(agent) -> int:

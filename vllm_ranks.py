@@ -18,8 +18,8 @@ the push that serves them all:
   parameters by decoder layer, or under torchrun
   ``distributed.full_weights_by_layer`` of its FSDP2 shards, so no rank holds
   a whole agent more than one layer at a time besides its engine;
-- an engine's folder on a rank where transformers did not write one
-  (``write_engine_folder``);
+- what an engine starts from (``engine_source``), on every rank: a folder
+  where transformers did not write one (``write_engine_folder``);
 - sharded agents (``--shard-frozen``): an engine starts from the agent's
   config with dummy weights (``sharded_engine_kwargs``), and every push is
   gathered from the FSDP2 shards layer by layer (``push_layers``), a
@@ -174,6 +174,25 @@ def start_llm(kwargs: dict, device: str, tensor_parallel: int = 1):
         return LLM(**kwargs)
     with _environment(engine_environment(os.environ, device)):  # torchrun: the rank's own engine
         return LLM(**kwargs)
+
+
+def engine_source(agent, tmp_root: str) -> str:
+    """What an engine is created from: the agent's checkpoint folder or hub
+    id; an agent built in memory (tiny) is written to a temporary folder (on
+    every rank; a sharded agent's as its config only, ``write_engine_config``).
+    Only its architecture matters: the in-memory weights are pushed right after."""
+    spec = agent.spec
+    if spec.kind in ("local", "hub"):
+        return spec.source
+    path = Path(tmp_root) / f"agent_{id(agent):x}"
+    if distributed.is_sharded(agent.model):  # dummy weights: the shards are pushed right after
+        write_engine_config(agent.model, path)
+    if not (path / "config.json").exists():
+        agent.model.save_pretrained(path)
+        agent.tokenizer.save_pretrained(path)
+    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank needs its own
+        write_engine_folder(agent.model, path)
+    return str(path)
 
 
 def write_engine_folder(model, path: Path) -> None:
