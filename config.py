@@ -89,7 +89,7 @@ class Config:
     # several processes (torchrun): rollouts in seeded blocks, so the batch does not depend on their number
     shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
     rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
-    shard_frozen: bool | None = None  # under torchrun: agents and the reference as FSDP2 shards (default: on on CUDA with --backend hf)
+    shard_frozen: bool | None = None  # under torchrun: agents and the reference as FSDP2 shards (default: on on CUDA, unless --vllm-tensor-parallel > 1)
     offload_frozen: bool | None = None  # frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)
     vllm_tensor_parallel: int = 1  # --backend vllm: ranks per engine (1: one engine per agent per rank; K > 1: CUDA, external launcher)
     threads: int | None = None  # torch CPU threads (default: $OMP_NUM_THREADS, else 1; see configure_threads)
@@ -158,7 +158,7 @@ def validate_run_inputs(cfg: "Config") -> None:
         raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
                          "trained; use --group-size 2 or more (or --adv gae)")
     if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
-        from rollout_vllm import check_tensor_parallel
+        from vllm_ranks import check_tensor_parallel
 
         if cfg.backend != "vllm":
             raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")

@@ -28,8 +28,10 @@ that decides something is computed on the whole batch. Under
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
-- ``--shard-frozen`` (default on CUDA with the HF backend): every agent is
-  held as FSDP2 shards in its own dtype (``shard_in_place``); HF generate runs
+- ``--shard-frozen`` (default on CUDA, unless ``--vllm-tensor-parallel`` > 1):
+  every agent is held as FSDP2 shards in its own dtype (``shard_in_place``);
+  with ``--backend vllm`` each rank's engines are fed from the shards one
+  layer at a time (``vllm_ranks.push_layers``); HF generate runs
   through the shards with ``synced_gpus=True`` (``ShardedLM.generate``), and
   the callers agree on the number of calls into a sharded agent before the
   first (``extra_calls``: dummy calls, a dummy rollout block), so every
@@ -539,9 +541,9 @@ def check_options(cfg) -> None:
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported under torchrun yet: run it with one process (python sat.py ...)")
-    if getattr(cfg, "shard_frozen", None) and cfg.backend == "vllm":
-        raise ValueError("--shard-frozen needs --backend hf: vLLM engines hold their own whole weights; "
-                         "drop --shard-frozen or use --backend hf")
+    if getattr(cfg, "shard_frozen", None) and int(getattr(cfg, "vllm_tensor_parallel", 1) or 1) > 1:
+        raise ValueError("--shard-frozen with --vllm-tensor-parallel > 1 is not supported yet (the K ranks of an engine "
+                         "must take the same rollout blocks): use --vllm-tensor-parallel 1 or --no-shard-frozen")
     for name in ("batch_size", "minibatch_size"):
         if getattr(cfg, name) % STATE.world:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "

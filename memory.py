@@ -23,13 +23,17 @@ per component so that a run can say at start whether it fits, and why not:
                          for two models (the agent and its reference): the root (embeddings, final
                          norm, an untied head) and two decoder layers (the current one, the
                          prefetched next), plus two layers' unsharded fp32 gradients; else 0
+    gathered_rollout     --shard-frozen: what the rollout holds whole at once; HF generate: taken as
+                         ``gathered``; --backend vllm: one model's root and two decoder layers (the
+                         behaviour log-prob forward, or the weight push into the engines, which
+                         gathers one FSDP2 unit at a time: ``vllm_ranks.push_layers``); else 0
 
 Two peaks are what must fit, because vLLM sleeps during training and the
 optimizer is gone during rollouts:
 
     peak_training = weights + master_weights + grads_optimizer + reference + trust_region_copies + activations
                     + frozen_offload + gathered
-    peak_rollout  = weights + engine_weights + kv_cache + gathered
+    peak_rollout  = weights + engine_weights + kv_cache + gathered_rollout
 
 Parameters are counted exactly from the config (Qwen3 layout: embeddings,
 q/k/v/o projections with per-head q_norm/k_norm, gate/up/down MLP, two RMSNorms
@@ -46,11 +50,11 @@ import os
 GiB = 1024 ** 3
 
 PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights",
-          "frozen_offload", "gathered")
+          "frozen_offload", "gathered", "gathered_rollout")
 PEAKS = {
     "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
                       "frozen_offload", "gathered"),
-    "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered"),
+    "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered_rollout"),
 }
 # One-line fixes, per component, for check_fits.
 FIXES = {
@@ -74,6 +78,7 @@ PHASE_NOTES = {
     "engine_weights": "vLLM engines' copy (asleep in training)",
     "frozen_offload": "frozen agents in host memory during a turn",
     "gathered": "--shard-frozen: units gathered whole at once",
+    "gathered_rollout": "--shard-frozen: units gathered whole in the rollout",
 }
 
 
@@ -239,6 +244,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         "engine_weights": -(-n_agents * weight_bytes // engine_tensor_parallel) if backend == "vllm" else 0,
         "frozen_offload": -(n_agents - trained) * weight_bytes if offload_frozen else 0,
         "gathered": 0,
+        "gathered_rollout": 0,
     }
     if shard_frozen and gpus > 1:  # --shard-frozen: each rank holds 1/gpus of every whole-model term
         for part in ("weights", "reference", "trust_region_copies"):
@@ -247,9 +253,25 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         layer = (params - root) // d["layers"]
         estimate["frozen_offload"] = 0
         estimate["gathered"] = 2 * (root + 2 * layer) * dtype_bytes + 2 * layer * 4
+        estimate["gathered_rollout"] = rollout_gathered_bytes(model_config, backend, dtype_bytes, estimate["gathered"])
     for peak, parts in PEAKS.items():
         estimate[peak] = sum(estimate[p] for p in parts)
     return estimate
+
+
+def rollout_gathered_bytes(model_config, backend: str, dtype_bytes: int, training_gathered: int) -> int:
+    """--shard-frozen: bytes a rank holds whole at once during the rollout.
+    vLLM: the engines sample from their own weights, so only the behaviour
+    log-prob forward (one model: its root and two decoder layers, the current
+    and the prefetched next) and the weight push after a promotion (one FSDP2
+    unit at a time, the previous one not yet freed) gather: one model's root
+    and two layers. HF generate: taken as in training (``training_gathered``)."""
+    if backend != "vllm":
+        return training_gathered
+    d = model_dims(model_config)
+    root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
+    layer = (count_parameters(model_config) - root) // d["layers"]
+    return (root + 2 * layer) * dtype_bytes
 
 
 def stage0_bytes(model_config, n_agents: int, dtype_bytes: int = 2, micro_batch_tokens: int = 8192,

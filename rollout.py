@@ -461,7 +461,7 @@ def blocks_of_rank(n_blocks: int, sampling: SamplingConfig) -> range:
     """The rollout blocks this rank generates: r, r + N, ... (HF backend, and
     vLLM with one engine per agent per rank); with K-rank tensor-parallel vLLM
     engines the K ranks of one engine take the same blocks
-    (``rollout_vllm.engine_blocks``). The union is the same batch for any N."""
+    (``vllm_ranks.engine_blocks``). The union is the same batch for any N."""
     k = 1
     if sampling.backend == "vllm":
         import rollout_vllm

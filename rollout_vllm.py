@@ -42,6 +42,10 @@ vLLM's platform (``engine_kwargs``, ``vllm_weights.payload_for``):
   generate call checks they agree and refuses to sample from stale weights
   (an agent changed without ``sync_weights``).
 
+Under torchrun (one engine per agent per rank, or K-rank tensor-parallel
+engines) where each engine starts and the layer-by-layer push live in
+``vllm_ranks.py``.
+
 vLLM is an optional extra: it is imported only inside the functions that
 drive an engine, so ``import rollout_vllm`` and every pure helper here work
 without it (and are tested without it).
@@ -51,28 +55,20 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import tempfile
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+import distributed
 from logprobs import cut_at_eos
 from memory import cpu_kv_cache_bytes
-from vllm_weights import (EXTENSION_CLS, VersionBook, check_group, check_in_sync, layer_groups, parameter_specs,
-                          payload_for, vllm_group, weights_fingerprint)
+from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, engine_source, prepare_environment, push_layers,
+                        shard_fingerprint, sharded_engine_kwargs, start_llm)
+from vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
 
 WAKE_TAGS = ("weights", "kv_cache")
-TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through vLLM's "
-                             "external launcher); on CPU use --vllm-tensor-parallel 1 (one engine per agent per rank)")
-# What torchrun puts in a rank's environment. A data-parallel engine runs in its own processes with its own
-# one-process torch.distributed group: it must not see these, or it would try to join the trainers' group.
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                      "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SEED_MODULUS = 2 ** 31 - 1
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 log = logging.getLogger(__name__)
@@ -339,93 +335,6 @@ def plan_sleep(awake: set[str], sleep_mode: bool = True) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# Several processes (torchrun): where each rank's engines run (pure)
-# ---------------------------------------------------------------------------
-def engine_environment(environ: dict, device: str, tensor_parallel: int = 1) -> dict:
-    """The environment a rank's engine starts in (its processes inherit it).
-
-    Data parallel (K = 1): the engine is this rank's own, in its own processes
-    with vLLM's own one-process torch.distributed group, so torchrun's
-    variables are removed (vLLM would otherwise read RANK / MASTER_* and try
-    to join the trainers' group), and on CUDA the engine sees only the rank's
-    GPU (CUDA_VISIBLE_DEVICES = the LOCAL_RANK-th visible device; it is the
-    engine's device 0, and IPC handles are opened there:
-    ``vllm_weights._materialize``). One process: unchanged. Tensor parallel
-    (K > 1): unchanged, the external launcher needs RANK, LOCAL_RANK and
-    MASTER_* to join torchrun's group."""
-    env = dict(environ)
-    if tensor_parallel > 1 or int(env.get("WORLD_SIZE", "1")) <= 1:
-        return env
-    local = int(env.get("LOCAL_RANK", "0"))
-    for name in TORCHRUN_VARIABLES:
-        env.pop(name, None)
-    if device != "cpu":
-        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-        if visible and local >= len(visible):
-            raise ValueError(f"LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES lists {len(visible)} GPUs: start one "
-                             "process per visible GPU (torchrun --nproc-per-node)")
-        env["CUDA_VISIBLE_DEVICES"] = visible[local] if visible else str(local)
-    return env
-
-
-def check_tensor_parallel(tensor_parallel: int, world: int, device: str, n_blocks: int, reuse: str) -> None:
-    """One line for a --vllm-tensor-parallel K that cannot work: K >= 1; K > 1
-    needs CUDA; K must divide the number of processes (an engine spans K
-    consecutive ranks); there must be at least one rollout block per engine
-    group; ``--reuse regenerate`` redraws on rank 0 alone, which a K-rank
-    engine cannot serve."""
-    if tensor_parallel < 1:
-        raise ValueError(f"--vllm-tensor-parallel must be >= 1 (got {tensor_parallel})")
-    if tensor_parallel == 1:
-        return
-    if not device.startswith("cuda"):
-        raise ValueError(TENSOR_PARALLEL_CPU_ERROR)
-    if world % tensor_parallel:
-        raise ValueError(f"--vllm-tensor-parallel {tensor_parallel} must divide the number of processes ({world}): "
-                         "each engine spans that many consecutive ranks")
-    if n_blocks < world // tensor_parallel:
-        raise ValueError(f"--rollout-blocks {n_blocks} leaves engine groups idle: use at least {world // tensor_parallel} "
-                         f"(processes / --vllm-tensor-parallel)")
-    if reuse == "regenerate":
-        raise ValueError("--reuse regenerate is not supported with --vllm-tensor-parallel > 1 yet (rank 0 redraws alone, "
-                         "a tensor-parallel engine needs all its ranks): use --reuse weights, or --vllm-tensor-parallel 1")
-
-
-def engine_blocks(n_blocks: int, rank: int, world: int, tensor_parallel: int = 1) -> range:
-    """The rollout blocks this rank generates: rank r of N takes blocks r, r + N,
-    ... (data parallel); with K-rank tensor-parallel engines, the K ranks of
-    engine group g = r // K all take blocks g, g + N/K, ... (they run one
-    engine together, each receiving every output)."""
-    groups = world // tensor_parallel
-    return range(rank // tensor_parallel, n_blocks, groups)
-
-
-class _environment:
-    """``os.environ`` made ``env`` for the duration (while an engine's processes
-    are spawned): only the variables that differ are removed or set, and only
-    they are put back afterwards (what vLLM sets meanwhile stays)."""
-
-    def __init__(self, env: dict):
-        self.env = env
-
-    def __enter__(self):
-        self.saved = {k: v for k, v in os.environ.items() if self.env.get(k) != v}  # removed or changed
-        self.added = [k for k in self.env if k not in os.environ]
-        for k in self.saved:
-            os.environ.pop(k)
-        os.environ.update({k: self.env[k] for k in list(self.saved) + self.added if k in self.env})
-
-    def __exit__(self, *exc):
-        for k in self.added:
-            os.environ.pop(k, None)
-        os.environ.update(self.saved)
-
-
-def engine_in_process() -> bool:
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-
-
-# ---------------------------------------------------------------------------
 # The registry: one engine per agent
 # ---------------------------------------------------------------------------
 @dataclass
@@ -438,47 +347,6 @@ class Engine:
     version: int = -1  # -1: weights from disk, never pushed: always stale
     pending: bool = False  # a push was requested while the engine slept
     awake: set = field(default_factory=lambda: set(WAKE_TAGS))  # a new engine is awake
-
-
-def _prepare_environment() -> None:
-    """Before the first engine starts: let the engine processes import the
-    worker extension whatever their working directory; keep vLLM's
-    processes talking over loopback (one node); quiet vLLM's info logs
-    unless the user asked for them."""
-    here = str(Path(__file__).resolve().parent)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if here not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def engine_platform() -> tuple[str, bool]:
-    """(device type, sleep mode available) of the installed vLLM's platform."""
-    from vllm.platforms import current_platform  # optional extra
-
-    device = "cpu" if current_platform.is_cpu() else str(getattr(current_platform, "device_type", "cuda"))
-    return device, bool(current_platform.is_sleep_mode_available())
-
-
-def engine_source(agent, tmp_root: str) -> str:
-    """What an engine is created from: the agent's checkpoint folder or hub
-    id; an agent built in memory (tiny) is written to a temporary folder. Only
-    its architecture matters: the in-memory weights are pushed right after."""
-    spec = agent.spec
-    if spec.kind in ("local", "hub"):
-        return spec.source
-    path = Path(tmp_root) / f"agent_{id(agent):x}"
-    if not (path / "config.json").exists():
-        agent.model.save_pretrained(path)
-        agent.tokenizer.save_pretrained(path)
-    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank needs its own
-        from safetensors.torch import save_file
-
-        agent.model.config.save_pretrained(path)
-        tensors = {n: p.detach().cpu().contiguous() for n, p in agent.model.named_parameters()}  # a tied matrix once,
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})  # under its embedding name
-    return str(path)
 
 
 def default_max_model_len(agent) -> int:
@@ -522,9 +390,7 @@ class EngineRegistry:
         return self._create(agent)
 
     def _create(self, agent) -> Engine:
-        _prepare_environment()
-        from vllm import LLM  # optional extra
-
+        prepare_environment()
         if self.device is None:
             self.device, self.sleep_mode = engine_platform()
             if not self.sleep_mode:
@@ -535,13 +401,8 @@ class EngineRegistry:
         kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
                                self.health_logprobs, self.device, self.sleep_mode, kv_bytes, self.tensor_parallel)
-        kwargs.update(self.engine_overrides)
-        if self.tensor_parallel > 1:  # the external launcher runs the engine in this process, in torchrun's group
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            llm = LLM(**kwargs)
-        else:
-            with _environment(engine_environment(os.environ, self.device)):  # torchrun: the rank's own engine
-                llm = LLM(**kwargs)
+        kwargs.update(sharded_engine_kwargs(agent.model), **self.engine_overrides)
+        llm = start_llm(kwargs, self.device, self.tensor_parallel)
         eng = Engine(llm, path, agent.spec.name, weakref.ref(agent), max_len)
         self.engines[id(agent)] = eng
         return eng
@@ -562,7 +423,8 @@ class EngineRegistry:
 
     # -- versions ---------------------------------------------------------------
     def agent_version(self, agent) -> int:
-        return self.book.observe(id(agent), weights_fingerprint(agent.model))
+        sharded = distributed.is_sharded(agent.model)  # its shards on this rank: no collective
+        return self.book.observe(id(agent), (shard_fingerprint if sharded else weights_fingerprint)(agent.model))
 
     def assert_in_sync(self, agent) -> None:
         eng = self.engines[id(agent)]
@@ -589,35 +451,8 @@ class EngineRegistry:
                 raise ValueError(f"unknown engine action {action!r}")
 
     def _push(self, eng: Engine, agent, groups=None) -> None:
-        """Push the agent's weights one group at a time: ``groups`` of (HF
-        name, whole tensor), by default the agent's own parameters by decoder
-        layer (``vllm_weights.layer_groups``), under torchrun possibly
-        ``distributed.full_weights_by_layer`` of its FSDP2 shards. Each group
-        is checked (names, shapes, dtype, nothing twice) before it is sent and
-        the push must cover every parameter; the engine loads it layerwise."""
-        tied = bool(getattr(agent.model.config, "tie_word_embeddings", False))
-        specs, seen, in_process = parameter_specs(agent.model), set(), engine_in_process()
-        eng.llm.collective_rpc("sat_begin_push")
-        missing = None
-        try:
-            for group in (layer_groups(agent.model) if groups is None else groups):
-                named = vllm_group(group, tied)
-                check_group(named, specs, seen)
-                if not named:
-                    continue
-                if any(t.is_cuda for _, t in named):
-                    torch.cuda.synchronize()  # IPC readers do not follow our stream order: finish the writes first
-                eng.llm.collective_rpc("sat_load_group", args=(payload_for(named, in_process),))
-                del named
-        finally:  # always close the push: layers not (yet) loaded get their previous tensors back
-            results = eng.llm.collective_rpc("sat_end_push")
-            missing = results[0] if results else None
-        if set(specs) - seen:
-            raise RuntimeError(f"agent {eng.name}: the weight push lacked {len(set(specs) - seen)} parameters "
-                               f"(e.g. {sorted(set(specs) - seen)[:3]}): push every layer")
-        if missing:
-            raise RuntimeError(f"agent {eng.name}: the vLLM engine did not receive {len(missing)} of its parameters "
-                               f"(e.g. {missing[:3]}): the weight names do not match this model class")
+        """Push the agent's weights one layer at a time (``vllm_ranks.push_layers``)."""
+        push_layers(eng.llm, agent.model, eng.name, groups)
 
     def sync_from_layers(self, agent, groups) -> None:
         """Push ``groups`` (an iterable of [(HF name, whole tensor)], e.g.
@@ -638,6 +473,9 @@ class EngineRegistry:
         """Wake the agent's engine, pushing its weights if it is new or a push was deferred."""
         eng = self.engine(agent)
         load = eng.version < 0 or eng.pending
+        if load and distributed.is_sharded(agent.model):  # a push from shards is a collective: never lazily here
+            raise RuntimeError(f"agent {eng.name}: its engine has not received the agent's shards; call "
+                               "rollout_vllm.sync_weights(agent) on every rank before generating")
         version = self.agent_version(agent) if load else eng.version
         self._run(eng, agent, plan_wake(eng.awake, load), version)
         return eng
@@ -645,6 +483,10 @@ class EngineRegistry:
     def sync_weights(self, agent) -> None:
         eng = self.engine(agent)
         version = self.agent_version(agent)
+        if distributed.is_sharded(agent.model):  # every rank pushes, or none: stale somewhere is stale everywhere
+            if distributed.any_rank(eng.version != version):
+                self.sync_from_layers(agent, None)
+            return
         self._run(eng, agent, plan_sync(eng.awake, eng.version != version), version)
 
     def sleep_all(self) -> None:
@@ -714,8 +556,10 @@ def generate_vllm(agent, contexts: list[list[int]], sampling) -> list[list[int]]
 
 def sync_weights(agent) -> None:
     """Call after changing ``agent``'s weights (a promotion): its engine gets
-    them now, or at its next wake if it sleeps."""
-    if _REGISTRY is not None and id(agent) in _REGISTRY.engines:
+    them now, or at its next wake if it sleeps. A sharded agent
+    (``--shard-frozen``): on every rank at once, its engine created if need be
+    and fed from the shards now (a collective)."""
+    if _REGISTRY is not None and (id(agent) in _REGISTRY.engines or distributed.is_sharded(agent.model)):
         _REGISTRY.sync_weights(agent)
 
 

@@ -295,7 +295,7 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
     if cfg.shard_frozen is None:  # recorded in config.json as resolved
-        cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.backend == "hf"
+        cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
     cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
     if cfg.offload_frozen is None:  # recorded in config.json as resolved
         cfg.offload_frozen = distributed.active() and cfg.device.startswith("cuda") and not cfg.shard_frozen
@@ -368,6 +368,8 @@ def run(cfg: Config, log=None) -> list[dict]:
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
+    for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now, every rank at once
+        sync_weights(agent, sampling)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
     atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
     fork = None if cfg.backend == "hf" else False  # the end of a stage runs in a child (records.close_stage); vLLM stays here
@@ -462,7 +464,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--offload-frozen", dest="offload_frozen", action=argparse.BooleanOptionalAction,
                    help="frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)")
     p.add_argument("--shard-frozen", dest="shard_frozen", action=argparse.BooleanOptionalAction,
-                   help="under torchrun hold every agent as FSDP2 shards, the reference too (default: on on CUDA with --backend hf)")
+                   help="under torchrun hold every agent as FSDP2 shards, the reference too; vLLM engines fed from the shards "
+                        "(default: on on CUDA, unless --vllm-tensor-parallel > 1)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: $OMP_NUM_THREADS, else 1)")
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if args.pop("resample", False):

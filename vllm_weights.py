@@ -197,7 +197,7 @@ IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, stor
 def _materialize(obj):
     """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args).
     A handle names the trainer's device index; an engine pinned to the rank's
-    GPU (``rollout_vllm.engine_environment``: CUDA_VISIBLE_DEVICES) sees that
+    GPU (``vllm_ranks.engine_environment``: CUDA_VISIBLE_DEVICES) sees that
     GPU as its device 0, so the handle is opened on the engine's own device."""
     if isinstance(obj, torch.Tensor):
         return obj

@@ -63,7 +63,8 @@ def test_torchrun_refusals_match_docs_errors():
             with pytest.raises(ValueError) as err:
                 distributed.check_options(cfg)
             assert str(err.value) == line
-        for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"]):  # sharded moments; sharded Stage-0
+        for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"],  # sharded moments; sharded Stage-0;
+                       ["--shard-frozen", "--backend", "vllm"]):  # vLLM engines fed from the shards
             ok = sat.parse_args(lifted).apply_preset()
             distributed.check_options(ok)
             assert ok.shard_rollouts

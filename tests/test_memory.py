@@ -179,6 +179,12 @@ def test_sharded_frozen_agents_divide_the_whole_model_terms_by_the_ranks():
     root = 2 * 151936 * 4096 + 4096
     layer = (params - root) // 36
     assert sharded["gathered"] == 2 * (root + 2 * layer) * 2 + 2 * layer * 4
-    for peak, parts in memory.PEAKS.items():
-        assert sharded[peak] == sum(sharded[p] for p in parts)
+    # the rollout: HF generate taken as training; vLLM engines gather one model's root and two layers (forward, push)
+    vllm = estimate(model_config=dims, gpus=4, shard_frozen=True, backend="vllm")
+    assert sharded["gathered_rollout"] == sharded["gathered"] and vllm["gathered_rollout"] == (root + 2 * layer) * 2
+    assert vllm["peak_rollout"] == vllm["weights"] + vllm["engine_weights"] + vllm["kv_cache"] + (root + 2 * layer) * 2
+    assert vllm["peak_training"] == sharded["peak_training"]  # the engines sleep in training
+    for est in (sharded, vllm):
+        for peak, parts in memory.PEAKS.items():
+            assert est[peak] == sum(est[p] for p in parts)
     assert sharded["peak_training"] < plain["peak_training"]

@@ -1,4 +1,4 @@
-"""The vLLM backend's pure parts (``rollout_vllm``, ``vllm_weights``), without vLLM installed.
+"""The vLLM backend's pure parts (``rollout_vllm``, ``vllm_ranks``, ``vllm_weights``), without vLLM installed.
 
 What needs vLLM (real engines sampling, scoring and receiving weights, on CPU
 or CUDA) is in ``test_vllm_engine.py``, skipped where vLLM is absent.
@@ -16,6 +16,7 @@ import torch
 
 import memory
 import rollout_vllm as rv
+import vllm_ranks as vr
 import vllm_weights as vw
 from logprobs import cut_at_eos, right_pad
 from rollout import SamplingConfig
@@ -40,6 +41,7 @@ def test_import_and_pure_helpers_do_not_import_vllm():
         "rv.engine_kwargs('m', 0.2, torch.bfloat16, 0, 128)\n"
         "rv.build_requests([[1, 2]])\n"
         "import vllm_weights; vllm_weights.cpu_payload([('w', torch.ones(2))])\n"
+        "import vllm_ranks; vllm_ranks.engine_environment({}, 'cpu')\n"
         "assert 'vllm' not in sys.modules, 'vllm was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(importlib.import_module("rollout").__file__.rsplit("/", 1)[0]))
@@ -382,15 +384,15 @@ def test_engine_environment_isolates_a_ranks_engine():
     read RANK / MASTER_* and join the trainers' group) and on CUDA sees only
     its rank's GPU; one process and tensor-parallel engines keep the environment."""
     one = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3"}
-    assert rv.engine_environment(one, "cuda") == one
-    cpu = rv.engine_environment(TORCHRUN_ENV, "cpu")
+    assert vr.engine_environment(one, "cuda") == one
+    cpu = vr.engine_environment(TORCHRUN_ENV, "cpu")
     assert cpu == {"PATH": "/bin", "HF_HOME": "/h"}
-    assert rv.engine_environment(TORCHRUN_ENV, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"  # LOCAL_RANK's GPU
-    visible = rv.engine_environment({**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "4, 6"}, "cuda")
+    assert vr.engine_environment(TORCHRUN_ENV, "cuda")["CUDA_VISIBLE_DEVICES"] == "1"  # LOCAL_RANK's GPU
+    visible = vr.engine_environment({**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "4, 6"}, "cuda")
     assert visible["CUDA_VISIBLE_DEVICES"] == "6" and "RANK" not in visible  # the LOCAL_RANK-th visible one
     with pytest.raises(ValueError, match="one process per visible GPU"):
-        rv.engine_environment({**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "4"}, "cuda")
-    assert rv.engine_environment(TORCHRUN_ENV, "cuda", tensor_parallel=2) == TORCHRUN_ENV  # the external launcher joins
+        vr.engine_environment({**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "4"}, "cuda")
+    assert vr.engine_environment(TORCHRUN_ENV, "cuda", tensor_parallel=2) == TORCHRUN_ENV  # the external launcher joins
     assert TORCHRUN_ENV["RANK"] == "3"  # the caller's mapping is not modified
 
 
@@ -400,10 +402,10 @@ def test_engine_blocks_cover_every_block_once_per_engine(world, k):
     tensor parallel: all K ranks of one engine group), so the union is the
     one-process batch."""
     n_blocks = 8
-    owners = {b: [r for r in range(world) if b in rv.engine_blocks(n_blocks, r, world, k)] for b in range(n_blocks)}
+    owners = {b: [r for r in range(world) if b in vr.engine_blocks(n_blocks, r, world, k)] for b in range(n_blocks)}
     for b, ranks in owners.items():
         assert len(ranks) == k and ranks == list(range(ranks[0], ranks[0] + k)) and ranks[0] % k == 0, (b, ranks)
-    assert sorted({b for r in range(world) for b in rv.engine_blocks(n_blocks, r, world, k)}) == list(range(n_blocks))
+    assert sorted({b for r in range(world) for b in vr.engine_blocks(n_blocks, r, world, k)}) == list(range(n_blocks))
 
 
 def test_blocks_of_rank_follows_the_engines(monkeypatch):
@@ -425,14 +427,14 @@ def test_tensor_parallel_engine_kwargs_and_refusals():
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
         rv.engine_kwargs("m", 0.3, torch.float32, 0, 128, device="cpu", sleep_mode=False, kv_cache_bytes=1 << 20,
                          tensor_parallel=2)
-    rv.check_tensor_parallel(1, 3, "cpu", 8, "regenerate")  # K = 1: anything goes
-    rv.check_tensor_parallel(2, 4, "cuda:0", 2, "weights")
+    vr.check_tensor_parallel(1, 3, "cpu", 8, "regenerate")  # K = 1: anything goes
+    vr.check_tensor_parallel(2, 4, "cuda:0", 2, "weights")
     for args, needle in (((0, 2, "cuda", 8, "weights"), "must be >= 1"), ((2, 2, "cpu", 8, "weights"), "needs CUDA GPUs"),
                          ((4, 6, "cuda", 8, "weights"), "must divide the number of processes (6)"),
                          ((2, 8, "cuda", 2, "weights"), "use at least 4"),
                          ((2, 4, "cuda", 8, "regenerate"), "--reuse regenerate is not supported")):
         with pytest.raises(ValueError, match=re_escape(needle)) as err:
-            rv.check_tensor_parallel(*args)
+            vr.check_tensor_parallel(*args)
         assert "\n" not in str(err.value)
 
 
@@ -500,13 +502,31 @@ def test_push_in_groups_loads_everything_once_at_the_end_without_layerwise_reloa
     assert worker.sat_end_push() == ["b.weight"]  # a push that misses a parameter is reported
 
 
+def test_engine_config_of_a_sharded_agent_names_its_architecture(tmp_path):
+    """A sharded agent's engine starts from its config alone, with dummy
+    weights: the config must name the model class (an in-memory tiny config has
+    none, and vLLM then takes the model for a pooling model); a plain agent's
+    engine loads its weights as usual."""
+    import json
+
+    import distributed
+
+    model = tiny_model(tied=True)
+    assert not model.config.architectures and vr.sharded_engine_kwargs(model) == {}
+    wrapped = distributed.ShardedLM(model)  # what shard_in_place returns (here without the shards)
+    assert vr.sharded_engine_kwargs(wrapped) == {"load_format": "dummy"}
+    vr.write_engine_config(wrapped, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
 def test_environment_swap_restores_only_what_it_changed(monkeypatch):
     import os
 
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    with rv._environment(rv.engine_environment(dict(os.environ), "cuda")):
+    with vr._environment(vr.engine_environment(dict(os.environ), "cuda")):
         assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
         os.environ["SET_BY_VLLM"] = "0"  # what the engine's constructor sets in this process stays
     assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,6" and os.environ["SET_BY_VLLM"] == "0"

@@ -4,8 +4,8 @@ Paper, Section 3 / Algorithm 1: rollouts sample pi_cur, and after a promotion
 (line 12) the promoted agent's engine samples its new weights. Checked here:
 well-formed, seeded generation; vLLM's log-probabilities of sampled tokens
 equal the training model's (fp32: mean |diff| below BOUND); after a training
-step the engine is refused until ``sync_weights`` and then agrees again; a
-3-agent team has three engines with separate weights; ``sat.py`` and
+step the engine is refused until ``sync_weights`` and then agrees again; two
+agents have two engines with separate weights; ``sat.py`` and
 ``eval_aime.py`` run with ``--backend vllm``.
 
 Engines are started once per module (each start spawns vLLM's processes:
@@ -35,11 +35,12 @@ def engine_device() -> str:
 
 
 @pytest.fixture(scope="module")
-def team3():
-    """Three tiny agents (different seeds, so different weights) and one registry for the module."""
+def team2():
+    """Two tiny agents (different seeds, so different weights) and one registry for the module
+    (each engine start costs about half a minute on two CPU cores: as few as the checks need)."""
     device = engine_device()
-    agents = [Agent.load("tiny", device=device, dtype=torch.float32, seed=k) for k in range(3)]
-    reg = rv.configure(n_engines=3, seed=0, max_model_len=256, health_logprobs=True)
+    agents = [Agent.load("tiny", device=device, dtype=torch.float32, seed=k) for k in range(2)]
+    reg = rv.configure(n_engines=2, seed=0, max_model_len=256, health_logprobs=True)
     yield agents, reg
     rv.shutdown()
 
@@ -64,8 +65,8 @@ def score_gap(reg, agent, contexts, responses, check=True, model_of=None) -> flo
     return rv.logprob_health(engine_lp, hf, mask)
 
 
-def test_generation_is_well_formed_and_seeded(team3):
-    agents, reg = team3
+def test_generation_is_well_formed_and_seeded(team2):
+    agents, reg = team2
     agent = agents[0]
     eos = agent.tokenizer.eos_token_id
     ctx = contexts_of(agent)
@@ -87,8 +88,8 @@ def test_generation_is_well_formed_and_seeded(team3):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_token_logprobs_match_the_training_model(team3, temperature):
-    agents, reg = team3
+def test_sampled_token_logprobs_match_the_training_model(team2, temperature):
+    agents, reg = team2
     agent = agents[0]
     ctx = contexts_of(agent)
     torch.manual_seed(7)
@@ -100,10 +101,10 @@ def test_sampled_token_logprobs_match_the_training_model(team3, temperature):
     assert gap < BOUND
 
 
-def test_training_step_then_sync(team3):
+def test_training_step_then_sync(team2):
     """Before the sync the engine holds other weights (its log-probs differ,
     and generate/score refuse); after it they agree within BOUND."""
-    agents, reg = team3
+    agents, reg = team2
     agent = agents[0]
     tok = agent.tokenizer
     ctx = contexts_of(agent, 32)
@@ -136,26 +137,26 @@ def test_training_step_then_sync(team3):
     assert rv.logprob_health(rv.last_logprobs(agent), hf, mask) < BOUND
 
 
-def test_three_agents_get_three_engines_with_their_own_weights(team3):
-    agents, reg = team3
+def test_two_agents_get_two_engines_with_their_own_weights(team2):
+    agents, reg = team2
     ctx = contexts_of(agents[0], 16)
     torch.manual_seed(5)
     fixed = rv.generate_vllm(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
     own, other = [], []
     for k, agent in enumerate(agents):
         own.append(score_gap(reg, agent, ctx, fixed))
-        other.append(score_gap(reg, agent, ctx, fixed, model_of=agents[(k + 1) % 3]))
+        other.append(score_gap(reg, agent, ctx, fixed, model_of=agents[(k + 1) % 2]))
     engines = [reg.engines[id(a)] for a in agents]
-    assert len(reg.engines) == 3 and len({id(e.llm) for e in engines}) == 3
-    print(f"\n[vllm] 3 engines: gap to own agent {[f'{g:.1e}' for g in own]}, to the next agent "
+    assert len(reg.engines) == 2 and len({id(e.llm) for e in engines}) == 2
+    print(f"\n[vllm] 2 engines: gap to own agent {[f'{g:.1e}' for g in own]}, to the next agent "
           f"{[f'{g:.2f}' for g in other]}")
     assert all(g < BOUND for g in own) and all(g > 100 * BOUND for g in other)
 
 
-def test_sleep_and_wake_where_supported(team3):
+def test_sleep_and_wake_where_supported(team2):
     """CUDA: level-1 sleep then wake gives back the pushed weights. CPU: vLLM
     has no sleep mode; sleep_all() is a no-op and the engines stay resident."""
-    agents, reg = team3
+    agents, reg = team2
     agent = agents[1]
     ctx = contexts_of(agent, 16)
     rv.wake_for_rollout(agent)
@@ -185,17 +186,19 @@ def test_cpu_refuses_sleep_mode_at_engine_creation(tmp_path):
 
 
 # -- several ranks (torchrun, gloo) ------------------------------------------------------------------
-def test_two_ranks_match_one_and_engines_hold_pushed_shards(team3, tmp_path):
+def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     """``tests/dist/vllm_worker.py`` under ``torchrun --nproc-per-node 2``
-    (each rank its own 2 engines, torchrun's variables hidden from them)
+    (each rank its own engine, torchrun's variables hidden from it)
     against the same block rollout here, with one process and this module's
-    engines (agents of seeds 1 and 2, untouched by the tests above): the
-    response ids and rewards are equal token for token, and the health metric
+    engine of the agent of seed 1 (untouched by the tests above): the
+    response ids and rewards are equal token for token, with whole agents and
+    again with the agents held as FSDP2 shards (``--shard-frozen``: the
+    engines fed from the shards layer by layer), and the health metric
     compares every block's rows (the engines' log-probs of the whole batch vs
     the training model's). After a promotion each rank's engine receives the
-    agent's FSDP2 shards one layer at a time
-    (``sync_from_layers(full_weights_by_layer(...))``) and scores like the
-    trained agent (gap < BOUND); before the push it was far off."""
+    agent's new shards one layer at a time (``sync_weights``: the ranks agree
+    it is stale, ``full_weights_by_layer`` -> ``push_layers``) and scores like
+    the trained agent (gap < BOUND); before the push it was far off."""
     import os
     import subprocess
     import sys
@@ -205,8 +208,8 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team3, tmp_path):
     from tasks import arithmetic_problems
     from team import Team, TeamConfig
 
-    agents, reg = team3
-    team = Team([agents[1], agents[2]], TeamConfig(protocol="chain"))
+    agents, reg = team2
+    team = Team([agents[1]], TeamConfig(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, backend="vllm")  # as in the worker
     batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4)
     one_health = after_rollout(team, batch, sampling)
@@ -221,15 +224,18 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team3, tmp_path):
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
     two = json.loads(out.read_text())
     assert two["world"] == 2 and two["pushed"] == "shards, by layer" and len(two["gaps"]) == 2
-    assert two["responses"] == one and two["rewards"] == batch.rewards.tolist()  # token for token
-    assert len(one[0]) == 16 and sum(map(len, one[1])) > 16
-    for health in (one_health, two["health"]):  # the engines' log-probs of every block, row by row
-        assert len(health) == 2 and all(h < BOUND for h in health), health
+    assert two["sharded"] == [True]
+    for responses, rewards in ((two["responses"], two["rewards"]), (two["sharded_responses"], two["sharded_rewards"])):
+        assert responses == one and rewards == batch.rewards.tolist()  # token for token, whole or sharded agents
+    assert len(one[0]) == 16 and sum(map(len, one[0])) > 16
+    for health in (one_health, two["health"], two["sharded_health"]):  # the engines' log-probs of every block, row by row
+        assert len(health) == 1 and all(h < BOUND for h in health), health
     for gaps in two["gaps"]:  # every rank's engine
         assert gaps["before"] < BOUND and gaps["stale"] > 100 * BOUND and gaps["after"] < BOUND, gaps
     after, stale = [g["after"] for g in two["gaps"]], [round(g["stale"], 3) for g in two["gaps"]]
-    print(f"\n[vllm] 1 vs 2 ranks: {sum(map(len, one[1]))} response tokens of agent 2 identical; health "
-          f"{[f'{h:.1e}' for h in two['health']]}; engine gaps after the push {[f'{g:.1e}' for g in after]} (stale {stale})")
+    print(f"\n[vllm] 1 vs 2 ranks (whole, then sharded agent): {sum(map(len, one[0]))} response tokens "
+          f"identical; health {[f'{h:.1e}' for h in two['health']]} / {[f'{h:.1e}' for h in two['sharded_health']]}; "
+          f"engine gaps after the push from the shards {[f'{g:.1e}' for g in after]} (stale {stale})")
 
 
 # -- the command lines ---------------------------------------------------------------------------

@@ -1,16 +1,21 @@
 """Run by tests/test_vllm_engine.py, with one process (plain python) and under
 ``torchrun --nproc-per-node 2``: the vLLM backend on several ranks.
 
-Two tiny agents (seeds 1 and 2, fp32, vLLM on CPU or CUDA) roll out 4 problems x 4 in 4
+One tiny agent (seed 1, fp32, vLLM on CPU or CUDA) rolls out 4 problems x 4 in 4
 seeded blocks with ``--backend vllm`` (``rollout.rollout_in_blocks``: rank r
-generates blocks r, r + N, ... in its own engines, every rank receives the
-union). Then agent 1 is "promoted" to new weights (a fixed perturbation) and,
-under torchrun, its FSDP2 shards are pushed into each rank's engine one layer
-at a time (``distributed.full_weights_by_layer`` -> ``rollout_vllm.sync_from_layers``);
-with one process the plain push (``sync_weights``, by layer too). Each rank
-then scores fixed responses with its engine before (stale) and after the push
-against the training model. Rank 0 writes JSON to argv[1]: the batch's
-response ids and rewards, the sampler-vs-trainer health of the whole batch
+generates blocks r, r + N, ... in its own engine, every rank receives the
+union). Under torchrun the agent is then held as FSDP2 shards
+(``distributed.shard_team``, as ``--shard-frozen``): each rank's engine
+receives the shards one layer at a time (``rollout_vllm.sync_weights``, every
+rank at once, as ``sat.py`` does after sharding) and the same block rollout is
+drawn again, through the sharded agent (every rank runs as many blocks).
+Then the agent is "promoted" to new weights (a fixed perturbation, written into
+each rank's shards) and its engines take the new shards one layer at a time
+(``sync_weights``: the ranks agree it is stale, ``distributed.full_weights_by_layer``
+-> ``vllm_ranks.push_layers``); with one process the plain push (by layer too).
+Each rank then scores fixed responses with its engine before (stale) and after
+the push against the training model. Rank 0 writes JSON to argv[1]: both
+batches' response ids and rewards, the sampler-vs-trainer health of each
 (``rollout.after_rollout``, every block's rows), and the score gaps of every rank.
 """
 import json
@@ -37,37 +42,46 @@ def gap(reg, agent, contexts, responses, check=True) -> float:
     return rv.logprob_health(engine_lp, hf, rmask)
 
 
+def rows_of(batch) -> list:
+    return [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
+
+
 def main(out_path: str) -> None:
     torch.set_num_threads(1)
     distributed.setup("cpu")
-    team = Team([Agent.load("tiny", dtype=torch.float32, seed=k) for k in (1, 2)], TeamConfig(protocol="chain"))
-    reg = rv.configure(n_engines=2, seed=0, max_model_len=256, health_logprobs=True)
+    team = Team([Agent.load("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
+    reg = rv.configure(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, backend="vllm")
-    batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4)
+    problems = arithmetic_problems(4, seed=1)
+    batch = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4)
     health = after_rollout(team, batch, sampling)  # the engines' log-probs of the whole batch vs the training model's
-    agent = team.agents[1]
-    contexts = [c[m.bool()].tolist() for c, m in zip(batch.turns[1].context_ids, batch.turns[1].context_mask)][:8]
-    responses = [r[m.bool()].tolist() for r, m in zip(batch.turns[1].response_ids, batch.turns[1].response_mask)][:8]
+    result = {"world": distributed.STATE.world, "responses": rows_of(batch), "rewards": batch.rewards.tolist(),
+              "health": health}
+    if distributed.active():  # --shard-frozen: the agents as shards, the engines fed from them, the same rollout
+        distributed.shard_team(team, True)
+        for a in team.agents:
+            rv.sync_weights(a)  # every rank at once (a collective), as sat.py after shard_team
+        sharded = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4)
+        result.update(sharded_responses=rows_of(sharded), sharded_rewards=sharded.rewards.tolist(),
+                      sharded_health=after_rollout(team, sharded, sampling),
+                      sharded=[distributed.is_sharded(a.model) for a in team.agents])
+    agent = team.agents[0]
+    contexts = [c[m.bool()].tolist() for c, m in zip(batch.turns[0].context_ids, batch.turns[0].context_mask)][:8]
+    responses = [r[m.bool()].tolist() for r, m in zip(batch.turns[0].response_ids, batch.turns[0].response_mask)][:8]
     before = gap(reg, agent, contexts, responses)
-    with torch.no_grad():  # the promotion: new weights, the same on every rank
+    with torch.no_grad():  # the promotion: new weights, the same on every rank (each rank perturbs its shards)
         g = torch.Generator().manual_seed(5)
         for p in agent.model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g) * p.abs().mean())
+            whole = 0.1 * torch.randn(p.shape, generator=g) * distributed.full(p).abs().mean()
+            distributed.local_rows(p).add_(distributed.local_rows(whole)[: distributed.local_rows(p).shape[0]])
+    distributed.reshard(agent.model)
     stale = gap(reg, agent, contexts, responses, check=False)
-    if distributed.active():
-        sharded = distributed.shard_model(agent.model)  # fp32: the FSDP2 copy holds the agent's weights
-        rv.sync_from_layers(agent, distributed.full_weights_by_layer(sharded, dtype=torch.float32))
-        pushed = "shards, by layer"
-    else:
-        rv.sync_weights(agent)
-        pushed = "plain, by layer"
+    rv.sync_weights(agent)  # sharded: the ranks agree it is stale, each pushes from the shards by layer
+    result["pushed"] = "shards, by layer" if distributed.is_sharded(agent.model) else "plain, by layer"
     after = gap(reg, agent, contexts, responses)
-    gaps = distributed.gather_objects({"before": before, "stale": stale, "after": after})
+    result["gaps"] = distributed.gather_objects({"before": before, "stale": stale, "after": after})
     if distributed.is_main():
-        rows = [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
-        Path(out_path).write_text(json.dumps({"world": distributed.STATE.world, "responses": rows,
-                                              "rewards": batch.rewards.tolist(), "gaps": gaps, "pushed": pushed,
-                                              "health": health}))
+        Path(out_path).write_text(json.dumps(result))
     rv.shutdown()
     distributed.barrier()
     distributed.teardown()
