@@ -191,6 +191,12 @@ class Pending:
     def result(self):
         return _collect(self.pid, self.read_fd)[0]
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting (the child wrote
+        its answer, or died)."""
+        import select
+        return bool(select.select([self.read_fd], [], [], 0)[0])
+
     def cancel(self) -> None:
         import signal
         os.kill(self.pid, signal.SIGKILL)  # our own child, by its id

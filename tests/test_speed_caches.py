@@ -257,3 +257,44 @@ def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_a
     training = lambda recs: [{k: v for k, v in r.items() if not k.startswith("eval") and k not in  # noqa: E731
                               ("measured_change", "violation")} for r in strip_timing(recs)[1:]]
     assert training(other_eval) == training(serial)
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+@pytest.mark.parametrize("every,delta", [(1, 0.02),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
+                                         (4, 0.01)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
+def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every, delta):
+    """An in-loop check measured in a forked child while the parent trains on
+    (update._speculate) leaves what the serial check leaves: the same records,
+    weights, AdamW moments and torch RNG state, the steps trained past a
+    crossing undone; the parent then makes fewer KL measurements itself."""
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=every, delta=delta,
+                       keep_optimizer_state=True)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    out = {}
+    for fork in (True, False):
+        counted, forks = [], []
+        with monkeypatch.context() as m:
+            m.setattr(parallel, "idle_core", lambda fork=fork: fork)
+            m.setattr(update, "worth_speculating", lambda *a: True)  # every check that can be speculated is
+            m.setattr(update, "_speculate", lambda *a, f=update._speculate: forks.append(1) or f(*a))
+            m.setattr(update, "measure_kl", lambda *a, **kw: counted.append(1) or measure_kl(*a, **kw))
+            torch.manual_seed(0)
+            controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+            trained = copy.deepcopy(team)
+            rec = sat.sat_stage(trained, problems, cfg, sampling, controllers, {}, random.Random(0))
+        out[fork] = dict(rec=strip_timing([rec]), team=trained, rng=torch.get_rng_state(), calls=len(counted), forks=len(forks))
+    fast, slow = out[True], out[False]
+    assert fast["rec"] == slow["rec"] and torch.equal(fast["rng"], slow["rng"])
+    for a, b in zip(fast["team"].agents, slow["team"].agents):
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+        sa, sb = a.saved_optimizer_state["state"], b.saved_optimizer_state["state"]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k])
+    first = slow["rec"][0]["agents"][0]
+    assert first["early_stopped"] and first["inner_steps"] == every * (1 if every == 4 else 2)  # the case it is meant to be
+    assert slow["forks"] == 0 and fast["forks"] > 0 and fast["calls"] == slow["calls"] - fast["forks"]
