@@ -298,3 +298,22 @@ def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every,
     first = slow["rec"][0]["agents"][0]
     assert first["early_stopped"] and first["inner_steps"] == every * (1 if every == 4 else 2)  # the case it is meant to be
     assert slow["forks"] == 0 and fast["forks"] > 0 and fast["calls"] == slow["calls"] - fast["forks"]
+
+
+def test_padding_matches_a_row_by_row_loop():
+    """logprobs.left_pad / right_pad (one masked write) against the per-row loop they replaced."""
+    import random
+    from logprobs import left_pad, right_pad
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randrange(50000) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(1, 6))]
+        width = max(len(s) for s in seqs)
+        for pad, right in ((left_pad, False), (right_pad, True)):
+            w = max(1, width) if right else width
+            ids, mask = torch.full((len(seqs), w), 7), torch.zeros((len(seqs), w), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                cols = slice(0, len(s)) if right else slice(w - len(s), w)
+                if s:
+                    ids[i, cols], mask[i, cols] = torch.tensor(s), 1
+            got = pad(seqs, 7)
+            assert torch.equal(got[0], ids) and torch.equal(got[1], mask) and got[0].dtype == got[1].dtype == torch.long
