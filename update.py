@@ -152,7 +152,13 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
 
     Sequential SAT passes one slot; ``--update joint`` passes all of them, so
     every agent holds gradients and optimizer state at the same time (the
-    memory cost SAT avoids). Returns per-slot training statistics."""
+    memory cost SAT avoids). Returns per-slot training statistics.
+
+    With ``--kl-check-every`` the exact KL quantile is checked in the loop; a
+    check likely to pass (``worth_speculating``) may run in a forked child on
+    an idle core while this process trains on (``_speculate``); if it crossed,
+    the steps trained since are undone (``_settle``), so the result is the
+    serial loop's bit for bit."""
     stats = {j: {"loss": [], "clip_tokens": 0.0, "tokens": 0.0, "ratio": [], "grad_norm": [], "steps": 0,
                  "early_stopped": False} for j in slots}
     optimizers = {}
@@ -192,8 +198,9 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 steps += 1
                 due = cfg.kl_check_every and steps % cfg.kl_check_every == 0
                 if spec is not None and (due or spec["pending"].ready()):
-                    _settle(spec, team.agents[spec["slot"]], optimizers[spec["slot"]], stats, inside, passed, active, cfg)
-                    spec = None
+                    spec, settling = None, spec  # (a failing child is reaped by _settle: nothing left to cancel)
+                    _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed,
+                            active, cfg)
                 if active and due:
                     # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                     # the trust-region statistic itself): go back to the last inside iterate.
@@ -237,8 +244,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             if not active:
                 break
         if spec is not None:  # the epochs ended while the last speculated check was still out
-            _settle(spec, team.agents[spec["slot"]], optimizers[spec["slot"]], stats, inside, passed, active, cfg)
-            spec = None
+            spec, settling = None, spec
+            _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed, active, cfg)
     except BaseException:
         if spec is not None:  # leave no child behind
             spec["pending"].cancel()

@@ -317,3 +317,27 @@ def test_padding_matches_a_row_by_row_loop():
                     ids[i, cols], mask[i, cols] = torch.tensor(s), 1
             got = pad(seqs, 7)
             assert torch.equal(got[0], ids) and torch.equal(got[1], mask) and got[0].dtype == got[1].dtype == torch.long
+
+
+def test_a_failing_speculated_check_raises_and_leaves_no_child(monkeypatch):
+    import os
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), epochs=2, kl_check_every=1)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=cfg.protocol))
+
+    def fails_in_child(*a, **kw):
+        if parallel.IN_CHILD:
+            raise ZeroDivisionError("in the child")
+        return measure_kl(*a, **kw)
+    monkeypatch.setattr(parallel, "idle_core", lambda: True)
+    monkeypatch.setattr(update, "worth_speculating", lambda *a: True)
+    monkeypatch.setattr(update, "measure_kl", fails_in_child)
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
+    with pytest.raises(ChildProcessError):  # every child was reaped
+        os.waitpid(-1, os.WNOHANG)
