@@ -259,9 +259,8 @@ def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_a
     assert training(other_eval) == training(serial)
 
 
-@pytest.mark.parametrize("protocol", ["independent", "chain"])
-@pytest.mark.parametrize("every,delta", [(1, 0.02),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
-                                         (4, 0.01)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
+@pytest.mark.parametrize("protocol,every,delta", [("independent", 1, 0.02),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
+                                                  ("chain", 4, 0.01)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
 def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every, delta):
     """An in-loop check measured in a forked child while the parent trains on
     (update._speculate) leaves what the serial check leaves: the same records,
