@@ -35,23 +35,20 @@ from trust_region import per_state_kl
 # Padding helpers
 # ---------------------------------------------------------------------------
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [N]
+    width = int(lens.max())
+    mask = (torch.arange(width) >= (width - lens)[:, None]).long()  # [N, L]
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [N, L]
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s)
-            mask[i, width - len(s):] = 1
+    ids[mask.bool()] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # row-major: each row's tokens in order
     return ids, mask
 
 
 def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(1, max(len(s) for s in seqs))
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [N]
+    width = max(1, int(lens.max()))
+    mask = (torch.arange(width) < lens[:, None]).long()  # [N, L]
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [N, L]
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
+    ids[mask.bool()] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # row-major: each row's tokens in order
     return ids, mask
 
 

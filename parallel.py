@@ -9,8 +9,9 @@ that is independent of the main thread's and draws no random numbers (the
 warm start of independent agents, whose batches are drawn beforehand in the
 serial order; agent k's behaviour log-probs while agent k+1 generates; the
 line search's first backtrack, fraction 1/2, while the in-loop check measures
-the proposal: these two only when a core is idle right now, ``idle_core``)
-runs in a forked child on that core: the same kernels on one thread each, so
+the proposal; an in-loop KL check likely to pass while training goes on,
+undone if it crossed: these three only when a core is idle right now,
+``idle_core``) runs in a forked child on that core: the same kernels on one thread each, so
 the results are the serial ones bit for bit, whatever the load or timing
 (``tests/test_speed_caches.py`` checks it).
 """
@@ -190,6 +191,12 @@ class Pending:
 
     def result(self):
         return _collect(self.pid, self.read_fd)[0]
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting (the child wrote
+        its answer, or died)."""
+        import select
+        return bool(select.select([self.read_fd], [], [], 0)[0])
 
     def cancel(self) -> None:
         import signal

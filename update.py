@@ -27,6 +27,7 @@ and (for GAE) value targets.
 """
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -151,7 +152,13 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
 
     Sequential SAT passes one slot; ``--update joint`` passes all of them, so
     every agent holds gradients and optimizer state at the same time (the
-    memory cost SAT avoids). Returns per-slot training statistics."""
+    memory cost SAT avoids). Returns per-slot training statistics.
+
+    With ``--kl-check-every`` the exact KL quantile is checked in the loop; a
+    check likely to pass (``worth_speculating``) may run in a forked child on
+    an idle core while this process trains on (``_speculate``); if it crossed,
+    the steps trained since are undone (``_settle``), so the result is the
+    serial loop's bit for bit."""
     stats = {j: {"loss": [], "clip_tokens": 0.0, "tokens": 0.0, "ratio": [], "grad_norm": [], "steps": 0,
                  "early_stopped": False} for j in slots}
     optimizers = {}
@@ -172,51 +179,77 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
     # where they are the ones it would make: one process (FSDP copies are another model)
     # and no dropout (the loop runs in train mode, finish_update in eval mode).
     reusable = not distributed.active() and all(dropout_free(team.agents[j].model) for j in slots)
-    for _ in range(cfg.epochs):
-        perm = torch.randperm(n)
-        for s in range(0, n, cfg.minibatch_size):
-            idx = perm[s : s + cfg.minibatch_size]
-            for j in sorted(active):
-                _gradient_step(team.agents[j], inputs[j], idx, cfg, controllers[j].beta, optimizers[j],
-                               value_heads.get(j), stats[j])
-                stats[j]["steps"] += 1
-            steps += 1
-            if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
-                # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
-                # the trust-region statistic itself): go back to the last inside iterate.
+    # A check may run in a forked child while this process trains on (``_speculate``): one agent
+    # (sequential SAT), reusable measurements, and plain fp32 AdamW (its state is cheap to snapshot).
+    can_speculate = reusable and len(slots) == 1 and bool(cfg.kl_check_every) and \
+        type(optimizers[slots[0]]) is torch.optim.AdamW
+    last_step = cfg.epochs * -(-n // cfg.minibatch_size)
+    passed = {j: [] for j in slots}  # (inner step, KL quantile) of this turn's checks found inside
+    spec = None  # the check running in a child, with the state to return to if it crossed
+    try:
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(n)
+            for s in range(0, n, cfg.minibatch_size):
+                idx = perm[s : s + cfg.minibatch_size]
                 for j in sorted(active):
-                    # the line search's first backtrack, measured on an idle core meanwhile (None: no fork)
-                    half = parallel.fork_call(lambda: measure_at_fraction(team.agents[j], references[j], inputs[j].turn,
-                                                                          inside[j], 0.5, cfg), parallel=True) \
-                        if reusable and cfg.max_backtracks >= 1 and parallel.idle_core() else None
-                    try:
-                        with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
-                            measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
-                                                  cfg.token_budget, return_log_rho=True, frozen_reference=True)
-                    except BaseException:
-                        if half is not None:  # leave no child behind
-                            half.cancel()
-                        raise
-                    kl = measured[0]
-                    if reusable:  # finish_update measures these same weights again: hand it the answer
-                        stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
-                    if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
-                        # this step crossed the boundary: stop; the line search in
-                        # finish_update backtracks from here toward the last inside iterate
-                        stats[j]["early_stopped"] = True
-                        active.discard(j)
-                        if half is not None:
-                            stats[j]["last_measure"] = (stats[j]["steps"], measured, half.result())
-                    else:
-                        if half is not None:  # inside: no backtracking from here
-                            half.cancel()
-                        inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
-                        if reusable:
-                            stats[j]["anchor_measure"] = measured
+                    _gradient_step(team.agents[j], inputs[j], idx, cfg, controllers[j].beta, optimizers[j],
+                                   value_heads.get(j), stats[j])
+                    stats[j]["steps"] += 1
+                steps += 1
+                due = cfg.kl_check_every and steps % cfg.kl_check_every == 0
+                if spec is not None and (due or spec["pending"].ready()):
+                    spec, settling = None, spec  # (a failing child is reaped by _settle: nothing left to cancel)
+                    _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed,
+                            active, cfg)
+                if active and due:
+                    # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
+                    # the trust-region statistic itself): go back to the last inside iterate.
+                    for j in sorted(active):
+                        if can_speculate and steps < last_step and parallel.idle_core() and \
+                                worth_speculating(passed[j], stats[j]["steps"], cfg.delta):
+                            spec = _speculate(team.agents[j], j, optimizers[j], stats[j], references[j], inputs[j].turn,
+                                              inside[j], cfg)
+                            continue
+                        # the line search's first backtrack, measured on an idle core meanwhile (None: no fork)
+                        half = parallel.fork_call(lambda: measure_at_fraction(team.agents[j], references[j], inputs[j].turn,
+                                                                              inside[j], 0.5, cfg), parallel=True) \
+                            if reusable and cfg.max_backtracks >= 1 and parallel.idle_core() else None
+                        try:
+                            with weights_as_frozen(team.agents[j].model, reusable):  # as finish_update will see them
+                                measured = measure_kl(team.agents[j], references[j], inputs[j].turn, cfg.temperature,
+                                                      cfg.token_budget, return_log_rho=True, frozen_reference=True)
+                        except BaseException:
+                            if half is not None:  # leave no child behind
+                                half.cancel()
+                            raise
+                        kl = measured[0]
+                        if reusable:  # finish_update measures these same weights again: hand it the answer
+                            stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
+                        if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
+                            # this step crossed the boundary: stop; the line search in
+                            # finish_update backtracks from here toward the last inside iterate
+                            stats[j]["early_stopped"] = True
+                            active.discard(j)
+                            if half is not None:
+                                stats[j]["last_measure"] = (stats[j]["steps"], measured, half.result())
+                        else:
+                            if half is not None:  # inside: no backtracking from here
+                                half.cancel()
+                            inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
+                            passed[j].append((stats[j]["steps"], quantile(kl, cfg.quantile) if kl.numel() else 0.0))
+                            if reusable:
+                                stats[j]["anchor_measure"] = measured
+                if not active:
+                    break
             if not active:
                 break
-        if not active:
-            break
+        if spec is not None:  # the epochs ended while the last speculated check was still out
+            spec, settling = None, spec
+            _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed, active, cfg)
+    except BaseException:
+        if spec is not None:  # leave no child behind
+            spec["pending"].cancel()
+        raise
     for j in slots:
         if cfg.gradient_checkpointing:
             team.agents[j].model.gradient_checkpointing_disable()
@@ -271,6 +304,70 @@ def measure_at_fraction(agent: Agent, reference, turn, anchor: list[torch.Tensor
     with weights_as_frozen(agent.model):
         return measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True,
                           frozen_reference=True)
+
+
+def worth_speculating(passed: list[tuple[int, float]], step: int, delta: float) -> bool:
+    """Whether the in-loop check at inner step ``step`` is likely to find the
+    weights inside delta, so that training on while a child measures them pays
+    (a crossing throws the steps trained meanwhile away, and the child measures
+    the first backtrack only after the proposal, not beside it). Extrapolates
+    linearly from this turn's last inside check; with none yet, no: in the tiny
+    run 110 of 120 agent turns crossed delta at their first check, and the
+    quantiles of later checks grew about linearly with the steps, or less
+    (e.g. 0.235, 0.413, 0.665 at steps 2, 4, 6 with delta = 0.5). Decides only
+    whether to fork, never what is computed."""
+    if not passed:
+        return False
+    s0, q0 = passed[-1]
+    return q0 * step / s0 <= delta
+
+
+def _speculate(agent: Agent, j: int, opt, stats: dict, reference, turn, anchor: list[torch.Tensor], cfg) -> dict:
+    """Start the in-loop check of the weights now in a forked child
+    (``parallel.fork_call``) and keep what ``_settle`` puts back if they crossed
+    delta: the weights, the AdamW state, the statistics and the torch RNG state
+    (the next epoch's permutation). Only on the fork path (one process, CPU,
+    tiny fp32 agents), where this snapshot costs a few milliseconds; on a GPU
+    run the check stays in line."""
+    snapshot = {"params": [p.detach().clone() for g in opt.param_groups for p in g["params"]],
+                "optimizer": copy.deepcopy(opt.state_dict()), "rng": torch.get_rng_state(),
+                "stats": {k: list(v) if isinstance(v, list) else v for k, v in stats.items()}}
+    n_model = len(list(agent.model.parameters()))  # the optimizer's first group is the model's parameters, in order
+
+    def check():  # in the child: the proposal and, if it crossed, the line search's first backtrack
+        with weights_as_frozen(agent.model):
+            measured = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True,
+                                  frozen_reference=True)
+        crossed = measured[0].numel() and quantile(measured[0], cfg.quantile) > cfg.delta
+        half = measure_at_fraction(agent, reference, turn, anchor, 0.5, cfg) if crossed and cfg.max_backtracks >= 1 else None
+        return measured, half
+
+    return {"slot": j, "snapshot": snapshot, "anchor": snapshot["params"][:n_model],
+            "pending": parallel.fork_call(check, parallel=True)}
+
+
+def _settle(spec: dict, agent: Agent, opt, stats: dict, inside: dict, passed: dict, active: set, cfg) -> None:
+    """Read a speculated check (``_speculate``) and leave the state the serial
+    check would have left: inside, its weights become the anchor and training
+    goes on; crossed, everything trained since is undone and the agent stops,
+    with the measurements finish_update reuses (the proposal, its first backtrack)."""
+    measured, half = spec["pending"].result()
+    j, snap = spec["slot"], spec["snapshot"]
+    kl, step = measured[0], snap["stats"]["steps"]
+    if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
+        with torch.no_grad():
+            for p, saved in zip([p for g in opt.param_groups for p in g["params"]], snap["params"], strict=True):
+                p.copy_(saved)
+        opt.load_state_dict(snap["optimizer"])
+        torch.set_rng_state(snap["rng"])
+        stats[j].clear()
+        stats[j].update(snap["stats"], early_stopped=True, last_measure=(step, measured, half))
+        active.discard(j)
+    else:
+        stats[j]["last_measure"] = (step, measured, None)
+        stats[j]["anchor_measure"] = measured
+        inside[j] = spec["anchor"]
+        passed[j].append((step, quantile(kl, cfg.quantile) if kl.numel() else 0.0))
 
 
 def dropout_free(model) -> bool:

@@ -13,7 +13,9 @@ splits the time into phases (by timing the functions that do each phase):
     update         ``update._gradient_step``: forward + backward + AdamW step
     KL checks      ``measure_kl``: the exact per-state KL (in-loop and line search), in this
                    process (the line search's first backtrack, measured in a forked child
-                   during the in-loop check, is not counted; a wait for it falls in "other")
+                   during the in-loop check, is not counted; a wait for it falls in "other"; nor are
+                   the in-loop checks speculated in a forked child while training goes on,
+                   ``update._speculate``: their count is printed)
     other          the rest of the stage (advantages, copies of pi_j,cur, ...)
     evaluation     ``sat.evaluate`` on the held-out problems
     checkpoint     ``records.save_checkpoint`` (timed here in the main process; ``sat.run`` writes
@@ -108,6 +110,9 @@ update._gradient_step = timed("update", update._gradient_step, lambda a, out: in
 kl_count = lambda a, out: int(a[2].response_mask.sum())  # noqa: E731
 update.measure_kl = timed("KL checks", logprobs.measure_kl, kl_count)
 sat.measure_kl = timed("KL checks", logprobs.measure_kl, kl_count)
+speculated = []  # in-loop checks measured in a forked child (update._speculate; absent in older checkouts)
+if hasattr(update, "_speculate"):
+    update._speculate = (lambda f: lambda *a: speculated.append(1) or f(*a))(update._speculate)
 batches = []
 _team_rollout = sat.team_rollout
 sat.team_rollout = lambda *a, **kw: batches.append(_team_rollout(*a, **kw)) or batches[-1]
@@ -179,7 +184,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
           f"load average {load:.2f}; clock {args.clock}; code {args.src}" + ("; --assume-idle-core" if args.assume_idle_core else ""))
     print("per agent: " + "; ".join(f"agent {a['agent']}: {a['inner_steps']} steps, early stop {a['early_stopped']}, "
-                                    f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"]))
+                                    f"backtracks {a['backtracks']}, fraction {a['step_fraction']}" for a in runs[0]["agents"])
+          + f"; in-loop checks speculated in a child: {[run['speculated'] for run in runs]}")
     if any(run["steps"] != steps for run in runs):
         print(f"warning: the repeats took different gradient steps: {[list(run['steps'].values()) for run in runs]}")
     med = lambda key: statistics.median(run[key] for run in runs)  # noqa: E731
@@ -201,13 +207,15 @@ def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
     for p in PHASES:
         seconds[p], tokens[p], calls[p] = 0.0, 0, 0
     batches.clear()
+    speculated.clear()
     rng = random.Random(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)
     controllers = {k: sat.QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
     t0 = clock()
     rec = sat.sat_stage(team, prompts, cfg, sampling, controllers, {}, rng)
     stage = clock() - t0
-    out = {**seconds, "tokens": dict(tokens), "calls": dict(calls), "stage": stage, "batch": batches[0]}  # the evaluation below generates too
+    out = {**seconds, "tokens": dict(tokens), "calls": dict(calls), "stage": stage, "batch": batches[0],
+           "speculated": len(speculated)}  # the evaluation below generates too
     out["other"] = stage - sum(seconds[p] for p in PHASES)
     t0 = clock()
     sat.evaluate(team, heldout, sampling, cfg)

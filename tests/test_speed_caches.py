@@ -257,3 +257,86 @@ def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_a
     training = lambda recs: [{k: v for k, v in r.items() if not k.startswith("eval") and k not in  # noqa: E731
                               ("measured_change", "violation")} for r in strip_timing(recs)[1:]]
     assert training(other_eval) == training(serial)
+
+
+@pytest.mark.parametrize("protocol,every,delta", [("independent", 1, 0.02),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
+                                                  ("chain", 4, 0.01)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
+def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every, delta):
+    """An in-loop check measured in a forked child while the parent trains on
+    (update._speculate) leaves what the serial check leaves: the same records,
+    weights, AdamW moments and torch RNG state, the steps trained past a
+    crossing undone; the parent then makes fewer KL measurements itself."""
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=every, delta=delta,
+                       keep_optimizer_state=True)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    out = {}
+    for fork in (True, False):
+        counted, forks = [], []
+        with monkeypatch.context() as m:
+            m.setattr(parallel, "idle_core", lambda fork=fork: fork)
+            m.setattr(update, "worth_speculating", lambda *a: True)  # every check that can be speculated is
+            m.setattr(update, "_speculate", lambda *a, f=update._speculate: forks.append(1) or f(*a))
+            m.setattr(update, "measure_kl", lambda *a, **kw: counted.append(1) or measure_kl(*a, **kw))
+            torch.manual_seed(0)
+            controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+            trained = copy.deepcopy(team)
+            rec = sat.sat_stage(trained, problems, cfg, sampling, controllers, {}, random.Random(0))
+        out[fork] = dict(rec=strip_timing([rec]), team=trained, rng=torch.get_rng_state(), calls=len(counted), forks=len(forks))
+    fast, slow = out[True], out[False]
+    assert fast["rec"] == slow["rec"] and torch.equal(fast["rng"], slow["rng"])
+    for a, b in zip(fast["team"].agents, slow["team"].agents):
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+        sa, sb = a.saved_optimizer_state["state"], b.saved_optimizer_state["state"]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k][n], sb[k][n]) for k in sa for n in sa[k])
+    first = slow["rec"][0]["agents"][0]
+    assert first["early_stopped"] and first["inner_steps"] == every * (1 if every == 4 else 2)  # the case it is meant to be
+    assert slow["forks"] == 0 and fast["forks"] > 0 and fast["calls"] == slow["calls"] - fast["forks"]
+
+
+def test_padding_matches_a_row_by_row_loop():
+    """logprobs.left_pad / right_pad (one masked write) against the per-row loop they replaced."""
+    import random
+    from logprobs import left_pad, right_pad
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randrange(50000) for _ in range(rng.randrange(0, 6))] for _ in range(rng.randrange(1, 6))]
+        width = max(len(s) for s in seqs)
+        for pad, right in ((left_pad, False), (right_pad, True)):
+            w = max(1, width) if right else width
+            ids, mask = torch.full((len(seqs), w), 7), torch.zeros((len(seqs), w), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                cols = slice(0, len(s)) if right else slice(w - len(s), w)
+                if s:
+                    ids[i, cols], mask[i, cols] = torch.tensor(s), 1
+            got = pad(seqs, 7)
+            assert torch.equal(got[0], ids) and torch.equal(got[1], mask) and got[0].dtype == got[1].dtype == torch.long
+
+
+def test_a_failing_speculated_check_raises_and_leaves_no_child(monkeypatch):
+    import os
+    import random
+
+    import parallel
+    from trust_region import QuantileController
+    cfg = small_config(Path("unused"), epochs=2, kl_check_every=1)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=cfg.protocol))
+
+    def fails_in_child(*a, **kw):
+        if parallel.IN_CHILD:
+            raise ZeroDivisionError("in the child")
+        return measure_kl(*a, **kw)
+    monkeypatch.setattr(parallel, "idle_core", lambda: True)
+    monkeypatch.setattr(update, "worth_speculating", lambda *a: True)
+    monkeypatch.setattr(update, "measure_kl", fails_in_child)
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
+    with pytest.raises(ChildProcessError):  # every child was reaped
+        os.waitpid(-1, os.WNOHANG)
