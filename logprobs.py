@@ -114,10 +114,11 @@ def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Te
     return rows[:, :lc], rows[:, lc:], inverse
 
 
-# CPU matmul kernels round a row differently when a call has few rows x
-# positions (measured with torch 2.13: fp32 for <= 15 rows, bf16 for <= 127 rows
-# at these widths): each shared-prefix call is padded with copies of its first
-# row to at least MIN_CALL_TOKENS, so a row never depends on how few share it.
+# CPU matmul kernels round a row differently when a call has few tokens (rows x
+# positions; measured with torch 2.13: an [M, K] x [K, O] matmul for M <= 15 in
+# fp32, M <= 127 in bf16, K up to 2048): each shared-prefix call is padded with
+# copies of its first row to at least MIN_CALL_TOKENS, so a row never depends
+# on how few rows (or distinct contexts) share its call.
 MIN_CALL_TOKENS = 128
 
 
@@ -137,8 +138,8 @@ def shared_prefix_hidden_states(model, context_ids, context_mask, response_ids, 
     state that predicts response token 0 is the context's last position
     (contexts are left-padded), then response positions 0..Lr-2. Gradients
     reach the shared context through the expansion (summed over its rows).
-    Always two calls of the base model, whatever the rows (a sharded agent's
-    calls must match across ranks). [N, Lr, H], the same as the plain forward
+    Always two calls of the base model, whatever the rows (the number of
+    model calls never depends on the data). [N, Lr, H], the same as the plain forward
     up to summation order (fp32 tiny agents: within 1e-5, tests/test_shared_prefix.py)."""
     (n, lc), lr = context_ids.shape, response_ids.shape[1]
     ctx_u, cmask_u, inverse = distinct_contexts(context_ids, context_mask)  # [u, Lc], [u, Lc], [N]
@@ -219,9 +220,10 @@ def turn_rows(turn_like, token_budget: int) -> int:
 # (``shared_prefix_hidden_states``). The property above holds for it too
 # (tests/test_shared_prefix.py): a distinct context's rows are computed in a
 # batch of distinct contexts at the turn's full context width, and the
-# responses at the full response width, so a row does not depend on which
-# other rows share its call. A sharded agent (FSDP2) keeps the plain forward:
-# its wrapper returns no cache (decided by the run's options, the same on every rank).
+# responses at the full response width (each call at least MIN_CALL_TOKENS),
+# so a row does not depend on which other rows share its call. Under torchrun
+# ``sat.run`` turns it off: the agent being trained is FSDP2-sharded and its
+# wrapper returns no cache (a sharded model always takes the plain forward here).
 SHARE_PREFIX = False
 
 
