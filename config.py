@@ -80,6 +80,7 @@ class Config:
     gae_lambda: float = 0.95
     token_budget: int | None = None
     gradient_checkpointing: bool | None = None  # recompute activations in the backward pass (real models)
+    share_prefix: bool | None = None  # teacher-forced forwards compute each distinct context once (default: on without gradient checkpointing; off under torchrun)
     keep_optimizer_state: bool | None = None  # keep each agent's AdamW moments (on the host) between its turns
     kl_check_every: int | None = None  # measure the exact KL quantile every k gradient steps and stop at delta (0: only at the end)
     eval_size: int | None = None
@@ -106,6 +107,8 @@ class Config:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.backend is None:
             self.backend = default_backend(self.device)
+        if self.share_prefix is None:  # from the options only, never the data: every rank makes as many model calls
+            self.share_prefix = not self.gradient_checkpointing
         return self
 
     def validate(self) -> None:
@@ -143,6 +146,9 @@ class Config:
             raise ValueError(f"--kl-check-every must be >= 0 (got {self.kl_check_every})")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1 (got {self.threads})")
+        if self.share_prefix and self.gradient_checkpointing:
+            raise ValueError("--share-prefix needs the key/value cache, which --gradient-checkpointing turns off: "
+                             "add --no-gradient-checkpointing or --no-share-prefix")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -15,7 +15,9 @@ rollout backends (``rollout.py`` and ``rollout_vllm.py``) and the update
   log-softmax in fp32 (``head_logits``), applied in chunks so [N, L, V]
   logits never exist at once;
 - ``turn_forward``: the one forward of a turn's rows at the turn's full width
-  that behaviour, training, KL and log rho all use (see the note above it);
+  that behaviour, training, KL and log rho all use (see the note above it),
+  by default with each distinct context of its rows computed once
+  (``shared_prefix_hidden_states``: a group's G rows share one prompt);
 - ``measure_kl``: the exact per-state KL over the whole vocabulary at every
   position of an agent's responses, plus the new log-probabilities of the
   sampled tokens, from one forward of each model.
@@ -100,6 +102,60 @@ def response_hidden_states(model, context_ids, context_mask, response_ids, respo
     return out.last_hidden_state[:, lc - 1 : lc - 1 + lr]  # [N, Lr, H]
 
 
+def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(distinct context rows [u, Lc], their masks [u, Lc], row -> distinct index [N]):
+    rows with the same tokens AND mask are one context (in the independent
+    protocol a group's G rows share one prompt, Eq. (2)'s group)."""
+    lc = context_ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([context_ids, context_mask], dim=1), dim=0, return_inverse=True)  # [u, 2Lc], [N]
+    return rows[:, :lc], rows[:, lc:], inverse
+
+
+# CPU matmul kernels round a row differently when a call has few tokens (rows x
+# positions; measured with torch 2.13: an [M, K] x [K, O] matmul for M <= 15 in
+# fp32, M <= 127 in bf16, K up to 2048): each shared-prefix call is padded with
+# copies of its first row to at least MIN_CALL_TOKENS, so a row never depends
+# on how few rows (or distinct contexts) share its call.
+MIN_CALL_TOKENS = 128
+
+
+def _padded_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [n, ...] with copies of its row 0 appended up to MIN_CALL_TOKENS / width rows."""
+    extra = max(0, -(-MIN_CALL_TOKENS // max(width, 1)) - t.shape[0])
+    return torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) if extra else t  # [max(n, ...), ...]
+
+
+def shared_prefix_hidden_states(model, context_ids, context_mask, response_ids, response_mask) -> torch.Tensor:
+    """``response_hidden_states`` with each distinct context computed once.
+
+    The base model runs over the distinct contexts [u, Lc] (their keys and
+    values kept in HF's cache), the cache is expanded to the rows
+    (index_select), and the responses [N, Lr] run against it with positions
+    continuing each context's and the mask [context mask, response mask]. The
+    state that predicts response token 0 is the context's last position
+    (contexts are left-padded), then response positions 0..Lr-2. Gradients
+    reach the shared context through the expansion (summed over its rows).
+    Always two calls of the base model, whatever the rows (the number of
+    model calls never depends on the data). [N, Lr, H], the same as the plain forward
+    up to summation order (fp32 tiny agents: within 1e-5, tests/test_shared_prefix.py)."""
+    (n, lc), lr = context_ids.shape, response_ids.shape[1]
+    ctx_u, cmask_u, inverse = distinct_contexts(context_ids, context_mask)  # [u, Lc], [u, Lc], [N]
+    ctx_u, cmask_u = _padded_rows(ctx_u, lc), _padded_rows(cmask_u, lc)  # [u', Lc]
+    out = model.base_model(input_ids=ctx_u, attention_mask=cmask_u, position_ids=position_ids_from_mask(cmask_u),
+                           use_cache=True)
+    cache = out.past_key_values
+    if cache is None:
+        raise RuntimeError("shared-prefix forward got no key/value cache (gradient checkpointing on?): use --no-share-prefix")
+    rows = _padded_rows(inverse.to(ctx_u.device), lr)  # [N'] distinct context of each (padded) row
+    cache.reorder_cache(rows)  # every layer's keys/values [u', ...] -> [N', ...]
+    attention_mask = _padded_rows(torch.cat([context_mask, response_mask], dim=1), lr)  # [N', Lc+Lr]
+    position_ids = position_ids_from_mask(attention_mask)[:, lc:]  # [N', Lr] as in the plain forward
+    resp = model.base_model(input_ids=_padded_rows(response_ids, lr), attention_mask=attention_mask,
+                            position_ids=position_ids, past_key_values=cache, use_cache=True).last_hidden_state  # [N', Lr, H]
+    first = out.last_hidden_state[:, -1].index_select(0, rows[:n])  # [N, H] predicts response token 0
+    return torch.cat([first[:, None], resp[:n, :-1]], dim=1)  # [N, Lr, H]
+
+
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits of the LM head: the hidden states and the head weight are
     cast to fp32 before the matmul. A bf16 matmul would round every logit to 8
@@ -156,13 +212,35 @@ def turn_rows(turn_like, token_budget: int) -> int:
     return max(1, token_budget // (ctx.shape[1] + resp.shape[1]))
 
 
+# With SHARE_PREFIX (``Config.share_prefix``, set per run by ``set_share_prefix``)
+# the forward computes each distinct context of its rows once
+# (``shared_prefix_hidden_states``). The property above holds for it too
+# (tests/test_shared_prefix.py): a distinct context's rows are computed in a
+# batch of distinct contexts at the turn's full context width, and the
+# responses at the full response width (each call at least MIN_CALL_TOKENS),
+# so a row does not depend on which other rows share its call. Under torchrun
+# ``sat.run`` turns it off: the agent being trained is FSDP2-sharded and its
+# wrapper returns no cache (a sharded model always takes the plain forward here).
+SHARE_PREFIX = False
+
+
+def set_share_prefix(on: bool) -> None:
+    """Whether ``turn_forward`` shares each distinct context (Config.share_prefix)."""
+    global SHARE_PREFIX
+    SHARE_PREFIX = bool(on)
+
+
 def turn_forward(model, turn_like, idx, temperature: float):
     """(log pi(a_t|s_t) [b, Lr] at ``temperature``, 0 on padding; final hidden
     states [b, Lr, H]) for rows ``idx`` of a turn, at the turn's full width.
-    The canonical forward of every ratio (behaviour, training, KL, log rho)."""
+    The canonical forward of every ratio (behaviour, training, KL, log rho):
+    Algorithm 1's behaviour log-probs, the sequence log-ratio of Eqs. (3)-(4)
+    in Eq. (5)'s objective, the per-state KL of Sec. 3."""
     device = next(model.parameters()).device
     ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
-    hidden = response_hidden_states(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+    shared = SHARE_PREFIX and not distributed.is_sharded(model)
+    forward = shared_prefix_hidden_states if shared else response_hidden_states
+    hidden = forward(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, resp, temperature)  # [b, Lr] fp32
     return logp * rmask, hidden
 

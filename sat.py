@@ -49,7 +49,7 @@ from distributed import configure_threads, seed_everything
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from config import ADVANTAGES, BASELINES, DTYPES, ORDERS, RATIOS, REUSES, UPDATES, Config
 from bounds import stage_certificate, turn_certificate
-from logprobs import adopt_scoring, measure_kl
+from logprobs import adopt_scoring, measure_kl, set_share_prefix
 from memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
@@ -294,6 +294,8 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.threads = configure_threads(cfg.threads, cfg.device)  # recorded in config.json
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
+    cfg.share_prefix = bool(cfg.share_prefix) and not distributed.active()  # torchrun: the FSDP2 agent's forward keeps no cache
+    set_share_prefix(cfg.share_prefix)  # logprobs.turn_forward: each distinct context once (recorded in config.json)
     if cfg.shard_frozen is None:  # recorded in config.json as resolved
         cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
     cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
@@ -425,6 +427,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--baseline", choices=BASELINES, help="counterfactual (default; independent protocol only): agent j's advantage "
                    "is R minus the vote with its other answers to the prompt swapped in; group: the group mean (Eq. (2))")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
+    p.add_argument("--share-prefix", dest="share_prefix", action=argparse.BooleanOptionalAction,
+                   help="teacher-forced forwards compute each distinct context once (default: on without --gradient-checkpointing; "
+                   "one process only: off under torchrun)")
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
                    help="keep each agent's AdamW moments on the host between its turns (default: off)")
     p.add_argument("--update", choices=UPDATES)

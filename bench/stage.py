@@ -25,8 +25,12 @@ Tokens/s count response tokens (the rows' generated tokens) that the phase
 processes. The compute floor is measured in the same process on the same
 shapes: per agent turn one bare ``model.generate`` over the stage's contexts,
 plus, per agent, as many forward + backward + AdamW steps on minibatches of
-the same rows as the stage took. stage/floor is the stage (without
-evaluation and checkpoint) over that floor.
+the same rows as the stage took (the plain forward: every row's context
+computed). stage/floor is the stage (without evaluation and checkpoint) over
+that floor. Beside it, the shared-prefix floor: the same steps through
+``logprobs.shared_prefix_hidden_states`` (each distinct context once, what the
+run does with ``--share-prefix``, its default on the tiny preset), and
+stage/shared-prefix floor.
 
     python bench/stage.py                          # the tiny default stage
     python bench/stage.py --workload matched       # 16 prompts x G=4, 32 new tokens, one checkpoint x3
@@ -63,6 +67,8 @@ ap.add_argument("--warmup-steps", type=int, default=100, help="warm start before
 ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: what sat.py picks)")
 ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose code is timed")
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--share-prefix", action=argparse.BooleanOptionalAction, default=None,
+                help="the run's --share-prefix (default: the config's default; ignored by a checkout without it)")
 ap.add_argument("--repeat", type=int, default=3, help="time the same stage this many times; report medians")
 ap.add_argument("--assume-idle-core", action="store_true",
                 help="fork the overlapping work even when the other core looks busy (parallel.idle_core)")
@@ -124,11 +130,14 @@ def config() -> sat.Config:
     else:  # the matched workload: 16 prompts x G=4, 32 new tokens, 192 responses a stage, one epoch
         cfg = sat.Config(seed=args.seed, warmup_steps=args.warmup_steps, batch_size=64, group_size=4, max_new_tokens=32,
                          epochs=1, minibatch_size=16, eval_size=64)
+    if args.share_prefix is not None and hasattr(cfg, "share_prefix"):
+        cfg.share_prefix = args.share_prefix
     return cfg.apply_preset()
 
 
-def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> tuple[float, float]:
-    """(generate, update) seconds of the bare computation on the stage's shapes."""
+def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> tuple[float, float, float | None]:
+    """(generate, update, update with shared-prefix forwards or None) seconds of
+    the bare computation on the stage's shapes."""
     gen = 0.0
     for agent, turn in zip(team.agents, batch.turns):
         gen_cfg = rollout.sampler_config(agent, rollout.SamplingConfig(temperature=cfg.temperature,
@@ -137,21 +146,31 @@ def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> 
         with torch.no_grad():
             agent.model.generate(input_ids=turn.context_ids, attention_mask=turn.context_mask, generation_config=gen_cfg)
         gen += clock() - t0
+    upd = floor_update(team, batch, cfg, steps, logprobs.response_hidden_states)
+    shared = getattr(logprobs, "shared_prefix_hidden_states", None)  # (a checkout without it: no shared-prefix floor)
+    return gen, upd, floor_update(team, batch, cfg, steps, shared) if shared else None
+
+
+def floor_update(team: Team, batch, cfg: sat.Config, steps: dict[int, int], hidden_states) -> float:
+    """Seconds of the stage's gradient steps as bare forward (``hidden_states``)
+    + fp32 head + backward + AdamW steps on minibatches of the same rows."""
     upd = 0.0
     for k, turn in enumerate(batch.turns):
         model = copy.deepcopy(team.agents[k].model).train().requires_grad_(True)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-        perm = torch.randperm(len(turn.texts))
+        perm = torch.randperm(len(turn.texts), generator=torch.Generator().manual_seed(k))
         turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
         t0 = clock()
         for s in range(steps[k]):
             idx = perm[(s * cfg.minibatch_size) % len(perm):][: cfg.minibatch_size]
-            logp, _ = logprobs.turn_forward(model, turn_like, idx, cfg.temperature)  # [b, Lr]
+            ctx, cmask, resp, rmask = [t[idx] for t in turn_like]
+            hidden = hidden_states(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+            logp = logprobs.token_logprobs_from_hidden(model, hidden, resp, cfg.temperature) * rmask  # [b, Lr]
             opt.zero_grad(set_to_none=True)
-            (-logp.sum() / max(1, int(turn.response_mask[idx].sum()))).backward()
+            (-logp.sum() / max(1, int(rmask.sum()))).backward()
             opt.step()
         upd += clock() - t0
-    return gen, upd
+    return upd
 
 
 def main() -> None:
@@ -160,6 +179,8 @@ def main() -> None:
     elif hasattr(sat, "configure_threads"):
         sat.configure_threads(None, "cpu")
     cfg = config()
+    if hasattr(logprobs, "set_share_prefix"):  # as sat.run does (a checkout without it: the plain forward)
+        logprobs.set_share_prefix(cfg.share_prefix)
     rng = sat.seed_everything(cfg.seed)
     train, heldout, instruction = load_task(cfg)
     if args.workload == "tiny":
@@ -200,6 +221,11 @@ def main() -> None:
     print(f"floor: generate {med('gen_floor'):.2f}s ({span('gen_floor')}) + update {med('upd_floor'):.2f}s "
           f"({span('upd_floor')}) = {med('floor'):.2f}s ({span('floor')}); stage/floor {med('ratio'):.2f}x "
           f"({span('ratio')}); (stage + evaluation + checkpoint)/floor {med('ratio_all'):.2f}x ({span('ratio_all')})")
+    if "floor_shared" in runs[0]:
+        print(f"shared-prefix floor (the same steps through logprobs.shared_prefix_hidden_states): generate "
+              f"{med('gen_floor'):.2f}s + update {med('upd_floor_shared'):.2f}s ({span('upd_floor_shared')}) = "
+              f"{med('floor_shared'):.2f}s ({span('floor_shared')}); stage/shared-prefix floor {med('ratio_shared'):.2f}x "
+              f"({span('ratio_shared')})")
 
 
 def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
@@ -226,9 +252,12 @@ def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
         out["checkpoint"] = clock() - t0
     out["steps"] = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
     out["agents"] = rec["agents"]
-    out["gen_floor"], out["upd_floor"] = floor_seconds(team, out["batch"], cfg, out["steps"])
+    out["gen_floor"], out["upd_floor"], upd_shared = floor_seconds(team, out["batch"], cfg, out["steps"])
     out["floor"] = out["gen_floor"] + out["upd_floor"]
     out["ratio"] = stage / out["floor"]
+    if upd_shared is not None:
+        out["upd_floor_shared"], out["floor_shared"] = upd_shared, out["gen_floor"] + upd_shared
+        out["ratio_shared"] = stage / out["floor_shared"]
     out["ratio_all"] = (stage + out["evaluation"] + out["checkpoint"]) / out["floor"]
     return out
 

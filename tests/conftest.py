@@ -26,3 +26,14 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def plain_forward_unless_a_run_sets_it():
+    """sat.run sets logprobs.SHARE_PREFIX from its config; restore it after
+    each test so no test's result depends on which tests ran before it."""
+    import logprobs
+
+    before = logprobs.SHARE_PREFIX
+    yield
+    logprobs.SHARE_PREFIX = before

@@ -1,0 +1,114 @@
+"""Shared-prefix forwards (logprobs.shared_prefix_hidden_states): each distinct
+context of a call computed once, the responses run against its expanded
+keys/values. Checked against the plain forward over group structures, padding
+and both protocols' shapes (grouped contexts, all-distinct contexts), with
+gradients; and the property the ratios rely on: a row's result does not depend
+on which other rows share its call (fp32 and bf16), so log r is exactly 0
+before the first step."""
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import logprobs
+import sat
+from logprobs import left_pad, response_hidden_states, right_pad, shared_prefix_hidden_states, turn_forward
+from tasks import arithmetic_problems
+from team import Agent, Team, TeamConfig
+from trust_region import QuantileController
+
+from test_sat import small_config
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return Agent.load("tiny", seed=0)
+
+
+def grouped_turn(vocab: int, groups: list[tuple[int, int]], resp_lens: list[int], seed: int):
+    """Rows of (context length, rows sharing it) groups; left-padded contexts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    contexts, responses = [], []
+    for length, rows in groups:
+        ctx = torch.randint(5, vocab, (length,), generator=g).tolist()
+        contexts += [ctx] * rows
+    for n in resp_lens[: len(contexts)]:
+        responses.append(torch.randint(5, vocab, (n,), generator=g).tolist())
+    return (*left_pad(contexts, 0), *right_pad(responses, 0))
+
+
+@settings(max_examples=20)
+@given(groups=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 4)), min_size=1, max_size=6),
+       resp_lens=st.lists(st.integers(1, 5), min_size=24, max_size=24), seed=st.integers(0, 2**16))
+def test_shared_prefix_forward_equals_the_plain_forward(agent, groups, resp_lens, seed):
+    """Any group structure (all-distinct contexts, as the chain protocol's later agents see, included)."""
+    ctx, cmask, resp, rmask = grouped_turn(agent.model.config.vocab_size, groups, resp_lens, seed)
+    with torch.no_grad():
+        plain = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [N, Lr, H]
+        shared = shared_prefix_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [N, Lr, H]
+    valid = rmask.bool()
+    assert shared.shape == plain.shape
+    torch.testing.assert_close(shared[valid], plain[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_gradients_equal_the_plain_forward(agent):
+    """Gradients reach the shared context through the expanded cache, summed over its rows."""
+    ctx, cmask, resp, rmask = grouped_turn(agent.model.config.vocab_size, [(5, 4), (3, 1), (7, 3)], [3, 1, 4, 2] * 6, 1)
+    model = copy.deepcopy(agent.model).requires_grad_(True)
+    grads = []
+    for forward in (response_hidden_states, shared_prefix_hidden_states):
+        model.zero_grad(set_to_none=True)
+        hidden = forward(model, ctx, cmask, resp, rmask)  # [N, Lr, H]
+        logp = logprobs.token_logprobs_from_hidden(model, hidden, resp, 1.0)  # [N, Lr]
+        (-(logp * rmask).sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert any(float(g.abs().max()) > 1e-3 for g in grads[0])  # the check is not vacuous
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(agent, dtype, monkeypatch):
+    """Different groupings of the same rows (subsets, orders, a context's rows
+    split between calls) give bit-identical rows, and every call makes exactly
+    two base-model calls whatever its rows (a sharded agent's ranks must match)."""
+    monkeypatch.setattr(logprobs, "SHARE_PREFIX", True)
+    model = copy.deepcopy(agent.model).to(dtype)
+    turn_like = grouped_turn(model.config.vocab_size, [(6, 4), (2, 4), (7, 4), (4, 4), (6, 2), (1, 3)], [1, 4, 2, 3, 4] * 5, 3)
+    calls = []
+    model.base_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    n = turn_like[0].shape[0]
+    with torch.no_grad():
+        whole, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [N, Lr], [N, Lr, H]
+        assert len(calls) == 2
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        for part in (perm[:5], perm[5:12], perm[12:], torch.arange(n - 1, -1, -1), torch.tensor([0]), torch.tensor([3, 4])):
+            lp, h = turn_forward(model, turn_like, part, 1.0)
+            assert torch.equal(lp, whole[part]) and torch.equal(h, hidden[part])
+    assert len(calls) == 2 * 7
+    assert float(whole.abs().max()) > 0
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, monkeypatch, protocol):
+    """A whole fp32 stage with shared-prefix forwards: behaviour log-probs over the
+    rollout, training log-probs in shuffled micro-batches: log r = 0 exactly."""
+    monkeypatch.setattr(logprobs, "SHARE_PREFIX", True)
+    torch.manual_seed(0)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
+    sampling = sat.SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+    record = sat.sat_stage(team, arithmetic_problems(8, seed=1), cfg, sampling, controllers, {}, random.Random(0))
+    assert [rec["step0_log_ratio_max"] for rec in record["agents"]] == [0.0, 0.0]
+
+
+def test_share_prefix_option_defaults_from_gradient_checkpointing():
+    assert sat.Config(device="cpu").apply_preset().share_prefix is True  # tiny preset: no gradient checkpointing
+    assert sat.Config(device="cpu", gradient_checkpointing=True).apply_preset().share_prefix is False
+    assert sat.parse_args(["--no-share-prefix"]).share_prefix is False
+    with pytest.raises(ValueError, match="--share-prefix needs the key/value cache"):
+        sat.Config(device="cpu", share_prefix=True, gradient_checkpointing=True).apply_preset().validate()
