@@ -234,6 +234,44 @@ def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
     assert r["export_equal"] and r["export_tied"]
 
 
+def test_agent_loaded_into_shards_equals_whole_then_sharded(tmp_path):
+    """shard_load.load_into_shards (meta model, fully_shard, each rank reads
+    its own rows from the safetensors files): the local shards equal
+    shard_in_place of the whole-loaded model bit for bit, with Shard(0)
+    padding (vocabulary 101, MLP width 37 over 2 ranks), tied and untied
+    heads, a bf16 file loaded in fp32, the rotary buffers as from_pretrained
+    sets them; no rank reads more than its rows of any tensor, and the logits
+    through the shards and of the gathered model equal the whole model's."""
+    out = tmp_path / "load.json"
+    run_worker("load_worker.py", str(out))
+    r = json.loads(out.read_text())
+    assert r["world"] == 2
+    for name in ("tied", "untied"):
+        m = r[name]
+        assert m["local_equal"] and m["buffers_equal"], name
+        assert m["read_is_local"] and m["n_reads"] == m["n_params"], name  # one read per parameter, its local rows
+        assert m["largest_read_rows_vs_full"] <= 0.52 and m["vocab_rows_of_rank0"] == 51  # ceil(101 / 2), never all
+        assert m["numel_read"] == m["numel_whole"], name  # the ranks' reads cover the model exactly once
+        assert m["shard_logits_diff"] == 0.0 and m["gathered_logits_diff"] == 0.0, name
+    assert r["tied"]["shards_tied"] and r["tied"]["gathered_tied"] and not r["tied"]["has_lm_head_read"]
+    assert not r["untied"]["shards_tied"] and r["untied"]["has_lm_head_read"]
+
+
+def test_shard_load_resolves_folders_and_names_a_missing_hub_model(tmp_path, monkeypatch):
+    """A folder is used as it is; a hub name not in the cache, offline, is one line (before any model is built)."""
+    import shard_load
+    import team
+
+    assert shard_load.snapshot_folder(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(team, "_OFFLINE", [])
+    with pytest.raises(RuntimeError, match=r"could not load model 'nobody/no-such-model' .*huggingface-cli download"):
+        shard_load.snapshot_folder("nobody/no-such-model")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        shard_load.tensor_files(tmp_path)
+
+
 def test_joint_update_under_two_processes_matches_one(runs):
     """--update joint (the baseline): every agent sharded at once, the same
     decisions as with one process."""
