@@ -101,7 +101,9 @@ def test_rollout_blocks_are_seeded_blocks_concatenated():
 def run_sat(nproc: int, *args: str) -> None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     cmd = ["nice", "-n", "10", *launcher, str(ROOT / "sat.py"), *args]
+    import time; t0 = time.time()  # TIMING-HACK
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    print(f"TIMING {time.time() - t0:6.1f}s nproc={nproc} {' '.join(args)}", file=sys.stderr)  # TIMING-HACK
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
 
 
@@ -109,12 +111,32 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_worker(worker: str, *paths) -> None:
+def run_worker(worker: str, *paths, timeout: int = 300) -> None:
     """tests/dist/<worker> under ``torchrun --nproc-per-node 2`` (gloo), its outputs to ``paths``."""
     cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "dist" / worker), *map(str, paths)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+WORKERS = {"frozen": ("frozen_worker.py", "frozen.json"), "load": ("load_worker.py", "load.json"),
+           "update": ("update_worker.py", "update.json"), "masters": ("master_worker.py", "masters.json", "masters.pt"),
+           "stage0": ("stage0_worker.py", "stage0.json")}
+
+
+@pytest.fixture(scope="module")
+def worker_outputs(tmp_path_factory) -> dict[str, list[Path]]:
+    """Every tests/dist worker of this file in ONE ``torchrun --nproc-per-node 2``
+    (tests/dist/all_workers.py: a torchrun start costs ~10 s on the loaded CI
+    machine); each worker its own folder; {name: [its output paths]}."""
+    root = tmp_path_factory.mktemp("workers")
+    outputs, args = {}, []
+    for name, (script, *files) in WORKERS.items():
+        (root / name).mkdir()
+        outputs[name] = [root / name / f for f in files]
+        args += ["--", str(ROOT / "tests" / "dist" / script), *map(str, outputs[name])]
+    run_worker("all_workers.py", *args[1:], timeout=600)
+    return outputs
 
 
 def rewind(run: Path, stage: int) -> None:
@@ -217,14 +239,12 @@ def test_frozen_agents_sharded_match_one_process(runs):
     assert [r["stage"] for r in rows] == [0, 1, 2] and rows[2]["world_size"] == 1
 
 
-def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
+def test_sharded_team_rolls_out_the_one_process_tokens(worker_outputs):
     """Rollouts, regenerate and the exact KL through sharded agents equal one
     process with whole agents, bit for bit, with blocks and calls that do not
     divide evenly over the ranks (dummy blocks and calls keep the collectives
     matched); the HF export gathered layer by layer equals the whole weights."""
-    out = tmp_path / "frozen.json"
-    run_worker("frozen_worker.py", str(out))
-    r = json.loads(out.read_text())
+    r = json.loads(worker_outputs["frozen"][0].read_text())
     assert r["world"] == 2 and r["rows"] == 10 and r["dummy_calls"] > 0  # uneven: some rank had to pad
     assert r["rollout_same_ids"] and r["rollout_same_rewards"] and r["rollout_logprob_diff"] == 0.0
     assert r["regenerate_same_ids"] and r["regenerate_changed"] and r["regenerate_logprob_diff"] == 0.0
@@ -234,7 +254,7 @@ def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
     assert r["export_equal"] and r["export_tied"]
 
 
-def test_agent_loaded_into_shards_equals_whole_then_sharded(tmp_path):
+def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
     """shard_load.load_into_shards (meta model, fully_shard, each rank reads
     its own rows from the safetensors files): the local shards equal
     shard_in_place of the whole-loaded model bit for bit, with Shard(0)
@@ -242,9 +262,7 @@ def test_agent_loaded_into_shards_equals_whole_then_sharded(tmp_path):
     heads, a bf16 file loaded in fp32, the rotary buffers as from_pretrained
     sets them; no rank reads more than its rows of any tensor, and the logits
     through the shards and of the gathered model equal the whole model's."""
-    out = tmp_path / "load.json"
-    run_worker("load_worker.py", str(out))
-    r = json.loads(out.read_text())
+    r = json.loads(worker_outputs["load"][0].read_text())
     assert r["world"] == 2
     for name in ("tied", "untied"):
         m = r[name]
@@ -293,12 +311,10 @@ def test_resume_across_process_counts(runs):
         assert_same_run(rows[2], metrics(runs / straight)[2])
 
 
-def test_sharded_update_equals_unsharded(tmp_path):
+def test_sharded_update_equals_unsharded(worker_outputs):
     """One AdamW step of agent j's objective (Eq. (5)) on the same minibatch:
     FSDP2 over 2 ranks (each computing half the rows) against one process."""
-    out = tmp_path / "update.json"
-    run_worker("update_worker.py", str(out))
-    result = json.loads(out.read_text())
+    result = json.loads(worker_outputs["update"][0].read_text())
     assert result["world"] == 2 and result["steps"] == [1, 1]
     assert result["max_step"] > 1e-4  # the update moved the weights
     assert result["max_param_diff"] <= 1e-2 * result["max_step"]  # measured 1.2e-6 against a 3e-4 step
@@ -310,7 +326,7 @@ def test_sharded_update_equals_unsharded(tmp_path):
     assert result["layers_max_group_bytes"] == result["layer_bytes"]
 
 
-def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(tmp_path):
+def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(worker_outputs):
     """A bf16 agent, two turns of one AdamW step at lr 1e-5 (below a bf16
     rounding step for most weights), --keep-optimizer-state: under FSDP2 over
     2 ranks its fp32 master shards and AdamW moments survive the turn as with
@@ -318,8 +334,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     ``restart``). The sharded checkpoint (torch.distributed.checkpoint, written
     by both ranks) loads back exactly under 2 processes (in the worker) and
     under 1 (here)."""
-    result_path, masters_path = tmp_path / "masters.json", tmp_path / "masters.pt"
-    run_worker("master_worker.py", str(result_path), str(masters_path))
+    result_path, masters_path = worker_outputs["masters"]
     r = json.loads(result_path.read_text())
     assert r["world"] == 2
     assert r["bf16_moved_fraction"] < 0.5  # most steps are below bf16 resolution: only the master holds them
@@ -332,7 +347,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     from records import load_checkpoint
 
     with torch.random.fork_rng():
-        team, _, _, _ = load_checkpoint(tmp_path / "run" / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
+        team, _, _, _ = load_checkpoint(result_path.parent / "run" / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
     saved = torch.load(masters_path)
     assert len(team.agents[0].master_weights) == len(saved["masters"])
     assert all(torch.equal(a, b) for a, b in zip(team.agents[0].master_weights, saved["masters"]))  # loaded by 1 process: exact
@@ -341,16 +356,14 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     assert len(loaded) == len(saved["moments"]) and all(torch.equal(a, b) for a, b in zip(loaded, saved["moments"]))
 
 
-def test_stage0_under_two_processes_matches_one(tmp_path):
+def test_stage0_under_two_processes_matches_one(worker_outputs):
     """Plug-and-play Stage-0 (Eqs. (6)-(7)) with the replacement FSDP2-sharded
     over 2 ranks against one process, same seed (tests/dist/stage0_worker.py):
     the same fit states (seeded rollout blocks), the same pass count and the
     same states retargeted (every decision is taken on gathered per-state
     values), quantiles and weights within float summation order, and every
     rank left holding the same replacement."""
-    out = tmp_path / "stage0.json"
-    run_worker("stage0_worker.py", str(out))
-    r = json.loads(out.read_text())
+    r = json.loads(worker_outputs["stage0"][0].read_text())
     assert r["world"] == 2 and r["same_states"] and r["rows"] == 24 and r["states"][0] == r["states"][1] > 0
     assert r["kl_quantile_before"][0] > 0.05  # it really had to move (measured 0.068)
     assert r["passes"][0] == r["passes"][1] >= 5  # measured 7, with one retargeting at pass 5
