@@ -187,8 +187,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module) -> None:
     """Rank 0's weights on every rank (after loading or the warm start, so no
-    rank starts from weights that differ in the last bit)."""
-    if not active():
+    rank starts from weights that differ in the last bit). A model loaded
+    straight into shards (``shard_load``) is left as it is: every rank read
+    its rows from the same files."""
+    if not active() or is_sharded(module):
         return
     for p in list(module.parameters()) + list(module.buffers()):
         buf = p.data.to(_comm_device())

@@ -276,7 +276,8 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
 
 def build_team(cfg: Config, instruction: str) -> Team:
     dtype = getattr(torch, cfg.dtype)
-    agents = [Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + k) for k, spec in enumerate(parse_agents(cfg.agents))]
+    agents = [Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + k, shard=bool(cfg.shard_frozen))
+              for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
 
 
@@ -319,7 +320,8 @@ def run(cfg: Config, log=None) -> list[dict]:
                               token_budget=cfg.token_budget, backend=cfg.backend)
     dtype = getattr(torch, cfg.dtype)
     if resume_from is not None:
-        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype)
+        # --shard-frozen: each agent read straight into shards (shard_load), unless Stage-0 (on whole agents) comes first
+        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype, shard=cfg.shard_frozen and not cfg.upgrade)
         start = state["stage"]
         records = [r for r in read_metrics(resume_run) if r["stage"] <= start]  # the run's history, 0..start
         if [r["stage"] for r in records] != list(range(start + 1)):

@@ -101,9 +101,7 @@ def test_rollout_blocks_are_seeded_blocks_concatenated():
 def run_sat(nproc: int, *args: str) -> None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
     cmd = ["nice", "-n", "10", *launcher, str(ROOT / "sat.py"), *args]
-    import time; t0 = time.time()  # TIMING-HACK
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    print(f"TIMING {time.time() - t0:6.1f}s nproc={nproc} {' '.join(args)}", file=sys.stderr)  # TIMING-HACK
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
 
 
@@ -226,7 +224,9 @@ def test_frozen_agents_sharded_match_one_process(runs):
     them, the trained agent written back into its shards, the reference a
     sharded copy, the line search on each rank's shards, regenerate on every
     rank), the same stage as one process with whole agents; its checkpoint
-    (HF folders gathered layer by layer) resumes under one process."""
+    (HF folders gathered layer by layer) resumes under one process. The run
+    resumes from a checkpoint, so its agents are read straight into shards
+    (``shard_load``, the path of every non-tiny agent under --shard-frozen)."""
     one, two = metrics(runs / "small_one"), metrics(runs / "small_sharded")
     assert json.loads((runs / "small_sharded" / "config.json").read_text())["shard_frozen"] is True
     assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16
