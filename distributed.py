@@ -43,7 +43,9 @@ that decides something is computed on the whole batch. Under
   only (``local_parameters``; the decision comes from the gathered KL,
   ``any_rank`` agrees on the rest). ``--reuse regenerate`` then runs on every
   rank. The whole weights exist only for the HF export of a checkpoint,
-  gathered layer by layer on rank 0 (``whole_copy_on_main``);
+  gathered layer by layer on rank 0 (``whole_copy_on_main``); an agent with
+  files (a hub model, a checkpoint on ``--resume``) is read straight into
+  this layout, each rank reading only its rows (``shard_load.py``);
 - without it the agents and the reference pi_j,cur are held whole on every
   rank (they generate with the HF backend and compute behaviour log-probs); on
   CUDA the frozen agents wait in host memory during another agent's turn

@@ -42,6 +42,8 @@ per layer, the final norm, lm_head unless tied); tests check the count against
 (see ``activation_bytes_per_token``), good to tens of percent.
 
     python memory.py --agents "Qwen3-4B x3"      # prints the table for a preset
+    python memory.py --model qwen3-4b --n-agents 3 --stage0 qwen3-8b --gpus 1,2,4,8
+                                                 # Stage-0 of --upgrade, per rank (stage0_rank_bytes)
 """
 from __future__ import annotations
 
