@@ -24,7 +24,8 @@ that decides something is computed on the whole batch. Under
 - plug-and-play Stage-0 (Eqs. (6)-(7)): the replacement's trainable copy is
   sharded like the trained agent, each rank fits its share of every
   micro-batch and measures its share of the states (``row_share``), the
-  per-state values gathered (``plug_and_play.measure_all``);
+  per-state values gathered (``plug_and_play.measure_all``); with
+  ``--shard-frozen`` pi_pre, the incumbent and the replacement are shards too;
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;

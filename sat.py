@@ -320,8 +320,8 @@ def run(cfg: Config, log=None) -> list[dict]:
                               token_budget=cfg.token_budget, backend=cfg.backend)
     dtype = getattr(torch, cfg.dtype)
     if resume_from is not None:
-        # --shard-frozen: each agent read straight into shards (shard_load), unless Stage-0 (on whole agents) comes first
-        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype, shard=cfg.shard_frozen and not cfg.upgrade)
+        # --shard-frozen: each agent read straight into shards (shard_load), Stage-0 included
+        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype, shard=cfg.shard_frozen)
         start = state["stage"]
         records = [r for r in read_metrics(resume_run) if r["stage"] <= start]  # the run's history, 0..start
         if [r["stage"] for r in records] != list(range(start + 1)):

@@ -363,7 +363,8 @@ def test_stage0_under_two_processes_matches_one(worker_outputs):
     the same fit states (seeded rollout blocks), the same pass count and the
     same states retargeted (every decision is taken on gathered per-state
     values), quantiles and weights within float summation order, and every
-    rank left holding the same replacement."""
+    rank left holding the same replacement; and the same with the team, the
+    replacement and pi_pre held as FSDP2 shards (--shard-frozen)."""
     r = json.loads(worker_outputs["stage0"][0].read_text())
     assert r["world"] == 2 and r["same_states"] and r["rows"] == 24 and r["states"][0] == r["states"][1] > 0
     assert r["kl_quantile_before"][0] > 0.05  # it really had to move (measured 0.068)
@@ -378,3 +379,9 @@ def test_stage0_under_two_processes_matches_one(worker_outputs):
     assert r["max_step"] > 1e-3  # Stage-0 moved the weights
     assert r["max_param_diff"] <= 1e-2 * r["max_step"]  # measured 3.5e-5 against a 1.3e-2 step
     assert r["mean_param_diff"] <= 1e-3 * r["mean_step"]  # measured 1.4e-7 against 3.3e-3
+    # --shard-frozen: the team, the replacement and pi_pre as FSDP2 shards, the same Stage-0 as one process
+    s = r["sharded"]
+    assert s["held_as_shards"] and s["same_states"] and s["passes"] == r["passes"][0] and s["same_retargeted_states"]
+    for key in ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile", "kl_mean", "fit_mean"):
+        assert abs(s[key] - r[key][0]) <= 1e-3 * abs(r[key][0]) + 1e-7, (key, s[key], r[key][0])
+    assert s["max_param_diff"] <= 1e-2 * r["max_step"] and s["mean_param_diff"] <= 1e-3 * r["mean_step"]

@@ -215,6 +215,11 @@ def test_stage0_per_rank_plan_counts_what_each_rank_holds():
     whole = four["stage0_team"] + four["stage0_pi_pre"] + four["stage0_replacement"] + four["stage0_logits_blocks"]
     assert four["peak_stage0"] == whole + max(four["stage0_train_state"] + four["stage0_gathered"] + four["stage0_activations"],
                                               four["stage0_sharding"])
+    sharded = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=4, dtype_bytes=2, micro_batch_tokens=1000, shard_frozen=True)
+    assert sharded["stage0_team"] == -(-3 * p_team * 2 // 4) and sharded["stage0_pi_pre"] == -(-p_new * 2 // 4)
+    assert sharded["stage0_replacement"] == sharded["stage0_pi_pre"] and sharded["stage0_sharding"] == 0
+    assert sharded["stage0_gathered"] == 3 * (root + 2 * layer) * 2 + 2 * layer * 4  # three models' roots + 2 layers each
+    assert sharded["stage0_train_state"] == four["stage0_train_state"] and sharded["peak_stage0"] < four["peak_stage0"]
     fp32 = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=1, dtype_bytes=4, micro_batch_tokens=1000)
     assert fp32["stage0_train_state"] == p_new * 12  # no separate master in fp32
 
