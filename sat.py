@@ -371,7 +371,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         save_checkpoint(out, start, team, controllers, value_heads, rng,
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
-    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
+    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: agents built whole (tiny) as FSDP2 shards too
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now, every rank at once
         sync_weights(agent, sampling)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced
