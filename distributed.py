@@ -24,7 +24,8 @@ that decides something is computed on the whole batch. Under
 - plug-and-play Stage-0 (Eqs. (6)-(7)): the replacement's trainable copy is
   sharded like the trained agent, each rank fits its share of every
   micro-batch and measures its share of the states (``row_share``), the
-  per-state values gathered (``plug_and_play.measure_all``);
+  per-state values gathered (``plug_and_play.measure_all``); with
+  ``--shard-frozen`` pi_pre, the incumbent and the replacement are shards too;
 - the exact per-state KL (Alg. 1 line 10): each rank measures its rows and the
   values are gathered, so the quantile, the backtracking fraction and the
   accept/reject decision are the same on every rank;
@@ -43,7 +44,9 @@ that decides something is computed on the whole batch. Under
   only (``local_parameters``; the decision comes from the gathered KL,
   ``any_rank`` agrees on the rest). ``--reuse regenerate`` then runs on every
   rank. The whole weights exist only for the HF export of a checkpoint,
-  gathered layer by layer on rank 0 (``whole_copy_on_main``);
+  gathered layer by layer on rank 0 (``whole_copy_on_main``); an agent with
+  files (a hub model, a checkpoint on ``--resume``) is read straight into
+  this layout, each rank reading only its rows (``shard_load.py``);
 - without it the agents and the reference pi_j,cur are held whole on every
   rank (they generate with the HF backend and compute behaviour log-probs); on
   CUDA the frozen agents wait in host memory during another agent's turn
@@ -187,8 +190,10 @@ def full(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module) -> None:
     """Rank 0's weights on every rank (after loading or the warm start, so no
-    rank starts from weights that differ in the last bit)."""
-    if not active():
+    rank starts from weights that differ in the last bit). A model loaded
+    straight into shards (``shard_load``) is left as it is: every rank read
+    its rows from the same files."""
+    if not active() or is_sharded(module):
         return
     for p in list(module.parameters()) + list(module.buffers()):
         buf = p.data.to(_comm_device())

@@ -42,6 +42,8 @@ per layer, the final norm, lm_head unless tied); tests check the count against
 (see ``activation_bytes_per_token``), good to tens of percent.
 
     python memory.py --agents "Qwen3-4B x3"      # prints the table for a preset
+    python memory.py --model qwen3-4b --n-agents 3 --stage0 qwen3-8b --gpus 1,2,4,8
+                                                 # Stage-0 of --upgrade, per rank (stage0_rank_bytes)
 """
 from __future__ import annotations
 
@@ -306,6 +308,93 @@ def stage0_bytes(model_config, n_agents: int, dtype_bytes: int = 2, micro_batch_
     return parts
 
 
+STAGE0_RANK_NOTES = {
+    "stage0_team": "the team's agents, the incumbent among them (whole on every rank)",
+    "stage0_pi_pre": "the replacement as loaded, frozen (whole)",
+    "stage0_replacement": "the replacement's weights that measure the KL (whole; each pass's result written in)",
+    "stage0_train_state": "the trainable copy: N = 1: grads + AdamW (+ fp32 master in bf16); N > 1: fp32 shards, grads, AdamW / N",
+    "stage0_gathered": "N > 1: FSDP2 units gathered at once (root + 2 layers; with --shard-frozen of 3 models; 2 layers' fp32 grads)",
+    "stage0_activations": "this rank's rows of a micro-batch: trunk activations + pi_pre's and pi_cur's hidden states",
+    "stage0_logits_blocks": "LM-head blocks of STAGE0_LOGITS_BUDGET fp32 elements, 8 live",
+    "stage0_sharding": "N > 1, while the trainable copy is made: a whole copy + one fp32 layer (before the optimizer exists)",
+}
+
+
+def stage0_rank_bytes(team_config, replacement_config, n_agents: int, gpus: int = 1, dtype_bytes: int = 2,
+                      micro_batch_tokens: int = 8192, logits_budget: int = 1 << 22, optimizer_bytes_per_param: int = 8,
+                      gradient_checkpointing: bool = True, live_blocks: int = 8, shard_frozen: bool = False) -> dict[str, int]:
+    """Stage-0 of ``--upgrade`` (Eqs. (6)-(7), ``plug_and_play.fit_stage0``) per rank under
+    torchrun with ``gpus`` processes, bytes; what each rank holds, as the code does today:
+
+    - the team (the incumbent pi_j,cur among its ``n_agents``), pi_pre (a frozen copy of the
+      replacement) and the replacement's own weights, all whole on every rank (Stage-0 runs
+      before ``--shard-frozen`` shards the team; pi_pre is a ``copy.deepcopy``);
+    - the trainable copy: with one process the replacement itself trains (fp32 gradients and
+      AdamW m, v; a bf16 one also its fp32 master, ``team.MasterWeightAdamW``); with N > 1 an
+      fp32 FSDP2 copy (``distributed.shard_model``: shards, gradients, m, v, 16 B a parameter
+      / N) plus the units gathered at once; making it deep-copies the replacement first
+      (``stage0_sharding``, before the optimizer state exists, so the peak takes the larger);
+    - activations of this rank's rows of a micro-batch of ``micro_batch_tokens`` (--token-budget;
+      each rank fits 1/N of the rows) and the LM-head blocks (the same on every rank).
+
+        peak_stage0 = team + pi_pre + replacement + logits blocks
+                      + max(train_state + gathered + activations, sharding)
+
+    ``shard_frozen`` (``--shard-frozen``, gpus > 1): the team, pi_pre and the replacement are
+    FSDP2 shards too (1/N each), the trainable copy is built shard by shard (no sharding
+    transient), and ``stage0_gathered`` holds three models' roots (pi_new, pi_pre, pi_cur:
+    a root stays gathered after its no-grad forward) and two decoder layers of each.
+
+    The per-state targets (one t(s) per state) and the states' token ids are negligible."""
+    p_team, p_new = count_parameters(team_config), count_parameters(replacement_config)
+    d = model_dims(replacement_config)
+    root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
+    layer = (p_new - root) // d["layers"]
+    tokens = -(-micro_batch_tokens // gpus)  # this rank's rows of a micro-batch
+    if gpus == 1:
+        state = p_new * (4 + optimizer_bytes_per_param + (4 if dtype_bytes < 4 else 0))
+    else:
+        state = -(-p_new * (4 + 4 + optimizer_bytes_per_param) // gpus)
+    parts = {
+        "stage0_team": n_agents * p_team * dtype_bytes,
+        "stage0_pi_pre": p_new * dtype_bytes,
+        "stage0_replacement": p_new * dtype_bytes,
+        "stage0_train_state": state,
+        "stage0_gathered": (root + 2 * layer) * dtype_bytes + 2 * layer * 4 if gpus > 1 else 0,
+        "stage0_activations": tokens * (activation_bytes_per_token(replacement_config, dtype_bytes, gradient_checkpointing)
+                                        + 2 * d["hidden"] * dtype_bytes),
+        "stage0_logits_blocks": live_blocks * logits_budget * 4,
+        "stage0_sharding": p_new * dtype_bytes + 4 * layer if gpus > 1 else 0,
+    }
+    if shard_frozen and gpus > 1:
+        for key in ("stage0_team", "stage0_pi_pre", "stage0_replacement"):
+            parts[key] = -(-parts[key] // gpus)
+        parts["stage0_gathered"] = 3 * (root + 2 * layer) * dtype_bytes + 2 * layer * 4
+        parts["stage0_sharding"] = 0
+    fit = parts["stage0_train_state"] + parts["stage0_gathered"] + parts["stage0_activations"]
+    parts["peak_stage0"] = (parts["stage0_team"] + parts["stage0_pi_pre"] + parts["stage0_replacement"]
+                            + parts["stage0_logits_blocks"] + max(fit, parts["stage0_sharding"]))
+    return parts
+
+
+def stage0_plan_table(model: str, replacement: str, n_agents: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
+    """Per-rank Stage-0 peaks (estimates) of ``--upgrade SLOT=replacement`` in a team of
+    ``n_agents`` x ``model``, for each number of GPUs, and whether they fit (``stage0_rank_bytes``)."""
+    keys = ("stage0_team", "stage0_pi_pre", "stage0_replacement", "stage0_train_state", "stage0_gathered",
+            "stage0_activations", "stage0_logits_blocks", "stage0_sharding")
+    short = ("team", "pi_pre", "repl.", "train", "gather", "activ.", "logits", "sharding")
+    how = ", --shard-frozen (team, pi_pre, replacement as FSDP2 shards)" if kw.get("shard_frozen") else ""
+    rows = [f"ESTIMATES (not measured): Stage-0 of --upgrade to {replacement} in a team of {model} x{n_agents}{how}, GiB per rank",
+            f"{'gpus':>4} " + " ".join(f"{s:>8}" for s in short) + f" {'peak':>8}  " + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
+    for n in gpus_list:
+        est = stage0_rank_bytes(QWEN3_DIMS[model], QWEN3_DIMS[replacement], n_agents, gpus=n, **kw)
+        fits = "  ".join(f"{'fits' if est['peak_stage0'] <= g * GiB else 'NO':>10}" for g in gib_list)
+        rows.append(f"{n:>4} " + " ".join(f"{est[k] / GiB:>8.1f}" for k in keys) + f" {est['peak_stage0'] / GiB:>8.1f}  {fits}")
+    rows += [f"  {s}: {STAGE0_RANK_NOTES[k]}" for s, k in zip(short, keys)]
+    rows.append("  peak = team + pi_pre + repl. + logits + max(train + gather + activ., sharding)")
+    return "\n".join(rows)
+
+
 def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
     """Raise a one-line ValueError naming the peak that does not fit, its
     largest component and the fix; return None when everything fits."""
@@ -406,9 +495,11 @@ def check_run(cfg, team, log) -> float | None:
                           engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1),
                           shard_frozen=bool(getattr(cfg, "shard_frozen", False)))
     available = available_bytes(cfg.device)
-    if cfg.upgrade:  # Stage-0 of --upgrade (the replacement taken to be as large as the biggest agent)
-        est.update(stage0_bytes(biggest.model.config, len(team), micro_batch_tokens=cfg.token_budget,
-                                gradient_checkpointing=cfg.gradient_checkpointing))
+    if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
+        est.update(stage0_rank_bytes(biggest.model.config, biggest.model.config, len(team), gpus=int(os.environ.get("WORLD_SIZE", "1")),
+                                     dtype_bytes=4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2,
+                                     micro_batch_tokens=cfg.token_budget, gradient_checkpointing=cfg.gradient_checkpointing,
+                                     shard_frozen=bool(getattr(cfg, "shard_frozen", False))))
     log(format_table(est, available))
     if available is not None:
         check_fits(est, available)
@@ -436,6 +527,8 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-gib", default="79.6,140.4",
                    help="memory per GPU in GiB as the driver reports it, for the fit columns of the per-rank plan "
                         "(an H100 80GB reports 79.6, an H200 140.4)")
+    p.add_argument("--stage0", default=None, choices=sorted(QWEN3_DIMS), metavar="MODEL",
+                   help="per-rank plan of Stage-0 of --upgrade SLOT=MODEL in a team of --n-agents x --model, for --gpus")
     p.add_argument("--shard-frozen", action="store_true",
                    help="per-rank plan with the agents, the reference and the line-search snapshots as FSDP2 shards")
     args = p.parse_args(argv)
@@ -445,6 +538,11 @@ def main(argv=None) -> None:
     if args.available_gib is not None and args.available_gib <= 0:
         p.exit(2, f"memory.py: error: --available-gib must be > 0 (got {args.available_gib})\n")
     gpus = [int(g) for g in str(args.gpus).split(",")]
+    if args.stage0:  # Stage-0 of --upgrade, per rank (micro-batches of --rollout-tokens = --token-budget)
+        print(stage0_plan_table(args.model, args.stage0, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")],
+                                micro_batch_tokens=args.rollout_tokens, gradient_checkpointing=not args.no_checkpointing,
+                                shard_frozen=args.shard_frozen))
+        return
     if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
         print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")], update=args.update,
                          shard_frozen=args.shard_frozen,

@@ -39,7 +39,6 @@ vocabulary; a replacement with another tokenizer is refused
 """
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass
@@ -171,8 +170,26 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
     first, last = int(states.rmask[:lo].sum()), int(states.rmask[:hi].sum())
     mine = measure_stage0(new_model, pre_model, cur_model, states.rows(slice(lo, hi)), None if t is None else t[first:last],
                           delta0, **args)
+    models = (new_model, pre_model, cur_model)
+    if any(distributed.is_sharded(m) for m in models):  # --shard-frozen: forwards are collectives, match the busiest rank
+        _dummy_forwards(models, states, len(row_slices(states.rows(slice(lo, hi)), hi - lo, args["token_budget"])))
     parts = distributed.gather_objects(mine)
     return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
+
+
+@torch.no_grad()
+def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
+    """Sharded models (``--shard-frozen``): after this rank's ``calls`` trunk
+    forwards of each model, as many more on one row as the busiest rank made
+    (``distributed.extra_calls``), so every all-gather meets its peers; then
+    free the gathered roots."""
+    part = states.rows(slice(0, 1))
+    for _ in range(distributed.extra_calls(calls)):
+        for model, ctx, cmask in zip(models, (part.ctx_new, part.ctx_new, part.ctx_cur),
+                                     (part.cmask_new, part.cmask_new, part.cmask_cur)):
+            _hidden(model, ctx, cmask, part.resp, part.rmask)
+    for model in models:
+        distributed.reshard(model)
 
 
 def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
@@ -280,9 +297,14 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     (``fit_pass``) and measures its share of the states (``measure_all``), and
     the per-state values are gathered: the quantiles, means and every decision
     are the one-process ones up to float summation order. The whole weights
-    are written back into ``new_model`` (the same on every rank) after each pass."""
+    are written back into ``new_model`` (the same on every rank) after each pass.
+    With ``--shard-frozen`` (``new_model`` and ``cur_model`` FSDP2 shards) pi_pre
+    is a sharded copy, the trainable copy is built from the shards
+    (``distributed.training_copy``) and each rank writes its shards back
+    (``copy_local_into``): no model is ever whole on a rank; the measurements'
+    forwards are collectives, matched by ``_dummy_forwards``."""
     log = log or (lambda *_: None)
-    pre_model = copy.deepcopy(new_model).requires_grad_(False).eval()  # pi_pre, frozen
+    pre_model = distributed.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre, frozen (shards: a sharded copy)
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
     kl, fit_kl, t = measure_all(new_model, pre_model, cur_model, fit, None, delta0, **args)
     t_exact = t.clone()  # [M] the argmin's exponents
@@ -294,7 +316,12 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
               "heldout_kl_quantile_before": quantile(kl_held, q_level) if kl_held.numel() else 0.0,
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
     sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
-    trained = distributed.shard_model(new_model) if sharded else new_model  # torchrun: fp32 shards, FSDP2
+    if distributed.is_sharded(new_model):  # --shard-frozen: the fp32 copy built shard by shard, never whole
+        trained = distributed.training_copy(new_model)
+        if new_model.lm.is_gradient_checkpointing:
+            trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        trained = distributed.shard_model(new_model) if sharded else new_model  # torchrun: fp32 shards, FSDP2
     trained.requires_grad_(True).train()
     if low and not sharded:  # bf16: fp32 master weights, as in the SAT update (the shards are the masters under torchrun)
         opt = MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
@@ -325,7 +352,9 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
                 group["lr"] *= 0.5
             stall = 0
         fit_pass(trained, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
-        if sharded:  # the whole weights on every rank, one layer at a time, for the measurement
+        if distributed.is_sharded(new_model):  # --shard-frozen: each rank writes its shards, no communication
+            distributed.copy_local_into(trained, new_model)
+        elif sharded:  # the whole weights on every rank, one layer at a time, for the measurement
             trained.reshard()
             distributed.copy_full_into(trained, new_model)
         new_model.eval()
@@ -434,7 +463,8 @@ def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int
     """The new model for an upgraded slot. A tiny spec gets its own (longer)
     warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
+    shard = bool(getattr(cfg, "shard_frozen", False)) and distributed.active()  # a model with files: straight into shards
+    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot, shard=shard)
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
         holder = Team(list(team.agents), team.config)  # the slot's own prompt format (chain: earlier answers)
@@ -459,6 +489,8 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
         distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts Stage-0 from rank 0's weights
+        if getattr(cfg, "shard_frozen", False) and distributed.active() and not distributed.is_sharded(new_agent.model):
+            new_agent.model = distributed.shard_in_place(new_agent.model)  # a tiny replacement, warm-started whole
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)
         before = None

@@ -231,7 +231,10 @@ def load_sharded(folder: Path, team: Team) -> None:
         if agent.dtype == torch.float32:
             with torch.no_grad():
                 for p, v in zip(params, values):
-                    p.copy_(distributed.full(v).to(p.device))
+                    if hasattr(p, "to_local"):  # loaded into shards (shard_load): the same Shard(0) rows
+                        p.to_local().copy_(v.to_local())
+                    else:
+                        p.copy_(distributed.full(v).to(p.device))
         elif distributed.active():
             agent.master_shards = [v.to_local().to("cpu", copy=True) for v in values]
         else:
@@ -359,14 +362,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     return target
 
 
-def load_checkpoint(folder: Path, device: str, dtype: torch.dtype) -> tuple[Team, dict, random.Random, dict]:
+def load_checkpoint(folder: Path, device: str, dtype: torch.dtype, shard: bool = False) -> tuple[Team, dict, random.Random, dict]:
     """Team, saved state, the Python RNG and the controllers of a stage folder;
     restores the torch / numpy / CUDA RNGs so a resumed run continues the
     same random stream as a straight one. The folder is checked against its
-    checksums first; a file that still fails to load is named in one line."""
+    checksums first; a file that still fails to load is named in one line.
+    ``shard`` (``--shard-frozen``): each agent read straight into FSDP2 shards."""
     verify_checkpoint(folder)
     try:
-        team = Team.load(folder / "team", device=device, dtype=dtype)
+        team = Team.load(folder / "team", device=device, dtype=dtype, shard=shard)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # safetensors / json / tokenizer errors of a damaged file

@@ -183,9 +183,10 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
     and (where transformers exposes it) the processor list it would build
     holds nothing but temperature and top-p."""
     gen_cfg = sampler_config(agent, sampling)
-    merge = getattr(agent.model, "_prepare_generation_config", None)
+    model = getattr(agent.model, "lm", agent.model)  # a sharded agent (distributed.ShardedLM): the LM inside
+    merge = getattr(model, "_prepare_generation_config", None)
     if merge is not None:  # the config generate will really use: ours, merged as generate merges it
-        with _sampler(agent.model, gen_cfg):
+        with _sampler(model, gen_cfg):
             try:
                 gen_cfg = merge(gen_cfg)[0]
             except TypeError:  # the private signature changed: check our own config
@@ -195,10 +196,10 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
         if not neutral(value):
             raise RuntimeError(f"agent '{agent.spec.name}': the sampler's {name}={value!r} would reshape the "
                                f"distribution the behaviour log-probs assume; set it to its neutral value in rollout.sampler_config")
-    build = getattr(agent.model, "_get_logits_processor", None)
+    build = getattr(model, "_get_logits_processor", None)
     if build is None:
         return
-    with _sampler(agent.model, gen_cfg):
+    with _sampler(model, gen_cfg):
         from transformers import LogitsProcessorList
 
         try:

@@ -276,7 +276,8 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
 
 def build_team(cfg: Config, instruction: str) -> Team:
     dtype = getattr(torch, cfg.dtype)
-    agents = [Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + k) for k, spec in enumerate(parse_agents(cfg.agents))]
+    agents = [Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + k, shard=bool(cfg.shard_frozen))
+              for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
 
 
@@ -319,7 +320,8 @@ def run(cfg: Config, log=None) -> list[dict]:
                               token_budget=cfg.token_budget, backend=cfg.backend)
     dtype = getattr(torch, cfg.dtype)
     if resume_from is not None:
-        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype)
+        # --shard-frozen: each agent read straight into shards (shard_load), Stage-0 included
+        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, dtype, shard=cfg.shard_frozen)
         start = state["stage"]
         records = [r for r in read_metrics(resume_run) if r["stage"] <= start]  # the run's history, 0..start
         if [r["stage"] for r in records] != list(range(start + 1)):
@@ -369,7 +371,7 @@ def run(cfg: Config, log=None) -> list[dict]:
         save_checkpoint(out, start, team, controllers, value_heads, rng,
                         {"baseline_eval": baseline, "pending_upgrades": pending_upgrades}, suffix="_upgraded")
         log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
-    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: every agent as FSDP2 shards (after any Stage-0)
+    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: agents built whole (tiny) as FSDP2 shards too
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now, every rank at once
         sync_weights(agent, sampling)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}  # how a result was produced

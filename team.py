@@ -187,8 +187,16 @@ class Agent:
 
     # -- loading / saving ---------------------------------------------------
     @classmethod
-    def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> "Agent":
+    def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+             shard: bool = False) -> "Agent":
+        """``shard`` (``--shard-frozen`` under torchrun): a checkpoint is read
+        straight into FSDP2 shards (``shard_load``); a tiny agent, which has no
+        files, is built whole and sharded later (``distributed.shard_team``)."""
         spec = resolve_agent_spec(spec) if isinstance(spec, str) else spec
+        if shard and spec.kind != "tiny":
+            from shard_load import load_agent_sharded
+
+            return load_agent_sharded(spec, spec.source, device, dtype)
         if spec.kind == "tiny":
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
@@ -209,10 +217,16 @@ class Agent:
         (path / "agent.json").write_text(json.dumps({"name": self.spec.name, "kind": self.spec.kind, "source": self.spec.source}))
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Agent":
-        """Load an agent saved by ``save``; its spec keeps the original name."""
+    def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        shard: bool = False) -> "Agent":
+        """Load an agent saved by ``save``; its spec keeps the original name.
+        ``shard``: straight into FSDP2 shards (``shard_load``)."""
         path = Path(path)
         meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
+        if shard:
+            from shard_load import load_agent_sharded
+
+            return load_agent_sharded(AgentSpec(name=meta["name"], kind="local", source=str(path)), str(path), device, dtype)
         model, tokenizer = _load_pretrained(str(path), dtype)
         check_chat_template(tokenizer, meta["name"], str(path))
         model.to(device=device, dtype=dtype)
@@ -558,10 +572,10 @@ class Team:
                                                     "instruction": self.config.instruction, "agents": [a.spec.name for a in self.agents]}))
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Team":
+    def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, shard: bool = False) -> "Team":
         path = Path(path)
         meta = json.loads((path / "team.json").read_text())
-        agents = [Agent.from_checkpoint(path / f"agent_{k}", device, dtype) for k in range(len(meta["agents"]))]
+        agents = [Agent.from_checkpoint(path / f"agent_{k}", device, dtype, shard) for k in range(len(meta["agents"]))]
         cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"], instruction=meta["instruction"])
         return cls(agents, cfg)
 

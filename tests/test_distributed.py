@@ -109,12 +109,32 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_worker(worker: str, *paths) -> None:
+def run_worker(worker: str, *paths, timeout: int = 300) -> None:
     """tests/dist/<worker> under ``torchrun --nproc-per-node 2`` (gloo), its outputs to ``paths``."""
     cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "tests" / "dist" / worker), *map(str, paths)]
-    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+WORKERS = {"frozen": ("frozen_worker.py", "frozen.json"), "load": ("load_worker.py", "load.json"),
+           "update": ("update_worker.py", "update.json"), "masters": ("master_worker.py", "masters.json", "masters.pt"),
+           "stage0": ("stage0_worker.py", "stage0.json")}
+
+
+@pytest.fixture(scope="module")
+def worker_outputs(tmp_path_factory) -> dict[str, list[Path]]:
+    """Every tests/dist worker of this file in ONE ``torchrun --nproc-per-node 2``
+    (tests/dist/all_workers.py: a torchrun start costs ~10 s on the loaded CI
+    machine); each worker its own folder; {name: [its output paths]}."""
+    root = tmp_path_factory.mktemp("workers")
+    outputs, args = {}, []
+    for name, (script, *files) in WORKERS.items():
+        (root / name).mkdir()
+        outputs[name] = [root / name / f for f in files]
+        args += ["--", str(ROOT / "tests" / "dist" / script), *map(str, outputs[name])]
+    run_worker("all_workers.py", *args[1:], timeout=600)
+    return outputs
 
 
 def rewind(run: Path, stage: int) -> None:
@@ -135,8 +155,10 @@ def assert_same_run(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A warm-started base (stage 0), then 2 stages with 1 process (--shard-rollouts)
-    and with 2 processes, and the two cross-N resumes from stage 1."""
+    """A warm-started base (stage 0, written by 1 process), then 2 stages with 1
+    process (--shard-rollouts) and with 2 processes (so "two" is a 1-process
+    checkpoint resumed under 2 processes), and the 2-process run rewound to
+    stage 1 and resumed under 1 process."""
     root = tmp_path_factory.mktemp("dist")
     run_sat(1, "--agents", "tiny x2", "--stages", "0", "--batch-size", "64", "--group-size", "8", "--minibatch-size", "32",
             "--warmup-steps", "100", "--eval-size", "32", "--rollout-blocks", "4", "--device", "cpu", "--seed", "3",
@@ -146,11 +168,8 @@ def runs(tmp_path_factory):
     run_sat(1, "--resume", str(root / "one"), "--stages", "2", "--shard-rollouts")
     run_sat(2, "--resume", str(root / "two"), "--stages", "2")
     shutil.copytree(root / "two", root / "two_then_one")
-    shutil.copytree(root / "one", root / "one_then_two")
     rewind(root / "two_then_one", 1)
-    rewind(root / "one_then_two", 1)
     run_sat(1, "--resume", str(root / "two_then_one"), "--stages", "2")
-    run_sat(2, "--resume", str(root / "one_then_two"), "--stages", "2")
     # one small stage of the options that needed their own handling under torchrun, both at once
     small = ("--stages", "1", "--reuse", "regenerate", "--adv", "gae", "--batch-size", "16", "--minibatch-size", "16")
     for name, nproc, extra in (("small_one", 1, ("--shard-rollouts",)), ("small_two", 2, ())):
@@ -204,7 +223,9 @@ def test_frozen_agents_sharded_match_one_process(runs):
     them, the trained agent written back into its shards, the reference a
     sharded copy, the line search on each rank's shards, regenerate on every
     rank), the same stage as one process with whole agents; its checkpoint
-    (HF folders gathered layer by layer) resumes under one process."""
+    (HF folders gathered layer by layer) resumes under one process. The run
+    resumes from a checkpoint, so its agents are read straight into shards
+    (``shard_load``, the path of every non-tiny agent under --shard-frozen)."""
     one, two = metrics(runs / "small_one"), metrics(runs / "small_sharded")
     assert json.loads((runs / "small_sharded" / "config.json").read_text())["shard_frozen"] is True
     assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16
@@ -217,14 +238,12 @@ def test_frozen_agents_sharded_match_one_process(runs):
     assert [r["stage"] for r in rows] == [0, 1, 2] and rows[2]["world_size"] == 1
 
 
-def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
+def test_sharded_team_rolls_out_the_one_process_tokens(worker_outputs):
     """Rollouts, regenerate and the exact KL through sharded agents equal one
     process with whole agents, bit for bit, with blocks and calls that do not
     divide evenly over the ranks (dummy blocks and calls keep the collectives
     matched); the HF export gathered layer by layer equals the whole weights."""
-    out = tmp_path / "frozen.json"
-    run_worker("frozen_worker.py", str(out))
-    r = json.loads(out.read_text())
+    r = json.loads(worker_outputs["frozen"][0].read_text())
     assert r["world"] == 2 and r["rows"] == 10 and r["dummy_calls"] > 0  # uneven: some rank had to pad
     assert r["rollout_same_ids"] and r["rollout_same_rewards"] and r["rollout_logprob_diff"] == 0.0
     assert r["regenerate_same_ids"] and r["regenerate_changed"] and r["regenerate_logprob_diff"] == 0.0
@@ -232,6 +251,42 @@ def test_sharded_team_rolls_out_the_one_process_tokens(tmp_path):
     assert r["kl_n"][0] == r["kl_n"][1] > 0 and r["kl_max"] > 1e-4  # the step moved the agent
     assert r["kl_diff"] <= 1e-6 * r["kl_max"] and r["logp_diff"] <= 1e-6  # measured 0.0 and 0.0
     assert r["export_equal"] and r["export_tied"]
+
+
+def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
+    """shard_load.load_into_shards (meta model, fully_shard, each rank reads
+    its own rows from the safetensors files): the local shards equal
+    shard_in_place of the whole-loaded model bit for bit, with Shard(0)
+    padding (vocabulary 101, MLP width 37 over 2 ranks), tied and untied
+    heads, a bf16 file loaded in fp32, the rotary buffers as from_pretrained
+    sets them; no rank reads more than its rows of any tensor, and the logits
+    through the shards and of the gathered model equal the whole model's."""
+    r = json.loads(worker_outputs["load"][0].read_text())
+    assert r["world"] == 2
+    for name in ("tied", "untied"):
+        m = r[name]
+        assert m["local_equal"] and m["buffers_equal"], name
+        assert m["read_is_local"] and m["n_reads"] == m["n_params"], name  # one read per parameter, its local rows
+        assert m["largest_read_rows_vs_full"] <= 0.52 and m["vocab_rows_of_rank0"] == 51  # ceil(101 / 2), never all
+        assert m["numel_read"] == m["numel_whole"], name  # the ranks' reads cover the model exactly once
+        assert m["shard_logits_diff"] == 0.0 and m["gathered_logits_diff"] == 0.0, name
+    assert r["tied"]["shards_tied"] and r["tied"]["gathered_tied"] and not r["tied"]["has_lm_head_read"]
+    assert not r["untied"]["shards_tied"] and r["untied"]["has_lm_head_read"]
+
+
+def test_shard_load_resolves_folders_and_names_a_missing_hub_model(tmp_path, monkeypatch):
+    """A folder is used as it is; a hub name not in the cache, offline, is one line (before any model is built)."""
+    import shard_load
+    import team
+
+    assert shard_load.snapshot_folder(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(team, "_OFFLINE", [])
+    with pytest.raises(RuntimeError, match=r"could not load model 'nobody/no-such-model' .*huggingface-cli download"):
+        shard_load.snapshot_folder("nobody/no-such-model")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        shard_load.tensor_files(tmp_path)
 
 
 def test_joint_update_under_two_processes_matches_one(runs):
@@ -245,22 +300,22 @@ def test_joint_update_under_two_processes_matches_one(runs):
 
 
 def test_resume_across_process_counts(runs):
-    """Checkpointed under N = 2, resumed under N = 1 (and the other way): the
-    run continues from stage 1 and its stage 2 is the straight run's."""
-    for resumed, straight, n_after in (("two_then_one", "two", 1), ("one_then_two", "one", 2)):
-        rows = metrics(runs / resumed)
-        assert [r["stage"] for r in rows] == [0, 1, 2]
-        assert rows[1] == metrics(runs / straight)[1]  # stage 1 kept from the checkpointed run
-        assert rows[2]["world_size"] == n_after
-        assert_same_run(rows[2], metrics(runs / straight)[2])
+    """Checkpointed under N = 2 at stage 1, resumed under N = 1: the run
+    continues from stage 1 and its stage 2 is the straight run's. The other
+    way round is the "two" run itself: the base's stage-0 checkpoint, written
+    by 1 process, resumed under 2, matches the 1-process continuation
+    (``test_two_processes_match_one``)."""
+    rows, straight = metrics(runs / "two_then_one"), metrics(runs / "two")
+    assert [r["stage"] for r in rows] == [0, 1, 2]
+    assert rows[1] == straight[1]  # stage 1 kept from the checkpointed run
+    assert rows[0]["world_size"] == 1 and rows[1]["world_size"] == 2 and rows[2]["world_size"] == 1
+    assert_same_run(rows[2], straight[2])
 
 
-def test_sharded_update_equals_unsharded(tmp_path):
+def test_sharded_update_equals_unsharded(worker_outputs):
     """One AdamW step of agent j's objective (Eq. (5)) on the same minibatch:
     FSDP2 over 2 ranks (each computing half the rows) against one process."""
-    out = tmp_path / "update.json"
-    run_worker("update_worker.py", str(out))
-    result = json.loads(out.read_text())
+    result = json.loads(worker_outputs["update"][0].read_text())
     assert result["world"] == 2 and result["steps"] == [1, 1]
     assert result["max_step"] > 1e-4  # the update moved the weights
     assert result["max_param_diff"] <= 1e-2 * result["max_step"]  # measured 1.2e-6 against a 3e-4 step
@@ -272,7 +327,7 @@ def test_sharded_update_equals_unsharded(tmp_path):
     assert result["layers_max_group_bytes"] == result["layer_bytes"]
 
 
-def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(tmp_path):
+def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(worker_outputs):
     """A bf16 agent, two turns of one AdamW step at lr 1e-5 (below a bf16
     rounding step for most weights), --keep-optimizer-state: under FSDP2 over
     2 ranks its fp32 master shards and AdamW moments survive the turn as with
@@ -280,8 +335,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     ``restart``). The sharded checkpoint (torch.distributed.checkpoint, written
     by both ranks) loads back exactly under 2 processes (in the worker) and
     under 1 (here)."""
-    result_path, masters_path = tmp_path / "masters.json", tmp_path / "masters.pt"
-    run_worker("master_worker.py", str(result_path), str(masters_path))
+    result_path, masters_path = worker_outputs["masters"]
     r = json.loads(result_path.read_text())
     assert r["world"] == 2
     assert r["bf16_moved_fraction"] < 0.5  # most steps are below bf16 resolution: only the master holds them
@@ -294,7 +348,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     from records import load_checkpoint
 
     with torch.random.fork_rng():
-        team, _, _, _ = load_checkpoint(tmp_path / "run" / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
+        team, _, _, _ = load_checkpoint(result_path.parent / "run" / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
     saved = torch.load(masters_path)
     assert len(team.agents[0].master_weights) == len(saved["masters"])
     assert all(torch.equal(a, b) for a, b in zip(team.agents[0].master_weights, saved["masters"]))  # loaded by 1 process: exact
@@ -303,16 +357,15 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     assert len(loaded) == len(saved["moments"]) and all(torch.equal(a, b) for a, b in zip(loaded, saved["moments"]))
 
 
-def test_stage0_under_two_processes_matches_one(tmp_path):
+def test_stage0_under_two_processes_matches_one(worker_outputs):
     """Plug-and-play Stage-0 (Eqs. (6)-(7)) with the replacement FSDP2-sharded
     over 2 ranks against one process, same seed (tests/dist/stage0_worker.py):
     the same fit states (seeded rollout blocks), the same pass count and the
     same states retargeted (every decision is taken on gathered per-state
     values), quantiles and weights within float summation order, and every
-    rank left holding the same replacement."""
-    out = tmp_path / "stage0.json"
-    run_worker("stage0_worker.py", str(out))
-    r = json.loads(out.read_text())
+    rank left holding the same replacement; and the same with the team, the
+    replacement and pi_pre held as FSDP2 shards (--shard-frozen)."""
+    r = json.loads(worker_outputs["stage0"][0].read_text())
     assert r["world"] == 2 and r["same_states"] and r["rows"] == 24 and r["states"][0] == r["states"][1] > 0
     assert r["kl_quantile_before"][0] > 0.05  # it really had to move (measured 0.068)
     assert r["passes"][0] == r["passes"][1] >= 5  # measured 7, with one retargeting at pass 5
@@ -326,3 +379,9 @@ def test_stage0_under_two_processes_matches_one(tmp_path):
     assert r["max_step"] > 1e-3  # Stage-0 moved the weights
     assert r["max_param_diff"] <= 1e-2 * r["max_step"]  # measured 3.5e-5 against a 1.3e-2 step
     assert r["mean_param_diff"] <= 1e-3 * r["mean_step"]  # measured 1.4e-7 against 3.3e-3
+    # --shard-frozen: the team, the replacement and pi_pre as FSDP2 shards, the same Stage-0 as one process
+    s = r["sharded"]
+    assert s["held_as_shards"] and s["same_states"] and s["passes"] == r["passes"][0] and s["same_retargeted_states"]
+    for key in ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile", "kl_mean", "fit_mean"):
+        assert abs(s[key] - r[key][0]) <= 1e-3 * abs(r[key][0]) + 1e-7, (key, s[key], r[key][0])
+    assert s["max_param_diff"] <= 1e-2 * r["max_step"] and s["mean_param_diff"] <= 1e-3 * r["mean_step"]

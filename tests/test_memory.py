@@ -188,3 +188,47 @@ def test_sharded_frozen_agents_divide_the_whole_model_terms_by_the_ranks():
         for peak, parts in memory.PEAKS.items():
             assert est[peak] == sum(est[p] for p in parts)
     assert sharded["peak_training"] < plain["peak_training"]
+
+
+def test_stage0_per_rank_plan_counts_what_each_rank_holds():
+    """memory.stage0_rank_bytes, exact small case: a team of 3 agents of SMALL[0]
+    upgraded to SMALL[1] (untied); the layer and root sizes are checked against a
+    real model's modules, the shares against ceil(x / N)."""
+    from transformers import Qwen3ForCausalLM
+
+    team_cfg, new_cfg = qwen3_config(**SMALL[0]), qwen3_config(**SMALL[1])
+    p_team, p_new = real_count(team_cfg), real_count(new_cfg)
+    with torch.device("meta"):
+        real = Qwen3ForCausalLM(new_cfg)
+    layer = sum(p.numel() for p in real.model.layers[0].parameters())
+    root = p_new - 3 * layer  # embeddings, final norm, untied head
+    per_token = memory.activation_bytes_per_token(new_cfg, 2) + 2 * 64 * 2
+    one = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=1, dtype_bytes=2, micro_batch_tokens=1000)
+    assert one["stage0_team"] == 3 * p_team * 2 and one["stage0_pi_pre"] == one["stage0_replacement"] == p_new * 2
+    assert one["stage0_train_state"] == p_new * 16  # fp32 master + grads + AdamW m, v (bf16 replacement)
+    assert one["stage0_gathered"] == one["stage0_sharding"] == 0 and one["stage0_activations"] == 1000 * per_token
+    four = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=4, dtype_bytes=2, micro_batch_tokens=1000)
+    assert four["stage0_train_state"] == -(-p_new * 16 // 4) and four["stage0_activations"] == 250 * per_token
+    assert four["stage0_gathered"] == (root + 2 * layer) * 2 + 2 * layer * 4
+    assert four["stage0_sharding"] == p_new * 2 + layer * 4
+    assert four["stage0_team"] == one["stage0_team"]  # whole on every rank: does not shrink with N
+    whole = four["stage0_team"] + four["stage0_pi_pre"] + four["stage0_replacement"] + four["stage0_logits_blocks"]
+    assert four["peak_stage0"] == whole + max(four["stage0_train_state"] + four["stage0_gathered"] + four["stage0_activations"],
+                                              four["stage0_sharding"])
+    sharded = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=4, dtype_bytes=2, micro_batch_tokens=1000, shard_frozen=True)
+    assert sharded["stage0_team"] == -(-3 * p_team * 2 // 4) and sharded["stage0_pi_pre"] == -(-p_new * 2 // 4)
+    assert sharded["stage0_replacement"] == sharded["stage0_pi_pre"] and sharded["stage0_sharding"] == 0
+    assert sharded["stage0_gathered"] == 3 * (root + 2 * layer) * 2 + 2 * layer * 4  # three models' roots + 2 layers each
+    assert sharded["stage0_train_state"] == four["stage0_train_state"] and sharded["peak_stage0"] < four["peak_stage0"]
+    fp32 = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=1, dtype_bytes=4, micro_batch_tokens=1000)
+    assert fp32["stage0_train_state"] == p_new * 12  # no separate master in fp32
+
+
+def test_stage0_plan_cli_prints_labelled_estimates(capsys):
+    memory.main(["--model", "qwen3-4b", "--n-agents", "3", "--stage0", "qwen3-8b", "--gpus", "1,2,4,8"])
+    out = capsys.readouterr().out
+    assert out.startswith("ESTIMATES (not measured): Stage-0")
+    rows = [line.split() for line in out.splitlines()[2:6]]
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
+    peaks = [float(r[9]) for r in rows]
+    assert peaks == sorted(peaks, reverse=True) and rows[0][-2:] == ["NO", "NO"]  # one GPU: 3 x 4B + 8B Stage-0 fits neither

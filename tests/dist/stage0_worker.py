@@ -6,7 +6,13 @@ comparison as JSON to argv[1].
 
 The micro-batches (``--minibatch-size`` 23 over 24 fit rows) are one of 23
 rows, shared 12 + 11, then one of a single row, which leaves rank 1 without
-rows: it runs with weight 0 so both ranks make the same FSDP2 calls."""
+rows: it runs with weight 0 so both ranks make the same FSDP2 calls.
+
+Third, the same Stage-0 with every model sharded (``--shard-frozen``): the
+team (the incumbent pi_cur), the replacement and pi_pre as FSDP2 shards, the
+trainable copy built shard by shard, each rank writing its shards back; the
+measurements' forwards are collectives over rank shares of unequal size
+(dummy forwards keep them matched)."""
 import copy
 import json
 import sys
@@ -30,10 +36,12 @@ raw = Agent.load("tiny-3L", seed=9)  # another architecture, same vocabulary: ou
 problems = arithmetic_problems(8, seed=0)  # 6 fit problems (24 rows), 2 held out
 
 
-def upgrade() -> tuple[dict, dict, Agent]:
+def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
     torch.manual_seed(1)  # the rollout seed drawn from the global RNG: the same on every rank and for any N
     new = Agent(raw.spec, copy.deepcopy(raw.model), raw.tokenizer)
     distributed.broadcast_module(new.model)
+    if shard:
+        new.model = distributed.shard_in_place(new.model)
     trace = {}
     info = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, trace=trace)
     return info, trace, new
@@ -44,7 +52,20 @@ distributed.setup("cpu")
 two = upgrade()
 flat = [torch.cat([p.detach().flatten() for p in agent.model.parameters()]) for agent in (raw, one[2], two[2])]
 on_ranks = distributed.gather_objects(flat[2])  # the replacement as every rank holds it
+distributed.shard_team(team, True)
+three = upgrade(shard=True)
+held_as_shards = distributed.is_sharded(three[2].model) and all(distributed.is_sharded(a.model) for a in team.agents)
+whole3 = distributed.whole_copy_on_main(three[2].model)  # gathered layer by layer on rank 0
 if distributed.is_main():
+    (i3, t3, _), t1 = three, one[1]
+    flat3 = torch.cat([p.detach().flatten() for p in whole3.parameters()])
+    sharded = {"held_as_shards": held_as_shards, "same_states": all(torch.equal(getattr(t1["fit"], k), getattr(t3["fit"], k)) for k in
+                                  ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask")),
+               "passes": i3["passes"], "retargeted": i3["retargeted"],
+               "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t3["t"] < t3["t_exact"])),
+               **{k: i3[k] for k in ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile",
+                                     "kl_mean", "fit_mean")},
+               "max_param_diff": float((flat[1] - flat3).abs().max()), "mean_param_diff": float((flat[1] - flat3).abs().mean())}
     (i1, t1, _), (i2, t2, _) = one, two
     fit1, fit2 = t1["fit"], t2["fit"]
     same_states = all(torch.equal(getattr(fit1, k), getattr(fit2, k)) for k in ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask"))
@@ -57,6 +78,7 @@ if distributed.is_main():
                **{k: [i1[k], i2[k]] for k in keys},
                "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
                "max_step": float((flat[1] - flat[0]).abs().max()), "max_param_diff": float((flat[1] - flat[2]).abs().max()),
-               "mean_step": float((flat[1] - flat[0]).abs().mean()), "mean_param_diff": float((flat[1] - flat[2]).abs().mean())},
+               "mean_step": float((flat[1] - flat[0]).abs().mean()), "mean_param_diff": float((flat[1] - flat[2]).abs().mean()),
+               "sharded": sharded},
               open(sys.argv[1], "w"), indent=1)
 distributed.teardown()
