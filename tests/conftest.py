@@ -30,10 +30,12 @@ def single_thread():
 
 @pytest.fixture(autouse=True)
 def plain_forward_unless_a_run_sets_it():
-    """sat.run sets logprobs.SHARE_PREFIX from its config; restore it after
-    each test so no test's result depends on which tests ran before it."""
+    """sat.run sets logprobs.SHARE_PREFIX from its config (a module-scoped
+    fixture's run sets it before any test of its module starts): every test
+    starts from the library default, the plain forward, and leaves it so, so
+    no test's result depends on which tests or fixtures ran before it."""
     import logprobs
 
-    before = logprobs.SHARE_PREFIX
+    logprobs.SHARE_PREFIX = False
     yield
-    logprobs.SHARE_PREFIX = before
+    logprobs.SHARE_PREFIX = False
