@@ -337,6 +337,14 @@ def frozen_on_host(team, j: int, on: bool):
 # ---------------------------------------------------------------------------
 # Frozen agents, the reference and the line-search snapshots as FSDP2 shards (--shard-frozen)
 # ---------------------------------------------------------------------------
+def rng_devices(device) -> list[int]:
+    """The CUDA devices whose RNG ``torch.random.fork_rng`` must save: the
+    current one when ``device`` is a CUDA device, none otherwise (asking a CPU
+    run for ``torch.cuda.current_device()`` would start CUDA, and a process
+    with CUDA started forks no children: ``parallel.spare_core``)."""
+    return [torch.cuda.current_device()] if str(device).startswith("cuda") and torch.cuda.is_available() else []
+
+
 def is_sharded(model) -> bool:
     return isinstance(model, ShardedLM)
 
@@ -479,11 +487,11 @@ def whole_copy_on_main(model: torch.nn.Module):
         for b, c in zip(plain.buffers(), model.lm.buffers(), strict=True):
             b.copy_(c.cpu())
         plain.generation_config = model.lm.generation_config
-    params = dict(plain.named_parameters()) if plain is not None else {}
-    for group in full_weights_by_layer(model):
-        for name, tensor in group:
-            if plain is not None:
-                params[name].copy_(tensor.cpu())
+    if plain is not None:
+        copy_full_into(model, plain)
+    else:  # the other ranks take part in every gather
+        for _ in full_weights_by_layer(model):
+            pass
     return plain
 
 

@@ -420,9 +420,9 @@ def format_table(estimate: dict[str, int], available: int | None = None) -> str:
         rows.append(f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}")
     for peak, parts in PEAKS.items():
         rows.append(f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}")
-    if "peak_stage0" in estimate:  # a plug-and-play upgrade: Stage-0 (stage0_bytes)
-        rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_new + pi_pre + grads/AdamW + "
-                    f"micro-batch + LM-head blocks (Stage-0 of --upgrade)")
+    if "peak_stage0" in estimate:  # a plug-and-play upgrade: Stage-0 (stage0_rank_bytes)
+        rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_pre + replacement + LM-head blocks "
+                    f"+ max(train state + gathered + activations, sharding) (Stage-0 of --upgrade)")
     if available is not None:
         worst = max(estimate[p] for p in PEAKS)
         verdict = "fits" if worst <= available else "does NOT fit"

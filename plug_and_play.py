@@ -27,7 +27,7 @@ Memory is bounded by budgets, not by the response length: rows go through the
 trunks in micro-batches of at most ``token_budget`` tokens, and the LM heads
 see at most ``logits_budget // V`` positions at a time (a [positions, V] block
 of ``logits_budget`` elements), recomputed in the backward pass. The peak
-formula is ``memory.stage0_bytes``.
+formula is ``memory.stage0_rank_bytes`` (one process: ``gpus=1``).
 
 Each model reads a state through its own chat template: the replacement's
 contexts are rendered by its tokenizer, the incumbent's by its own; when they

@@ -103,7 +103,7 @@ def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | Non
     ``records`` + that row, then ``save()`` (the stage's checkpoint), so a
     checkpoint is never on disk before the row it continues from. In a forked
     child on the second core (a snapshot of the team and RNGs as they are
-    now) while the next stage runs; ``closed_stage`` returns the row. Serial
+    now) while the next stage runs; ``collect_stage`` returns the row. Serial
     under torchrun, with ``fork=False`` or without a spare core. One at a
     time, in order."""
     def job() -> dict:

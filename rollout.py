@@ -239,13 +239,9 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     if extra:  # dummy calls, under their own RNG (the batch's draws stay those of one process)
         ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
         for _ in range(extra):
-            with torch.random.fork_rng(devices=_rng_devices()), _sampler(inner, gen_cfg):
+            with torch.random.fork_rng(devices=distributed.rng_devices(agent.device)), _sampler(inner, gen_cfg):
                 agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device), generation_config=gen_cfg)
     return responses
-
-
-def _rng_devices() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
 
 def default_backend(device: str) -> str:
@@ -307,8 +303,8 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
 
     if not overlap:
         return turn(*scored())
-    pending = parallel.fork_call(scored, parallel=score)
-    return turn(None), (lambda: turn(*pending.result())) if pending is not None else (lambda: turn(*scored()))
+    pending = parallel.fork_call(scored, parallel=True)  # rollout() asks for the overlap only when it scores
+    return turn(None), lambda: turn(*pending.result())
 
 
 def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) -> list[list[int]]:
@@ -424,7 +420,7 @@ def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, samp
     # sharded agents (--shard-frozen, HF backend): rank r takes r, r + N, ... up to a multiple of N
     blocks = range(distributed.STATE.rank, rounds, world) if rounds != len(starts) else blocks_of_rank(len(starts), sampling)
     for b in blocks:
-        with torch.random.fork_rng(devices=_rng_devices()):
+        with torch.random.fork_rng(devices=distributed.rng_devices(team.agents[0].device)):
             torch.manual_seed(seed + b)
             part = rollout(team, problems[starts[b % len(starts)] : starts[b % len(starts)] + size], group_size, sampling, score)
         if b < len(starts):
@@ -463,12 +459,14 @@ def blocks_of_rank(n_blocks: int, sampling: SamplingConfig) -> range:
     vLLM with one engine per agent per rank); with K-rank tensor-parallel vLLM
     engines the K ranks of one engine take the same blocks
     (``vllm_ranks.engine_blocks``). The union is the same batch for any N."""
+    import vllm_ranks  # light: os, pathlib and torch only
+
     k = 1
     if sampling.backend == "vllm":
         import rollout_vllm
 
         k = rollout_vllm.tensor_parallel()
-    return range(distributed.STATE.rank // k, n_blocks, distributed.STATE.world // k)
+    return vllm_ranks.engine_blocks(n_blocks, distributed.STATE.rank, distributed.STATE.world, k)
 
 
 def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:

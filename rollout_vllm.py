@@ -567,14 +567,6 @@ def wake_for_rollout(agent):
     return registry().wake_for_rollout(agent)
 
 
-def sync_from_layers(agent, groups) -> None:
-    """After a promotion under torchrun: push the agent's new weights into this
-    rank's engine from ``groups`` (``distributed.full_weights_by_layer`` of
-    its FSDP2 shards), one layer at a time, so no rank holds the whole model
-    twice."""
-    registry().sync_from_layers(agent, groups)
-
-
 def tensor_parallel() -> int:
     """K of the configured engines (1: one engine per agent per rank)."""
     return 1 if _REGISTRY is None else _REGISTRY.tensor_parallel

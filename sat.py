@@ -111,8 +111,7 @@ def evaluate_seeded(team: Team, problems: list[Problem], sampling: SamplingConfi
     """``evaluate`` on its own random stream, seeded by the run seed and the
     stage: the training stream does not depend on whether, when or in which
     process the evaluation ran (``records.close_stage`` runs it in a child)."""
-    devices = [torch.cuda.current_device()] if cfg.device.startswith("cuda") and torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=distributed.rng_devices(cfg.device)):
         torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed} {stage}").getrandbits(63))
         return evaluate(team, problems, sampling, cfg)
 

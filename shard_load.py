@@ -52,7 +52,7 @@ def snapshot_folder(source: str) -> Path:
         return Path(snapshot_download(source, allow_patterns=list(WEIGHT_FILES), local_files_only=hub_offline()))
     except Exception as err:  # not cached and offline, or a wrong id
         raise RuntimeError(f"could not load model '{source}' ({type(err).__name__}); download it first "
-                           f"(huggingface-cli download {source}) or pass a local checkpoint folder") from None
+                           f"(huggingface-cli download {source}) or pass a local checkpoint folder") from err
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:

@@ -199,8 +199,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 due = cfg.kl_check_every and steps % cfg.kl_check_every == 0
                 if spec is not None and (due or spec["pending"].ready()):
                     spec, settling = None, spec  # (a failing child is reaped by _settle: nothing left to cancel)
-                    _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed,
-                            active, cfg)
+                    _settle(settling, optimizers[settling["slot"]], stats, inside, passed, active, cfg)
                 if active and due:
                     # Early stop on the exact KL quantile (like PPO's target-KL stop, but on
                     # the trust-region statistic itself): go back to the last inside iterate.
@@ -245,7 +244,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                 break
         if spec is not None:  # the epochs ended while the last speculated check was still out
             spec, settling = None, spec
-            _settle(settling, team.agents[settling["slot"]], optimizers[settling["slot"]], stats, inside, passed, active, cfg)
+            _settle(settling, optimizers[settling["slot"]], stats, inside, passed, active, cfg)
     except BaseException:
         if spec is not None:  # leave no child behind
             spec["pending"].cancel()
@@ -346,7 +345,7 @@ def _speculate(agent: Agent, j: int, opt, stats: dict, reference, turn, anchor: 
             "pending": parallel.fork_call(check, parallel=True)}
 
 
-def _settle(spec: dict, agent: Agent, opt, stats: dict, inside: dict, passed: dict, active: set, cfg) -> None:
+def _settle(spec: dict, opt, stats: dict, inside: dict, passed: dict, active: set, cfg) -> None:
     """Read a speculated check (``_speculate``) and leave the state the serial
     check would have left: inside, its weights become the anchor and training
     goes on; crossed, everything trained since is undone and the agent stops,
