@@ -36,6 +36,6 @@ def plain_forward_unless_a_run_sets_it():
     no test's result depends on which tests or fixtures ran before it."""
     import logprobs
 
-    logprobs.SHARE_PREFIX = False
+    logprobs.set_share_prefix(False)
     yield
-    logprobs.SHARE_PREFIX = False
+    logprobs.set_share_prefix(False)

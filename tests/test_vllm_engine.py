@@ -199,14 +199,10 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     agent's new shards one layer at a time (``sync_weights``: the ranks agree
     it is stale, ``full_weights_by_layer`` -> ``push_layers``) and scores like
     the trained agent (gap < BOUND); before the push it was far off."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from rollout import after_rollout, rollout_in_blocks
     from tasks import arithmetic_problems
     from team import Team, TeamConfig
+    from test_distributed import run_worker
 
     agents, reg = team2
     team = Team([agents[1]], TeamConfig(protocol="chain"))
@@ -215,13 +211,8 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     one_health = after_rollout(team, batch, sampling)
     one = [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
 
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "TQDM_DISABLE": "1"}
     out = tmp_path / "two.json"
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "tests" / "dist" / "vllm_worker.py"), str(out)]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
+    run_worker("vllm_worker.py", out, timeout=900)
     two = json.loads(out.read_text())
     assert two["world"] == 2 and two["pushed"] == "shards, by layer" and len(two["gaps"]) == 2
     assert two["sharded"] == [True]
