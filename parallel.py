@@ -17,6 +17,7 @@ the results are the serial ones bit for bit, whatever the load or timing
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import traceback
@@ -98,6 +99,9 @@ def _fork_jobs(fn, jobs: list) -> tuple[int, int]:
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
+        # every object inherited is the parent's: the child's collections leave them alone (a walk
+        # would write to every page it inherited, copying each one); none becomes garbage before _exit
+        gc.freeze()
         _die_with_parent(parent)
         os.close(read_fd)
         global IN_CHILD
