@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import gc
 
-if __name__ == "__main__":  # the CLI (not an import): no cyclic GC until the libraries are in (end of this file)
+if __name__ == "__main__":  # the CLI (not an import): no cyclic GC until the libraries are in (freeze_libraries)
     gc.disable()
 
 import argparse
@@ -527,16 +527,22 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # Everything imported so far (torch, transformers' model and generation code: about a million
-    # objects) lives until exit. Frozen, the cyclic GC never walks it again: not during the imports
-    # (0.7 s of collections on two cores, measured), not in forked children (where a walk would
-    # write to every inherited page), not at exit (about 0.9 s).
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM  # noqa: F401  what Agent.load uses
+def freeze_libraries() -> None:
+    """Import the model code every run needs (``Agent.load``), then freeze all
+    objects made so far and turn the cyclic GC on. torch's and transformers'
+    modules, classes and functions (about a million objects) live until the
+    process ends: frozen, the GC never walks them again, not during the
+    imports (with the GC paused before them, as the CLI does: 0.7 s of
+    collections on two cores, measured), nor in a collection of the run, nor
+    in forked children (a walk would write to every page they inherited)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM  # noqa: F401
 
     gc.freeze()
     gc.enable()
+
+
+if __name__ == "__main__":
+    freeze_libraries()
     code = main()
     gc.freeze()  # what the run made: left to the process's end, not walked one last time
     sys.exit(code)

@@ -89,6 +89,9 @@ import update  # noqa: E402
 from tasks import load_task  # noqa: E402
 from team import Agent, Team, TeamConfig, warm_start  # noqa: E402
 
+if hasattr(sat, "freeze_libraries"):  # the state sat.py's CLI process runs in (a checkout without it: none)
+    sat.freeze_libraries()
+
 PHASES = ["rollout", "behaviour lp", "update", "KL checks"]
 seconds = {p: 0.0 for p in PHASES}
 tokens = {p: 0 for p in PHASES}
