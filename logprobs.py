@@ -111,6 +111,15 @@ def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Te
     return rows[:, :lc], rows[:, lc:], inverse
 
 
+def distinct_rows(context_ids, context_mask, response_ids, response_mask):
+    """(the distinct rows of a turn's tensors [u, ...] x4, row -> distinct index [N]):
+    rows with the same context and response tokens and masks are one."""
+    lc, lr = context_ids.shape[1], response_ids.shape[1]
+    rows, inverse = torch.unique(torch.cat([context_ids, context_mask, response_ids, response_mask], dim=1), dim=0,
+                                 return_inverse=True)  # [u, 2Lc + 2Lr], [N]
+    return rows[:, :lc], rows[:, lc : 2 * lc], rows[:, 2 * lc : 2 * lc + lr], rows[:, 2 * lc + lr :], inverse
+
+
 # CPU matmul kernels round a row differently when a call has few tokens (rows x
 # positions; measured with torch 2.13: an [M, K] x [K, O] matmul for M <= 15 in
 # fp32, M <= 127 in bf16, K up to 2048): each shared-prefix call is padded with
@@ -239,10 +248,21 @@ def turn_forward(model, turn_like, idx, temperature: float):
     device = next(model.parameters()).device
     ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
     shared = SHARE_PREFIX and not distributed.is_sharded(model)
+    rows = None
+    if shared and not torch.is_grad_enabled():
+        # A measurement (no gradient): each distinct row once, then copied to its duplicates (a
+        # group's G samples often agree). Exact: on this path a row's result does not depend on
+        # which rows share its call, the LM head's included once the call has MIN_CALL_TOKENS
+        # (padded with copies of row 0). Not with gradients: the duplicates' gradients would be
+        # summed before the backward's matmuls instead of inside them (another summation order).
+        *distinct, rows = distinct_rows(ctx, cmask, resp, rmask)  # [u, ...] x4, [b]
+        ctx, cmask, resp, rmask = [_padded_rows(t, resp.shape[1]) for t in distinct]  # [u', ...]
     forward = shared_prefix_hidden_states if shared else response_hidden_states
-    hidden = forward(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
-    logp = token_logprobs_from_hidden(model, hidden, resp, temperature)  # [b, Lr] fp32
-    return logp * rmask, hidden
+    hidden = forward(model, ctx, cmask, resp, rmask)  # [b or u, Lr, H]
+    logp = token_logprobs_from_hidden(model, hidden, resp, temperature) * rmask  # [b or u, Lr] fp32
+    if rows is not None:
+        return logp[rows], hidden[rows]  # [b, Lr], [b, Lr, H]
+    return logp, hidden
 
 
 def response_logprobs(model, context_ids, context_mask, response_ids, response_mask, temperature: float) -> torch.Tensor:

@@ -92,6 +92,32 @@ def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(agent, dtype
     assert float(whole.abs().max()) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_measurement_computes_each_distinct_row_once(agent, dtype, monkeypatch):
+    """Without gradients (behaviour log-probs, KL checks), rows that repeat
+    (a group's samples that agree) run once and are copied: the response pass
+    sees the 30 distinct rows of 90, and every row's log-probs and hidden
+    states are bit for bit those of the row computed alone. With gradients
+    every row runs (their gradients must sum inside the backward's matmuls)."""
+    monkeypatch.setattr(logprobs, "SHARE_PREFIX", True)
+    model = copy.deepcopy(agent.model).to(dtype)
+    distinct = grouped_turn(model.config.vocab_size, [(6, 10), (3, 10), (7, 10)], [1, 5, 2, 4, 3] * 6, 4)  # 30 rows
+    order = torch.randperm(90, generator=torch.Generator().manual_seed(1)) % 30  # each row three times, shuffled
+    turn_like = [t[order] for t in distinct]
+    rows_seen = []
+    model.base_model.register_forward_pre_hook(lambda _m, _a, kw: rows_seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    with torch.no_grad():
+        lp, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [90, Lr], [90, Lr, H]
+        assert rows_seen == [max(3, -(-logprobs.MIN_CALL_TOKENS // 7)), 30]  # distinct contexts, then distinct rows
+        for i in range(90):
+            lp_i, h_i = turn_forward(model, turn_like, torch.tensor([i]), 1.0)
+            assert torch.equal(lp_i, lp[i : i + 1]) and torch.equal(h_i, hidden[i : i + 1])
+    rows_seen.clear()
+    turn_forward(model.requires_grad_(True), turn_like, slice(None), 1.0)
+    assert rows_seen[1] == 90
+    assert float(lp.abs().max()) > 0
+
+
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, monkeypatch, protocol):
     """A whole fp32 stage with shared-prefix forwards: behaviour log-probs over the
