@@ -183,12 +183,20 @@ def _head_chunks(hidden, chunk_tokens: int):
     return [slice(s, s + chunk) for s in range(0, length, chunk)]
 
 
+# A chunk's fp32 logits block above this is recomputed in the backward pass
+# instead of kept (Qwen3: 2.5 GB a chunk); a tiny agent's (16 x 32 x 102 x 4 B
+# = 0.2 MB) is kept: recomputing it cost 3-8 % of a training step, measured.
+HEAD_CHECKPOINT_BYTES = 64 << 20
+
+
 def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
     """log softmax(lm_head(h)/T)[target] in fp32 (``head_logits``), the LM head
     applied to about ``chunk_tokens`` positions (rows x columns) at a time, so
     a [n, c, V] logits block stays small (4096 x 151936 x 4 B = 2.5 GB for
-    Qwen3). With gradients on, each chunk is recomputed in the backward pass
-    (checkpointing), so only the hidden states are kept."""
+    Qwen3). With gradients on, a chunk whose logits exceed
+    HEAD_CHECKPOINT_BYTES is recomputed in the backward pass (checkpointing),
+    so only the hidden states are kept; the same gradients either way, bit
+    for bit (the recomputation runs the same kernels)."""
 
     def piece(h, y):
         logits = head_logits(model, h) / temperature  # [n, c, V] fp32
@@ -197,7 +205,8 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk
     parts = []
     for sl in _head_chunks(hidden, chunk_tokens):
         h, y = hidden[:, sl], targets[:, sl]
-        if torch.is_grad_enabled() and h.requires_grad:
+        big = h.shape[0] * h.shape[1] * model.get_output_embeddings().weight.shape[0] * 4 > HEAD_CHECKPOINT_BYTES
+        if big and torch.is_grad_enabled() and h.requires_grad:
             parts.append(torch.utils.checkpoint.checkpoint(piece, h, y, use_reentrant=False))
         else:
             parts.append(piece(h, y))

@@ -211,3 +211,29 @@ def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
     stats = update.train_agents(Team([agent]), [0], {0: update.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
                                 {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}, {}, {0: copy.deepcopy(agent.model)})[0]
     assert stats["inner_steps"] == 3 and stats["step0_log_ratio_max"] < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
+    """A chunk's logits are recomputed in the backward pass only above
+    HEAD_CHECKPOINT_BYTES (a real vocabulary); kept or recomputed, the
+    log-probs and every gradient are the same bit for bit."""
+    import logprobs
+
+    agent = Agent.load("tiny", seed=0, dtype=dtype)
+    turn = synthetic_turn(agent, n=16, seed=5)
+    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
+    recomputed, results = [], []
+    real_checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: recomputed.append(1) or real_checkpoint(*a, **kw))
+    for limit in (logprobs.HEAD_CHECKPOINT_BYTES, 0):  # the tiny head's logits kept, then forced through the checkpoint
+        monkeypatch.setattr(logprobs, "HEAD_CHECKPOINT_BYTES", limit)
+        model = copy.deepcopy(agent.model).requires_grad_(True)
+        logp, _ = logprobs.turn_forward(model, turn_like, slice(None), 0.8)  # [16, Lr]
+        (-(logp * torch.linspace(-1, 2, logp.numel()).view_as(logp)).sum()).backward()
+        results.append((logp.detach(), [p.grad for p in model.parameters()]))
+        assert len(recomputed) == (0 if limit else 1)
+    (lp_kept, g_kept), (lp_ckpt, g_ckpt) = results
+    assert torch.equal(lp_kept, lp_ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(g_kept, g_ckpt, strict=True))
+    assert any(float(g.abs().max()) > 0 for g in g_kept)
