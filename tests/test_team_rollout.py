@@ -199,6 +199,39 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
         assert torch.allclose(ours[i, : len(r)], gen_logp[i, : len(r)], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_prefills_each_distinct_context_once_with_the_same_logits(dtype):
+    """generate_hf's prefill (rollout._distinct_prefill) runs one row per
+    distinct context (64 or 32 of 256-512 rows, padded to MIN_CALL_TOKENS rows;
+    left-padded contexts, and equal lengths, whose all-ones mask generate
+    drops) and hands generate the expanded cache: every step's logits and
+    every token are generate's own, bit for bit; below MIN_CALL_TOKENS rows
+    nothing changes."""
+    from rollout import MIN_CALL_TOKENS, _distinct_prefill, _sampler, sampler_config
+
+    agent = Agent.load("tiny", seed=0, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(5, 40, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(64)]
+    cfg = sampler_config(agent, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    cfg.update(output_logits=True, return_dict_in_generate=True)
+    first_call_rows = []
+    agent.model.model.register_forward_pre_hook(lambda _m, _a, kw: first_call_rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    equal_lengths = [torch.randint(5, 40, (6,), generator=g).tolist() for _ in range(32)]  # generate drops the all-ones mask
+    for contexts, prefill_rows in ((distinct * 8, MIN_CALL_TOKENS), (equal_lengths * 8, MIN_CALL_TOKENS), (distinct[:40] * 2, 80)):
+        ids, mask = left_pad(contexts, agent.tokenizer.pad_token_id)
+        outs = []
+        for distinct_prefill in (False, True):
+            first_call_rows.clear()
+            torch.manual_seed(3)
+            with torch.no_grad(), _sampler(agent.model, cfg), _distinct_prefill(agent.model if distinct_prefill else None):
+                outs.append(agent.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg))
+            assert first_call_rows[0] == (prefill_rows if distinct_prefill else len(contexts))
+        plain, shared = outs
+        assert torch.equal(plain.sequences, shared.sequences) and len(plain.logits) == len(shared.logits) == 5
+        assert all(torch.equal(a, b) for a, b in zip(plain.logits, shared.logits))
+    assert "_prefill" not in agent.model.__dict__  # the instance is left as it was
+
+
 def test_logprob_chunking_is_exact(tiny_agents):
     torch.manual_seed(3)
     team = Team(tiny_agents, TeamConfig())
