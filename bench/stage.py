@@ -30,7 +30,9 @@ computed). stage/floor is the stage (without evaluation and checkpoint) over
 that floor. Beside it, the shared-prefix floor: the same steps through
 ``logprobs.shared_prefix_hidden_states`` (each distinct context once, what the
 run does with ``--share-prefix``, its default on the tiny preset), and
-stage/shared-prefix floor.
+stage/shared-prefix floor; and the tightest floor: that update plus generate
+with each distinct context prefilled once (``rollout._distinct_prefill``, what
+the run's rollout does), and stage/tightest floor.
 
     python bench/stage.py                          # the tiny default stage
     python bench/stage.py --workload matched       # 16 prompts x G=4, 32 new tokens, one checkpoint x3
@@ -52,6 +54,7 @@ machine would run beside it, nor any wait for them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import random
@@ -138,20 +141,27 @@ def config() -> sat.Config:
     return cfg.apply_preset()
 
 
-def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> tuple[float, float, float | None]:
-    """(generate, update, update with shared-prefix forwards or None) seconds of
-    the bare computation on the stage's shapes."""
-    gen = 0.0
-    for agent, turn in zip(team.agents, batch.turns):
-        gen_cfg = rollout.sampler_config(agent, rollout.SamplingConfig(temperature=cfg.temperature,
-                                                                       max_new_tokens=cfg.max_new_tokens))
-        t0 = clock()
-        with torch.no_grad():
-            agent.model.generate(input_ids=turn.context_ids, attention_mask=turn.context_mask, generation_config=gen_cfg)
-        gen += clock() - t0
+def floor_seconds(team: Team, batch, cfg: sat.Config, steps: dict[int, int]) -> tuple[float, float, float | None, float | None]:
+    """(generate, update, update with shared-prefix forwards or None, generate
+    with each distinct context prefilled once or None) seconds of the bare
+    computation on the stage's shapes."""
+    def bare_generate(prefill) -> float:
+        gen = 0.0
+        for agent, turn in zip(team.agents, batch.turns):
+            gen_cfg = rollout.sampler_config(agent, rollout.SamplingConfig(temperature=cfg.temperature,
+                                                                           max_new_tokens=cfg.max_new_tokens))
+            t0 = clock()
+            with torch.no_grad(), prefill(agent.model):
+                agent.model.generate(input_ids=turn.context_ids, attention_mask=turn.context_mask, generation_config=gen_cfg)
+            gen += clock() - t0
+        return gen
+
+    distinct_prefill = getattr(rollout, "_distinct_prefill", None)  # (a checkout without it: no such floor)
+    gen = bare_generate(lambda model: contextlib.nullcontext())
     upd = floor_update(team, batch, cfg, steps, logprobs.response_hidden_states)
     shared = getattr(logprobs, "shared_prefix_hidden_states", None)  # (a checkout without it: no shared-prefix floor)
-    return gen, upd, floor_update(team, batch, cfg, steps, shared) if shared else None
+    return (gen, upd, floor_update(team, batch, cfg, steps, shared) if shared else None,
+            bare_generate(distinct_prefill) if distinct_prefill else None)
 
 
 def floor_update(team: Team, batch, cfg: sat.Config, steps: dict[int, int], hidden_states) -> float:
@@ -229,6 +239,11 @@ def main() -> None:
               f"{med('gen_floor'):.2f}s + update {med('upd_floor_shared'):.2f}s ({span('upd_floor_shared')}) = "
               f"{med('floor_shared'):.2f}s ({span('floor_shared')}); stage/shared-prefix floor {med('ratio_shared'):.2f}x "
               f"({span('ratio_shared')})")
+    if "floor_tight" in runs[0]:
+        print(f"tightest floor (generate with each distinct context prefilled once, rollout._distinct_prefill, + the "
+              f"shared-prefix update): generate {med('gen_floor_distinct'):.2f}s ({span('gen_floor_distinct')}) + update "
+              f"{med('upd_floor_shared'):.2f}s = {med('floor_tight'):.2f}s ({span('floor_tight')}); stage/tightest floor "
+              f"{med('ratio_tight'):.2f}x ({span('ratio_tight')})")
 
 
 def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
@@ -255,12 +270,15 @@ def one_stage(team: Team, prompts, heldout, cfg: sat.Config, sampling) -> dict:
         out["checkpoint"] = clock() - t0
     out["steps"] = {a["agent"] - 1: a["inner_steps"] for a in rec["agents"]}
     out["agents"] = rec["agents"]
-    out["gen_floor"], out["upd_floor"], upd_shared = floor_seconds(team, out["batch"], cfg, out["steps"])
+    out["gen_floor"], out["upd_floor"], upd_shared, gen_distinct = floor_seconds(team, out["batch"], cfg, out["steps"])
     out["floor"] = out["gen_floor"] + out["upd_floor"]
     out["ratio"] = stage / out["floor"]
     if upd_shared is not None:
         out["upd_floor_shared"], out["floor_shared"] = upd_shared, out["gen_floor"] + upd_shared
         out["ratio_shared"] = stage / out["floor_shared"]
+    if upd_shared is not None and gen_distinct is not None:
+        out["gen_floor_distinct"], out["floor_tight"] = gen_distinct, gen_distinct + upd_shared
+        out["ratio_tight"] = stage / out["floor_tight"]
     out["ratio_all"] = (stage + out["evaluation"] + out["checkpoint"]) / out["floor"]
     return out
 
