@@ -534,7 +534,10 @@ def freeze_libraries() -> None:
     process ends: frozen, the GC never walks them again, not during the
     imports (with the GC paused before them, as the CLI does: 0.7 s of
     collections on two cores, measured), nor in a collection of the run, nor
-    in forked children (a walk would write to every page they inherited)."""
+    in forked children (a walk would write to every page they inherited).
+    The CLI unfreezes them before it exits, so that the interpreter's last
+    collection frees their reference cycles (left frozen, nanobind reports
+    triton's objects as leaked on stderr)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM  # noqa: F401
 
     gc.freeze()
@@ -544,5 +547,5 @@ def freeze_libraries() -> None:
 if __name__ == "__main__":
     freeze_libraries()
     code = main()
-    gc.freeze()  # what the run made: left to the process's end, not walked one last time
+    gc.unfreeze()  # (freeze_libraries)
     sys.exit(code)
