@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import gc
 
-if __name__ == "__main__":  # the CLI (not an import): no cyclic GC until the libraries are in (freeze_libraries)
+if __name__ == "__main__":  # the CLI (not an import): no cyclic GC until the libraries are in (parallel.freeze_libraries)
     gc.disable()
 
 import argparse
@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 import distributed
+import parallel
 from distributed import configure_threads, seed_everything
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from config import ADVANTAGES, BASELINES, DTYPES, ORDERS, RATIOS, REUSES, UPDATES, Config
@@ -65,7 +66,7 @@ from rollout import (REWARD_RANGE, SamplingConfig, TeamBatch, after_rollout, che
                      sync_weights)
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, parse_agents, warm_start
-from trust_region import QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters, quantile
+from trust_region import QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters, kl_quantile
 from update import UpdateInputs, build_inputs, make_value_head, train_agents, train_sharded
 
 ESS_WARN_RATIO = 0.1  # warn (once per run) when an agent's ESS of the weights falls below this fraction of N
@@ -231,7 +232,7 @@ def finish_update(team, j, reference, inputs: UpdateInputs, stats: dict, cfg: Co
         kl, logp, log_rho = known.pop(at["frac"], None) or measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget,
                                                                        return_log_rho=True, frozen_reference=True)
         measured.update(kl=kl, logp=logp, log_rho=log_rho)
-        return quantile(kl, cfg.quantile) if kl.numel() else 0.0
+        return kl_quantile(kl, cfg.quantile)
 
     search = backtracking_line_search(apply_step, measure, cfg.delta, max_backtracks=cfg.max_backtracks)
     if not search["accepted"] and moved_inside:  # the anchor is a measured inside step: keep it
@@ -527,25 +528,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def freeze_libraries() -> None:
-    """Import the model code every run needs (``Agent.load``), then freeze all
-    objects made so far and turn the cyclic GC on. torch's and transformers'
-    modules, classes and functions (about a million objects) live until the
-    process ends: frozen, the GC never walks them again, not during the
-    imports (with the GC paused before them, as the CLI does: 0.7 s of
-    collections on two cores, measured), nor in a collection of the run, nor
-    in forked children (a walk would write to every page they inherited).
-    The CLI unfreezes them before it exits, so that the interpreter's last
-    collection frees their reference cycles (left frozen, nanobind reports
-    triton's objects as leaked on stderr)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM  # noqa: F401
-
-    gc.freeze()
-    gc.enable()
-
-
 if __name__ == "__main__":
-    freeze_libraries()
+    parallel.freeze_libraries()
     code = main()
-    gc.unfreeze()  # (freeze_libraries)
+    gc.unfreeze()  # (parallel.freeze_libraries)
     sys.exit(code)

@@ -151,6 +151,20 @@ def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3")
 # ---------------------------------------------------------------------------
 
 
+def kl_quantile(kl: torch.Tensor, level: float) -> float:
+    """The trust region's statistic: the ``level``-quantile of the per-state KL
+    over the agent's tokens (0.0 when the turn has none)."""
+    return quantile(kl, level) if kl.numel() else 0.0
+
+
+def outside_trust_region(kl: torch.Tensor, level: float, delta: float) -> bool:
+    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies
+    beyond delta. A NaN quantile counts as beyond, as in
+    ``backtracking_line_search`` (a diverged step is never kept as inside)."""
+    q = kl_quantile(kl, level)
+    return not (math.isfinite(q) and q <= delta)
+
+
 def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
     """The q-quantile of the (masked) entries of x, linear interpolation as torch.quantile.
 

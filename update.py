@@ -41,7 +41,7 @@ from advantage import full_log_weights, gae, group_advantages, masked_mean, mask
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
 from team import Agent, Team
-from trust_region import QuantileController, interpolate_parameters, kl_penalty, quantile
+from trust_region import QuantileController, interpolate_parameters, kl_penalty, kl_quantile, outside_trust_region
 
 # ``cfg`` below is the run's ``config.Config`` (read for lr, epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
@@ -224,7 +224,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                         kl = measured[0]
                         if reusable:  # finish_update measures these same weights again: hand it the answer
                             stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
-                        if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
+                        if outside_trust_region(kl, cfg.quantile, cfg.delta):
                             # this step crossed the boundary: stop; the line search in
                             # finish_update backtracks from here toward the last inside iterate
                             stats[j]["early_stopped"] = True
@@ -235,7 +235,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                             if half is not None:  # inside: no backtracking from here
                                 half.cancel()
                             inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
-                            passed[j].append((stats[j]["steps"], quantile(kl, cfg.quantile) if kl.numel() else 0.0))
+                            passed[j].append((stats[j]["steps"], kl_quantile(kl, cfg.quantile)))
                             if reusable:
                                 stats[j]["anchor_measure"] = measured
                 if not active:
@@ -337,7 +337,7 @@ def _speculate(agent: Agent, j: int, opt, stats: dict, reference, turn, anchor: 
         with weights_as_frozen(agent.model):
             measured = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget, return_log_rho=True,
                                   frozen_reference=True)
-        crossed = measured[0].numel() and quantile(measured[0], cfg.quantile) > cfg.delta
+        crossed = outside_trust_region(measured[0], cfg.quantile, cfg.delta)
         half = measure_at_fraction(agent, reference, turn, anchor, 0.5, cfg) if crossed and cfg.max_backtracks >= 1 else None
         return measured, half
 
@@ -353,7 +353,7 @@ def _settle(spec: dict, opt, stats: dict, inside: dict, passed: dict, active: se
     measured, half = spec["pending"].result()
     j, snap = spec["slot"], spec["snapshot"]
     kl, step = measured[0], snap["stats"]["steps"]
-    if kl.numel() and quantile(kl, cfg.quantile) > cfg.delta:
+    if outside_trust_region(kl, cfg.quantile, cfg.delta):
         with torch.no_grad():
             for p, saved in zip([p for g in opt.param_groups for p in g["params"]], snap["params"], strict=True):
                 p.copy_(saved)
@@ -366,7 +366,7 @@ def _settle(spec: dict, opt, stats: dict, inside: dict, passed: dict, active: se
         stats[j]["last_measure"] = (step, measured, None)
         stats[j]["anchor_measure"] = measured
         inside[j] = spec["anchor"]
-        passed[j].append((step, quantile(kl, cfg.quantile) if kl.numel() else 0.0))
+        passed[j].append((step, kl_quantile(kl, cfg.quantile)))
 
 
 def dropout_free(model) -> bool:

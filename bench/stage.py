@@ -92,8 +92,10 @@ import update  # noqa: E402
 from tasks import load_task  # noqa: E402
 from team import Agent, Team, TeamConfig, warm_start  # noqa: E402
 
-if hasattr(sat, "freeze_libraries"):  # the state sat.py's CLI process runs in (a checkout without it: none)
-    sat.freeze_libraries()
+import parallel  # noqa: E402
+
+if hasattr(parallel, "freeze_libraries"):  # the state sat.py's CLI process runs in (a checkout without it: none)
+    parallel.freeze_libraries()
 
 PHASES = ["rollout", "behaviour lp", "update", "KL checks"]
 seconds = {p: 0.0 for p in PHASES}
@@ -114,7 +116,6 @@ def timed(phase: str, fn, count):
 
 
 if args.assume_idle_core:
-    import parallel  # noqa: E402
     parallel.idle_core = parallel.spare_core  # (a checkout without idle_core: no effect)
 rollout.generate = timed("rollout", rollout.generate, lambda a, out: sum(len(r) for r in out))
 rollout.batched_response_logprobs = timed("behaviour lp", rollout.batched_response_logprobs, lambda a, out: int(a[1][3].sum()))

@@ -510,3 +510,21 @@ def test_dkw_upper_quantile_covers_the_true_quantile():
     assert tr.dkw_slack(200, 0.1) == pytest.approx(math.sqrt(math.log(20) / 400))
     with pytest.raises(ValueError):
         tr.dkw_slack(0, 0.1)
+
+
+def test_outside_trust_region_is_the_line_searchs_test_nan_included():
+    """The in-loop check (update.py) and the line search decide alike: beyond
+    delta is outside, at delta inside, a NaN quantile outside (a diverged step
+    is never kept as an inside anchor), no tokens inside."""
+    from trust_region import kl_quantile, outside_trust_region
+
+    kl = torch.linspace(0, 1, 101)  # [101]
+    assert kl_quantile(kl, 0.9) == pytest.approx(0.9)
+    assert outside_trust_region(kl, 0.9, 0.89) and not outside_trust_region(kl, 0.9, 0.9)
+    assert outside_trust_region(torch.tensor([0.1, float("nan")]), 0.5, 10.0)
+    assert not outside_trust_region(torch.zeros(0), 0.9, 0.5) and kl_quantile(torch.zeros(0), 0.9) == 0.0
+    for values in (kl, torch.tensor([0.1, float("nan")])):
+        state = {"frac": None}
+        search = tr.backtracking_line_search(lambda f: state.update(frac=f), lambda: kl_quantile(values, 0.9), 0.5,
+                                          max_backtracks=0)
+        assert search["accepted"] == (not outside_trust_region(values, 0.9, 0.5))
