@@ -263,7 +263,10 @@ def matched(args) -> None:
         times = []
         for cmd, cwd in [(theirs, args.release)] + [(c, None) for c in ours]:
             t0 = time.perf_counter()
-            subprocess.run(cmd, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            done = subprocess.run(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode:  # its own error, not just an exit status
+                tail = "\n".join(done.stderr.replace("\r", "\n").strip().splitlines()[-15:])
+                raise SystemExit(f"compare.py matched: {' '.join(cmd)} failed (exit {done.returncode}):\n{tail}")
             times.append(time.perf_counter() - t0)
         for k, t in enumerate(times[1:]):
             ratios[k].append(times[0] / t)
