@@ -206,7 +206,7 @@ class _distinct_prefill:
             n, mask = input_ids.shape[0], model_kwargs.get("attention_mask")
             cache = model_kwargs.get("past_key_values")
             usable = (cache is not None and cache.get_seq_length() == 0 and n >= MIN_CALL_TOKENS
-                      and model_kwargs.get("inputs_embeds") is None and generation_config.prefill_chunk_size is None)
+                      and model_kwargs.get("inputs_embeds") is None and getattr(generation_config, "prefill_chunk_size", None) is None)
             if usable:  # (no attention mask: generate dropped an all-ones one)
                 _, _, rows = distinct_contexts(input_ids, torch.ones_like(input_ids) if mask is None else mask)  # [n]
                 first = torch.full((int(rows.max()) + 1,), n).scatter_reduce(0, rows, torch.arange(n), "amin")  # [u]
