@@ -102,22 +102,19 @@ def response_hidden_states(model, context_ids, context_mask, response_ids, respo
     return out.last_hidden_state[:, lc - 1 : lc - 1 + lr]  # [N, Lr, H]
 
 
+def distinct_rows(*tensors: torch.Tensor) -> tuple:
+    """(the distinct rows of ``tensors`` taken together, split back into
+    their widths [u, ...] each, row -> distinct index [N]): rows equal in
+    every one of the tensors are one."""
+    rows, inverse = torch.unique(torch.cat(tensors, dim=1), dim=0, return_inverse=True)  # [u, sum of widths], [N]
+    return (*torch.split(rows, [t.shape[1] for t in tensors], dim=1), inverse)
+
+
 def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(distinct context rows [u, Lc], their masks [u, Lc], row -> distinct index [N]):
     rows with the same tokens AND mask are one context (in the independent
     protocol a group's G rows share one prompt, Eq. (2)'s group)."""
-    lc = context_ids.shape[1]
-    rows, inverse = torch.unique(torch.cat([context_ids, context_mask], dim=1), dim=0, return_inverse=True)  # [u, 2Lc], [N]
-    return rows[:, :lc], rows[:, lc:], inverse
-
-
-def distinct_rows(context_ids, context_mask, response_ids, response_mask):
-    """(the distinct rows of a turn's tensors [u, ...] x4, row -> distinct index [N]):
-    rows with the same context and response tokens and masks are one."""
-    lc, lr = context_ids.shape[1], response_ids.shape[1]
-    rows, inverse = torch.unique(torch.cat([context_ids, context_mask, response_ids, response_mask], dim=1), dim=0,
-                                 return_inverse=True)  # [u, 2Lc + 2Lr], [N]
-    return rows[:, :lc], rows[:, lc : 2 * lc], rows[:, 2 * lc : 2 * lc + lr], rows[:, 2 * lc + lr :], inverse
+    return distinct_rows(context_ids, context_mask)
 
 
 # CPU matmul kernels round a row differently when a call has few tokens (rows x

@@ -51,7 +51,7 @@ from logprobs import left_pad, response_hidden_states
 from rollout import SamplingConfig, rollout, rollout_in_blocks
 from tasks import Problem
 from team import Agent, MasterWeightAdamW, Team, check_same_vocabulary, warm_start
-from trust_region import QuantileController, geometric_mixture_at, geometric_mixture_projection, quantile
+from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
 from update import make_value_head
 
 # ``cfg`` below is the run's ``config.Config``.
@@ -312,8 +312,8 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs float rounding when pi_pre is inside
     fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
     before = {"fit_mean_before": float(fit_kl.mean()) if fit_kl.numel() else 0.0,
-              "kl_quantile_before": quantile(kl, q_level) if kl.numel() else 0.0,
-              "heldout_kl_quantile_before": quantile(kl_held, q_level) if kl_held.numel() else 0.0,
+              "kl_quantile_before": kl_quantile(kl, q_level),
+              "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
     sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
     if distributed.is_sharded(new_model):  # --shard-frozen: the fp32 copy built shard by shard, never whole
@@ -329,7 +329,7 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
         opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
-        q = quantile(kl, q_level) if kl.numel() else 0.0
+        q = kl_quantile(kl, q_level)
         fit_mean = float(fit_kl.mean()) if fit_kl.numel() else 0.0
         lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
@@ -369,21 +369,21 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
         if low:  # the replacement's first SAT turn continues these fp32 masters
             trace["master_shards" if sharded else "master_weights"] = distributed.master_shards_of(trained) if sharded else masters
     del trained
-    if q > delta0:
+    if beyond(q, delta0):  # a NaN quantile too
         del pre_model
         raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
                            f"{passes} passes; raise --stage0-delta or --stage0-max-passes")
     out = {**before, "kl_quantile": q, "kl_mean": float(kl.mean()) if kl.numel() else 0.0, "fit_mean": fit_mean,
-           "fit_quantile": quantile(fit_kl, q_level) if fit_kl.numel() else 0.0, "fit_tol": fit_tol,
+           "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
            "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
            "retargeted": float((t < t_exact).float().mean()) if t.numel() else 0.0,
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
         kl_h, fit_h, _ = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)
-        out.update(heldout_states=held.num_states, heldout_kl_quantile=quantile(kl_h, q_level) if kl_h.numel() else 0.0,
+        out.update(heldout_states=held.num_states, heldout_kl_quantile=kl_quantile(kl_h, q_level),
                    heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
                    heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
-        if out["heldout_kl_quantile"] > delta0:
+        if beyond(out["heldout_kl_quantile"], delta0):
             log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is {out['heldout_kl_quantile']:.4f} "
                 f"> delta_0 {delta0} (in sample {q:.4f}): the fit does not carry to new states; more Stage-0 states "
                 f"(--stage0-problems) narrow the gap")

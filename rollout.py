@@ -51,8 +51,8 @@ import torch
 import distributed
 import parallel
 from grading import answers_match, vote_reward
-from logprobs import (MIN_CALL_TOKENS, batched_response_logprobs, chunks_by_budget, cut_at_eos, distinct_contexts, left_pad,
-                      right_pad, turn_forward, turn_rows)
+from logprobs import (MIN_CALL_TOKENS, _padded_rows, batched_response_logprobs, chunks_by_budget, cut_at_eos,
+                      distinct_contexts, left_pad, right_pad, turn_forward, turn_rows)
 from tasks import Problem
 from team import Team
 
@@ -205,20 +205,21 @@ class _distinct_prefill:
         def prefill(input_ids, generation_config, model_kwargs, *args, **kwargs):
             n, mask = input_ids.shape[0], model_kwargs.get("attention_mask")
             cache = model_kwargs.get("past_key_values")
+            tensors = {k: v for k, v in model_kwargs.items() if isinstance(v, torch.Tensor) and v.dim()}
             usable = (cache is not None and cache.get_seq_length() == 0 and n >= MIN_CALL_TOKENS
-                      and model_kwargs.get("inputs_embeds") is None and getattr(generation_config, "prefill_chunk_size", None) is None)
+                      and model_kwargs.get("inputs_embeds") is None and getattr(generation_config, "prefill_chunk_size", None) is None
+                      and not generation_config.output_hidden_states and not generation_config.output_attentions
+                      and all(v.shape[0] in (n, 1) for v in tensors.values()))  # per row, or broadcast over the rows
             if usable:  # (no attention mask: generate dropped an all-ones one)
                 _, _, rows = distinct_contexts(input_ids, torch.ones_like(input_ids) if mask is None else mask)  # [n]
-                first = torch.full((int(rows.max()) + 1,), n).scatter_reduce(0, rows, torch.arange(n), "amin")  # [u]
+                first = torch.full((int(rows.max()) + 1,), n, device=rows.device).scatter_reduce(
+                    0, rows, torch.arange(n, device=rows.device), "amin")  # [u] a row of each distinct context
                 usable = max(len(first), MIN_CALL_TOKENS) < n
             if not usable:
                 return plain(model, input_ids, generation_config, model_kwargs, *args, **kwargs)
-            # one row of each distinct context, then copies of row 0: the call as wide as the one it replaces
-            take = torch.cat([first, first[:1].expand(max(0, MIN_CALL_TOKENS - len(first)))]).to(input_ids.device)  # [u']
-            per_row = {k: v.index_select(0, take) for k, v in model_kwargs.items()
-                       if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n}  # attention_mask, position_ids
+            take = _padded_rows(first, 1)  # [u'] and copies of row 0: a call as wide as the one it replaces
+            per_row = {k: v.index_select(0, take) for k, v in tensors.items() if v.shape[0] == n}  # attention_mask, position_ids
             out = plain(model, input_ids.index_select(0, take), generation_config, {**model_kwargs, **per_row}, *args, **kwargs)
-            rows = rows.to(out.logits.device)
             out.past_key_values.reorder_cache(rows)  # every layer's keys/values [u', ...] -> [n, ...]
             out.logits = out.logits.index_select(0, rows)  # [n, 1, V]
             return out

@@ -530,6 +530,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     parallel.freeze_libraries()
-    code = main()
-    gc.unfreeze()  # (parallel.freeze_libraries)
+    try:
+        code = main()
+    finally:
+        gc.unfreeze()  # (parallel.freeze_libraries)
     sys.exit(code)

@@ -157,12 +157,16 @@ def kl_quantile(kl: torch.Tensor, level: float) -> float:
     return quantile(kl, level) if kl.numel() else 0.0
 
 
+def beyond(kl_quantile_value: float, delta: float) -> bool:
+    """A measured KL quantile outside the ball of radius delta; NaN and inf
+    count as outside (a diverged step is never kept as inside)."""
+    return not (math.isfinite(kl_quantile_value) and kl_quantile_value <= delta)
+
+
 def outside_trust_region(kl: torch.Tensor, level: float, delta: float) -> bool:
     """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies
-    beyond delta. A NaN quantile counts as beyond, as in
-    ``backtracking_line_search`` (a diverged step is never kept as inside)."""
-    q = kl_quantile(kl, level)
-    return not (math.isfinite(q) and q <= delta)
+    beyond delta (``beyond``, the line search's and the controller's test)."""
+    return beyond(kl_quantile(kl, level), delta)
 
 
 def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
@@ -273,7 +277,7 @@ class QuantileController:
 
     def violates(self, kl_quantile: float) -> bool:
         """True when the measured KL quantile lies outside the ball (nan/inf count as outside)."""
-        return not math.isfinite(kl_quantile) or kl_quantile > self.delta
+        return beyond(kl_quantile, self.delta)
 
     def update(self, kl_quantile: float) -> float:
         """Adjust beta from one measurement (rules in the class docstring); returns the new beta."""
@@ -365,7 +369,7 @@ def backtracking_line_search(
             apply_step(frac)
             kl = float(measure_kl_quantile())
             history.append({"fraction": frac, "kl_quantile": kl})
-            if math.isfinite(kl) and kl <= delta:
+            if not beyond(kl, delta):
                 return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl, "history": history}
             frac *= shrink
     except BaseException:
