@@ -3,6 +3,8 @@ the reference pi_j,cur's outputs, the rollout's behaviour forward reused as
 pi_j,cur's, and in-loop KL measurements reused by the line search, each
 checked bit for bit against the computation without it; and the thread policy."""
 import copy
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -197,7 +199,14 @@ def test_fork_call_returns_the_value_or_is_cancelled():
     from parallel import fork_call
     pending = fork_call(lambda: torch.arange(5.0) * 2, parallel=True)
     assert torch.equal(pending.result(), torch.arange(5.0) * 2)
-    fork_call(lambda: sum(range(10 ** 9)), parallel=True).cancel()  # killed, not waited for
+    slow = fork_call(lambda: sum(range(10 ** 9)), parallel=True)
+    started = time.perf_counter()
+    slow.cancel()  # killed, not waited for: reaped, and its pipe closed
+    assert time.perf_counter() - started < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(slow.pid, os.WNOHANG)
+    with pytest.raises(OSError):
+        os.fstat(slow.read_fd)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         fork_call(lambda: 1 / 0, parallel=True).result()
     assert fork_call(lambda: 1, parallel=False) is None
