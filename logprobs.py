@@ -25,6 +25,7 @@ rollout backends (``rollout.py`` and ``rollout_vllm.py``) and the update
 from __future__ import annotations
 
 import weakref
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     width = int(lens.max())
     mask = (torch.arange(width) >= (width - lens)[:, None]).long()  # [N, L]
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    ids[mask.bool()] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # row-major: each row's tokens in order
+    ids[mask.bool()] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)  # row-major: each row's tokens in order
     return ids, mask
 
 
@@ -50,7 +51,7 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     width = max(1, int(lens.max()))
     mask = (torch.arange(width) < lens[:, None]).long()  # [N, L]
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [N, L]
-    ids[mask.bool()] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # row-major: each row's tokens in order
+    ids[mask.bool()] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)  # row-major: each row's tokens in order
     return ids, mask
 
 

@@ -198,7 +198,7 @@ class _distinct_prefill:
 
     def __enter__(self):
         plain = getattr(type(self.model), "_prefill", None)
-        if self.model is None or plain is None:  # (None: generate as it is)
+        if plain is None:
             return self
         model = self.model
 
@@ -228,8 +228,7 @@ class _distinct_prefill:
         return self
 
     def __exit__(self, *exc):
-        if self.model is not None:
-            self.model.__dict__.pop("_prefill", None)
+        self.model.__dict__.pop("_prefill", None)
 
 
 def check_sampler(agent, sampling: SamplingConfig) -> None:

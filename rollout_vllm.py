@@ -65,7 +65,7 @@ import distributed
 from logprobs import cut_at_eos
 from memory import cpu_kv_cache_bytes
 from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, engine_source, prepare_environment, push_layers,
-                        shard_fingerprint, sharded_engine_kwargs, start_llm)
+                        sharded_engine_kwargs, start_llm)
 from vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
 
 WAKE_TAGS = ("weights", "kv_cache")
@@ -423,8 +423,7 @@ class EngineRegistry:
 
     # -- versions ---------------------------------------------------------------
     def agent_version(self, agent) -> int:
-        sharded = distributed.is_sharded(agent.model)  # its shards on this rank: no collective
-        return self.book.observe(id(agent), (shard_fingerprint if sharded else weights_fingerprint)(agent.model))
+        return self.book.observe(id(agent), weights_fingerprint(agent.model, distributed.local_parameters(agent.model)))
 
     def assert_in_sync(self, agent) -> None:
         eng = self.engines[id(agent)]
@@ -438,7 +437,7 @@ class EngineRegistry:
                 eng.llm.wake_up(tags=[tag])
                 eng.awake.add(tag)
             elif action == "load":
-                self._push(eng, agent)
+                push_layers(eng.llm, agent.model, eng.name)
                 eng.version, eng.pending = version, False
             elif action == "defer":
                 eng.pending = True
@@ -450,21 +449,15 @@ class EngineRegistry:
             else:
                 raise ValueError(f"unknown engine action {action!r}")
 
-    def _push(self, eng: Engine, agent, groups=None) -> None:
-        """Push the agent's weights one layer at a time (``vllm_ranks.push_layers``)."""
-        push_layers(eng.llm, agent.model, eng.name, groups)
-
-    def sync_from_layers(self, agent, groups) -> None:
-        """Push ``groups`` (an iterable of [(HF name, whole tensor)], e.g.
-        ``distributed.full_weights_by_layer(sharded, dtype)``: under torchrun
-        every rank iterates it, a collective, and loads each layer into its own
-        engine) as the agent's current weights. The engine's weights are woken
-        first where they sleep; its KV cache is left as it is."""
+    def sync_from_layers(self, agent, version: int) -> None:
+        """Push a sharded agent's weights (``vllm_ranks.push_layers``: under
+        torchrun every rank gathers them layer by layer, a collective, and
+        loads each layer into its own engine) as its ``version``. The engine's
+        weights are woken first where they sleep; its KV cache is left as it is."""
         eng = self.engine(agent)
-        version = self.agent_version(agent)
         if "weights" not in eng.awake:
             self._run(eng, agent, ["wake:weights"], eng.version)
-        self._push(eng, agent, groups)
+        push_layers(eng.llm, agent.model, eng.name)
         eng.version, eng.pending = version, False
         if "kv_cache" in eng.awake:
             eng.llm.reset_prefix_cache()
@@ -485,7 +478,7 @@ class EngineRegistry:
         version = self.agent_version(agent)
         if distributed.is_sharded(agent.model):  # every rank pushes, or none: stale somewhere is stale everywhere
             if distributed.any_rank(eng.version != version):
-                self.sync_from_layers(agent, None)
+                self.sync_from_layers(agent, version)
             return
         self._run(eng, agent, plan_sync(eng.awake, eng.version != version), version)
 

@@ -41,7 +41,7 @@ from advantage import full_log_weights, gae, group_advantages, masked_mean, mask
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
 from team import Agent, Team
-from trust_region import QuantileController, interpolate_parameters, kl_penalty, kl_quantile, outside_trust_region
+from trust_region import QuantileController, beyond, interpolate_parameters, kl_penalty, kl_quantile, outside_trust_region
 
 # ``cfg`` below is the run's ``config.Config`` (read for lr, epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
@@ -221,10 +221,10 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                             if half is not None:  # leave no child behind
                                 half.cancel()
                             raise
-                        kl = measured[0]
+                        q = kl_quantile(measured[0], cfg.quantile)
                         if reusable:  # finish_update measures these same weights again: hand it the answer
                             stats[j]["last_measure"] = (stats[j]["steps"], measured, None)
-                        if outside_trust_region(kl, cfg.quantile, cfg.delta):
+                        if beyond(q, cfg.delta):
                             # this step crossed the boundary: stop; the line search in
                             # finish_update backtracks from here toward the last inside iterate
                             stats[j]["early_stopped"] = True
@@ -235,7 +235,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                             if half is not None:  # inside: no backtracking from here
                                 half.cancel()
                             inside[j] = [p.detach().clone() for p in team.agents[j].model.parameters()]
-                            passed[j].append((stats[j]["steps"], kl_quantile(kl, cfg.quantile)))
+                            passed[j].append((stats[j]["steps"], q))
                             if reusable:
                                 stats[j]["anchor_measure"] = measured
                 if not active:
@@ -312,8 +312,8 @@ def worth_speculating(passed: list[tuple[int, float]], step: int, delta: float) 
     the first backtrack only after the proposal, not beside it). Extrapolates
     linearly from this turn's last inside check; with none yet, no: in the tiny
     run 110 of 120 agent turns crossed delta at their first check, and the
-    quantiles of later checks grew about linearly with the steps, or less
-    (e.g. 0.235, 0.413, 0.665 at steps 2, 4, 6 with delta = 0.5). Decides only
+    quantiles of later checks grew about linearly with the steps (e.g. 0.235,
+    0.413, 0.665 at steps 2, 4, 6 with delta = 0.5: a little faster late). Decides only
     whether to fork, never what is computed."""
     if not passed:
         return False
@@ -352,8 +352,8 @@ def _settle(spec: dict, opt, stats: dict, inside: dict, passed: dict, active: se
     with the measurements finish_update reuses (the proposal, its first backtrack)."""
     measured, half = spec["pending"].result()
     j, snap = spec["slot"], spec["snapshot"]
-    kl, step = measured[0], snap["stats"]["steps"]
-    if outside_trust_region(kl, cfg.quantile, cfg.delta):
+    q, step = kl_quantile(measured[0], cfg.quantile), snap["stats"]["steps"]
+    if beyond(q, cfg.delta):
         with torch.no_grad():
             for p, saved in zip([p for g in opt.param_groups for p in g["params"]], snap["params"], strict=True):
                 p.copy_(saved)
@@ -366,7 +366,7 @@ def _settle(spec: dict, opt, stats: dict, inside: dict, passed: dict, active: se
         stats[j]["last_measure"] = (step, measured, None)
         stats[j]["anchor_measure"] = measured
         inside[j] = spec["anchor"]
-        passed[j].append((step, kl_quantile(kl, cfg.quantile)))
+        passed[j].append((step, q))
 
 
 def dropout_free(model) -> bool:

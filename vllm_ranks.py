@@ -26,8 +26,9 @@ the push that serves them all:
   collective, so it happens on every rank at once: at the start of the run and
   after each promotion (``rollout_vllm.sync_weights``, staleness agreed over
   the ranks), never lazily inside a generate call. The weight version of a
-  sharded agent is the fingerprint of this rank's shards (``shard_fingerprint``:
-  no collective).
+  sharded agent is the fingerprint of this rank's shards
+  (``vllm_weights.weights_fingerprint`` of ``distributed.local_parameters``: no
+  collective).
 
 vLLM is imported only inside the functions that start an engine.
 """
@@ -209,15 +210,16 @@ def write_engine_folder(model, path: Path) -> None:
 # ---------------------------------------------------------------------------
 # The weight push, one layer at a time
 # ---------------------------------------------------------------------------
-def push_layers(llm, model, name: str, groups=None) -> None:
-    """Push a model's weights into its engine one group at a time: ``groups``
-    of (HF name, whole tensor), by default the model's own parameters by
-    decoder layer (``vllm_weights.layer_groups``), for a sharded model
+def push_layers(llm, model, name: str) -> None:
+    """Push a model's weights into its engine one group at a time: groups of
+    (HF name, whole tensor), the model's own parameters by decoder layer
+    (``vllm_weights.layer_groups``), for a sharded model
     ``distributed.full_weights_by_layer`` of its FSDP2 shards (a collective). Each group is
     checked (names, shapes, dtype, nothing twice) before it is sent and the
     push must cover every parameter; the engine loads it layerwise."""
+    groups = None
     if distributed.is_sharded(model):  # --shard-frozen: whole tensors one FSDP2 unit at a time, on every rank at once
-        groups = distributed.full_weights_by_layer(model) if groups is None else groups
+        groups = distributed.full_weights_by_layer(model)
         model = model.lm  # the plain model's names and (global) shapes
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     specs, seen, in_process = parameter_specs(model), set(), engine_in_process()
@@ -261,12 +263,3 @@ def write_engine_config(model, path: Path) -> None:
     lm = getattr(model, "lm", model)
     lm.config.architectures = [type(lm).__name__]
     lm.config.save_pretrained(path)
-
-
-@torch.no_grad()
-def shard_fingerprint(model) -> tuple[float, ...]:
-    """``vllm_weights.weights_fingerprint`` of this rank's shards of a sharded
-    model (a DTensor sum would be a collective, and generate calls are not
-    matched across ranks)."""
-    sums = [p.sum(dtype=torch.float64) for p in distributed.local_parameters(model)]
-    return tuple(torch.stack(sums).tolist()) if sums else ()

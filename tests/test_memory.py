@@ -202,7 +202,7 @@ def test_stage0_per_rank_plan_counts_what_each_rank_holds():
         real = Qwen3ForCausalLM(new_cfg)
     layer = sum(p.numel() for p in real.model.layers[0].parameters())
     root = p_new - 3 * layer  # embeddings, final norm, untied head
-    per_token = memory.activation_bytes_per_token(new_cfg, 2) + 2 * 64 * 2
+    per_token = memory.activation_bytes_per_token(new_cfg, 2) + 2 * new_cfg.hidden_size * 2
     one = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=1, dtype_bytes=2, micro_batch_tokens=1000)
     assert one["stage0_team"] == 3 * p_team * 2 and one["stage0_pi_pre"] == one["stage0_replacement"] == p_new * 2
     assert one["stage0_train_state"] == p_new * 16  # fp32 master + grads + AdamW m, v (bf16 replacement)

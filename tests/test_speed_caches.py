@@ -239,7 +239,6 @@ def test_rollout_scoring_in_a_child_equals_the_serial_rollout(monkeypatch, proto
 
 
 def test_fork_map_each_keeps_job_order_and_reports_a_failing_child():
-    import os
     from parallel import fork_map_each
     pids = fork_map_each(lambda x: os.getpid(), [0, 1, 2], parallel=True)
     assert pids[0] == os.getpid() and len(set(pids)) == 3  # one process per job
@@ -329,7 +328,6 @@ def test_padding_matches_a_row_by_row_loop():
 
 
 def test_a_failing_speculated_check_raises_and_leaves_no_child(monkeypatch):
-    import os
     import random
 
     import parallel
@@ -345,8 +343,12 @@ def test_a_failing_speculated_check_raises_and_leaves_no_child(monkeypatch):
     monkeypatch.setattr(parallel, "idle_core", lambda: True)
     monkeypatch.setattr(update, "worth_speculating", lambda *a: True)
     monkeypatch.setattr(update, "measure_kl", fails_in_child)
+    children, fork_call = [], parallel.fork_call
+    monkeypatch.setattr(parallel, "fork_call", lambda *a, **kw: (lambda p: children.append(p) or p)(fork_call(*a, **kw)))
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
-    with pytest.raises(ChildProcessError):  # every child was reaped
-        os.waitpid(-1, os.WNOHANG)
+    assert children and all(p is not None for p in children)
+    for p in children:  # every child this stage forked was reaped
+        with pytest.raises(ChildProcessError):
+            os.waitpid(p.pid, os.WNOHANG)

@@ -1,4 +1,6 @@
 """Agents, team protocols and the batched rollout, on tiny agents (same code as real checkpoints)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -223,7 +225,7 @@ def test_generate_prefills_each_distinct_context_once_with_the_same_logits(dtype
         for distinct_prefill in (False, True):
             first_call_rows.clear()
             torch.manual_seed(3)
-            with torch.no_grad(), _sampler(agent.model, cfg), _distinct_prefill(agent.model if distinct_prefill else None):
+            with torch.no_grad(), _sampler(agent.model, cfg), (_distinct_prefill(agent.model) if distinct_prefill else contextlib.nullcontext()):
                 outs.append(agent.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg))
             assert first_call_rows[0] == (prefill_rows if distinct_prefill else len(contexts))
         plain, shared = outs
