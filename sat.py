@@ -532,6 +532,7 @@ if __name__ == "__main__":
     parallel.freeze_libraries()
     try:
         code = main()
-    finally:
-        gc.unfreeze()  # (parallel.freeze_libraries)
-    sys.exit(code)
+    except BaseException:  # a traceback or Ctrl-C: the interpreter's own exit, libraries unfrozen first
+        gc.unfreeze()
+        raise
+    parallel.exit_process(code)  # everything is on disk: skip freeing the libraries' objects one by one

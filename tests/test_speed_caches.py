@@ -248,6 +248,43 @@ def test_fork_map_each_keeps_job_order_and_reports_a_failing_child():
         fork_map_each(lambda x: 1 / (x - 2), [0, 1, 2, 3], parallel=True)  # job 2 runs in a child
 
 
+EXIT_SCRIPT = """
+import atexit, ctypes, os, sys, threading, time
+sys.path.insert(0, {repo!r})
+import parallel
+
+class Teardown:  # a module global: only the interpreter's teardown deletes it
+    def __del__(self, write=os.write):  # (the module's globals may be gone by then)
+        write(2, b"torn down")
+
+kept = Teardown()
+atexit.register(lambda: open({marker!r}, "w").write("atexit ran"))
+if {thread}:  # a non-daemon thread still writing: the exit must wait for it
+    threading.Thread(target=lambda: (time.sleep(0.3), open({marker!r} + ".thread", "w").write("done"))).start()
+print("python line", end="")  # buffered, no newline
+ctypes.CDLL(None).printf(b"C line")  # C's stdio buffer (stdout is a pipe)
+parallel.exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_exit_process_skips_only_the_teardown(tmp_path, thread):
+    """parallel.exit_process: the exit code, both stdio buffers and the atexit
+    handlers as sys.exit; the teardown (a global's __del__) skipped, unless a
+    non-daemon thread is still running: then sys.exit, which waits for it."""
+    import subprocess
+    import sys
+    marker = str(tmp_path / "marker")
+    script = EXIT_SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), marker=marker, thread=thread)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (which leaves C's stdout unbuffered too)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3, done.stderr
+    assert "python line" in done.stdout and "C line" in done.stdout
+    assert Path(marker).read_text() == "atexit ran"
+    assert ("torn down" in done.stderr) == thread  # the fast path never frees its objects
+    assert Path(marker + ".thread").exists() == thread
+
+
 def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_alone(tmp_path, monkeypatch):
     """records.close_stage (held-out evaluation, metrics row, checkpoint) in a forked child gives the
     serial run's metrics; the evaluation draws from its own seeded stream, so evaluating on other
