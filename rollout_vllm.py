@@ -36,7 +36,9 @@ vLLM's platform (``engine_kwargs``, ``vllm_weights.payload_for``):
   the agent's in-memory weights. After a promotion, ``sync_weights(agent)``
   pushes the new weights (and resets the prefix cache: cached prompt KV was
   computed by the old weights); if the engine is asleep the push happens at
-  its next wake, so no KV cache is allocated while another agent trains.
+  its next wake, so no KV cache is allocated while another agent trains (a
+  sharded agent's push, a collective, happens at once and the engine goes
+  back to sleep: ``plan_shard_push``).
 - Versions: every agent has a weight version that moves whenever its weights'
   fingerprint changes; every engine records the version it holds; every
   generate call checks they agree and refuses to sample from stale weights
@@ -327,11 +329,27 @@ def plan_sync(awake: set[str], stale: bool) -> list[str]:
 
 def plan_sleep(awake: set[str], sleep_mode: bool = True) -> list[str]:
     """Level-1 sleep; nothing where the platform has no sleep mode (CPU).
-    A half-awake engine is first woken fully: vLLM ignores sleep() while its
-    weights are still asleep."""
+    vLLM ignores sleep() while the weights sleep (``Executor.sleep``), so an
+    engine awake in its KV cache only wakes its weights first; awake in its
+    weights only, it sleeps as it is (the allocator passes over allocations
+    already asleep), without allocating a KV cache for nothing."""
     if not awake or not sleep_mode:
         return []
-    return [f"wake:{tag}" for tag in WAKE_TAGS if tag not in awake] + ["sleep"]
+    return ([] if "weights" in awake else ["wake:weights"]) + ["sleep"]
+
+
+def plan_shard_push(awake: set[str], sleep_mode: bool = True) -> list[str]:
+    """A sharded agent's push after a promotion (``sync_from_layers``). It is
+    a collective (every rank gathers the layers), so unlike ``plan_sync`` it
+    cannot wait for the next wake, which not every rank may reach: an engine
+    asleep (training time) wakes its weights, takes the new ones, and goes
+    back to sleep, holding no accelerator memory while the next agent trains."""
+    asleep = "weights" not in awake
+    after = awake | {"weights"}
+    actions = (["wake:weights"] if asleep else []) + ["load"]
+    if "kv_cache" in after:
+        actions.append("reset_prefix_cache")
+    return actions + (plan_sleep(after, sleep_mode) if asleep else [])
 
 
 # ---------------------------------------------------------------------------
@@ -452,15 +470,10 @@ class EngineRegistry:
     def sync_from_layers(self, agent, version: int) -> None:
         """Push a sharded agent's weights (``vllm_ranks.push_layers``: under
         torchrun every rank gathers them layer by layer, a collective, and
-        loads each layer into its own engine) as its ``version``. The engine's
-        weights are woken first where they sleep; its KV cache is left as it is."""
+        loads each layer into its own engine) as its ``version``; an engine
+        asleep is put back to sleep after it (``plan_shard_push``)."""
         eng = self.engine(agent)
-        if "weights" not in eng.awake:
-            self._run(eng, agent, ["wake:weights"], eng.version)
-        push_layers(eng.llm, agent.model, eng.name)
-        eng.version, eng.pending = version, False
-        if "kv_cache" in eng.awake:
-            eng.llm.reset_prefix_cache()
+        self._run(eng, agent, plan_shard_push(eng.awake, self.sleep_mode), version)
 
     def wake_for_rollout(self, agent) -> Engine:
         """Wake the agent's engine, pushing its weights if it is new or a push was deferred."""

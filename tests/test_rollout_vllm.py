@@ -268,18 +268,36 @@ def test_plan_sync_and_sleep():
     assert rv.plan_sync({"weights"}, stale=True) == ["load"]
     assert rv.plan_sync(ALL, stale=False) == [] and rv.plan_sync(set(), stale=False) == []
     assert rv.plan_sleep(ALL) == ["sleep"] and rv.plan_sleep(set()) == []
-    assert rv.plan_sleep({"weights"}) == ["wake:kv_cache", "sleep"]  # vLLM ignores sleep() while half asleep
+    assert rv.plan_sleep({"weights"}) == ["sleep"]  # no KV cache allocated just to free it
+    assert rv.plan_sleep({"kv_cache"}) == ["wake:weights", "sleep"]  # vLLM ignores sleep() while the weights sleep
     assert rv.plan_sleep(ALL, sleep_mode=False) == []  # CPU: no sleep mode, engines stay resident
 
 
+def test_plan_shard_push():
+    """A sharded agent's push is a collective: never deferred, and an engine asleep goes back to sleep."""
+    assert rv.plan_shard_push(set()) == ["wake:weights", "load", "sleep"]
+    assert rv.plan_shard_push(ALL) == ["load", "reset_prefix_cache"]
+    assert rv.plan_shard_push({"weights"}) == ["load"]
+    assert rv.plan_shard_push({"kv_cache"}) == ["wake:weights", "load", "reset_prefix_cache", "sleep"]
+    assert rv.plan_shard_push(set(), sleep_mode=False) == ["wake:weights", "load"]  # (CPU engines never sleep)
+
+
 @pytest.mark.parametrize("sleep_mode", [True, False])
-def test_wake_then_sleep_never_loads_from_disk(sleep_mode):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_wake_then_sleep_never_loads_from_disk(sleep_mode, sharded):
     """Walk stages through the plans (as the registry runs them): every
     rollout samples the agent's current weights, pushed from memory, whether
-    the engine sleeps during training (CUDA) or stays resident (CPU)."""
+    the engine sleeps during training (CUDA) or stays resident (CPU), and
+    whether a promotion's push waits for the next wake or (a sharded agent,
+    ``sync_from_layers``) happens at once; an engine asleep for training
+    stays asleep through the promotions (a second agent trains after them)."""
     awake, version, pending, agent_version = set(ALL), -1, False, 0  # a new engine holds disk weights
-    for step in ("rollout", "train", "promote", "rollout", "train", "promote", "rollout", "train", "rollout"):
-        if step == "promote":
+    for step in ("rollout", "train", "promote", "train", "promote", "rollout", "train", "promote", "rollout", "train",
+                 "rollout"):
+        if step == "promote" and sharded:
+            agent_version += 1
+            plan = rv.plan_shard_push(awake, sleep_mode)
+        elif step == "promote":
             agent_version += 1
             plan = rv.plan_sync(awake, version != agent_version)
         elif step == "train":
@@ -289,16 +307,19 @@ def test_wake_then_sleep_never_loads_from_disk(sleep_mode):
         for a in plan:
             if a.startswith("wake:"):
                 awake.add(a[5:])
-            elif a == "sleep":
+            elif a == "sleep" and "weights" in awake:  # vLLM ignores sleep() while the weights sleep
                 awake.clear()
             elif a == "load":
+                assert "weights" in awake  # pushed into resident weights only
                 version, pending = agent_version, False
             elif a == "defer":
                 pending = True
         if step == "rollout":
             assert version == agent_version and awake == ALL
-        if step == "train":
+        if step in ("train", "promote"):
             assert awake == (ALL if not sleep_mode else set())
+        if step == "promote" and sharded:
+            assert version == agent_version and not pending
 
 
 # -- transport and the engine-side loader (a stand-in worker, no vLLM) ----------------------------
