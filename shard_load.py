@@ -148,16 +148,12 @@ def load_into_shards(folder: str | Path, dtype: torch.dtype, device: str = "cpu"
 
 def load_agent_sharded(spec, source: str, device: str, dtype: torch.dtype):
     """An ``team.Agent`` of ``source`` (a folder or a hub name) whose model is
-    loaded straight into shards (``load_into_shards``); its tokenizer as
-    ``team.Agent.load`` prepares it."""
+    loaded straight into shards (``load_into_shards``); its tokenizer
+    prepared as every agent's (``team.prepare_tokenizer``)."""
     from transformers import AutoTokenizer
 
-    from team import Agent, check_chat_template
+    from team import Agent, prepare_tokenizer
 
     folder = snapshot_folder(source)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    check_chat_template(tokenizer, spec.name, source)
-    if tokenizer.pad_token_id is None:  # some chat models ship without a pad token
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(folder), spec.name, source)
     return Agent(spec, load_into_shards(folder, dtype, device), tokenizer)

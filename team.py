@@ -202,12 +202,8 @@ class Agent:
             model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
         else:
             model, tokenizer = _load_pretrained(spec.source, dtype)
-            check_chat_template(tokenizer, spec.name, spec.source)
         model.to(device=device, dtype=dtype)
-        if tokenizer.pad_token_id is None:  # some chat models ship without a pad token
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "left"
-        return cls(spec, model, tokenizer)
+        return cls(spec, model, prepare_tokenizer(tokenizer, spec.name, spec.source))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -228,11 +224,9 @@ class Agent:
 
             return load_agent_sharded(AgentSpec(name=meta["name"], kind="local", source=str(path)), str(path), device, dtype)
         model, tokenizer = _load_pretrained(str(path), dtype)
-        check_chat_template(tokenizer, meta["name"], str(path))
         model.to(device=device, dtype=dtype)
-        tokenizer.padding_side = "left"
         spec = AgentSpec(name=meta["name"], kind="local", source=str(path))
-        return cls(spec, model, tokenizer)
+        return cls(spec, model, prepare_tokenizer(tokenizer, meta["name"], str(path)))
 
     # -- training state -----------------------------------------------------
     @property
@@ -422,6 +416,19 @@ def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
             f"({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; {replacement.spec.name}: {len(v_new)} tokens, "
             f"LM head {w_new}); choose a replacement that shares the incumbent's tokenizer"
         )
+
+
+def prepare_tokenizer(tokenizer, name: str, source: str):
+    """Every agent's tokenizer, wherever it was loaded from (``Agent.load``,
+    ``Agent.from_checkpoint``, ``shard_load``): a chat template
+    (``check_chat_template``), a pad token (the EOS where the checkpoint ships
+    none: padding is masked out everywhere) and left padding (batched prompts
+    end where generation starts). Returns ``tokenizer``."""
+    check_chat_template(tokenizer, name, source)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def check_chat_template(tokenizer, name: str, source: str) -> None:

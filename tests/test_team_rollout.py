@@ -1,6 +1,8 @@
 """Agents, team protocols and the batched rollout, on tiny agents (same code as real checkpoints)."""
 import contextlib
 
+import json
+
 import pytest
 import torch
 
@@ -73,6 +75,26 @@ def test_tiny_agent_save_load_round_trip(tmp_path, tiny_agents):
     assert again.spec.name == "tiny"
     # a saved folder is itself a valid --agents entry
     assert resolve_agent_spec(str(tmp_path / "a")).kind == "local"
+
+
+@pytest.mark.parametrize("load", ["from_checkpoint", "load"])
+def test_a_checkpoint_without_a_pad_token_pads_with_eos_on_the_left(tmp_path, tiny_agents, load):
+    """team.prepare_tokenizer, whichever way a folder is loaded (Agent.load of
+    an --agents folder, Agent.from_checkpoint of a saved run): a tokenizer
+    shipped without a pad token pads with its EOS, on the left."""
+    agent = tiny_agents[0]
+    agent.save(tmp_path / "a")
+    config = tmp_path / "a" / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "pad_token"}))
+    tok = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    tok["padding"] = None
+    (tmp_path / "a" / "tokenizer.json").write_text(json.dumps(tok))
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(tmp_path / "a").pad_token is None  # the folder really lacks one
+    again = Agent.from_checkpoint(tmp_path / "a") if load == "from_checkpoint" else Agent.load(str(tmp_path / "a"))
+    assert again.tokenizer.pad_token == again.tokenizer.eos_token and again.tokenizer.padding_side == "left"
+    batch = again.tokenizer(["1+1", "12+30"], padding=True)["input_ids"]
+    assert batch[0][0] == again.tokenizer.eos_token_id  # the shorter prompt padded on the left
 
 
 def test_tiny_seed_determines_weights():
