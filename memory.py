@@ -276,38 +276,6 @@ def rollout_gathered_bytes(model_config, backend: str, dtype_bytes: int, trainin
     return (root + 2 * layer) * dtype_bytes
 
 
-def stage0_bytes(model_config, n_agents: int, dtype_bytes: int = 2, micro_batch_tokens: int = 8192,
-                 logits_budget: int = 1 << 22, optimizer_bytes_per_param: int = 8,
-                 gradient_checkpointing: bool = True, live_blocks: int = 8) -> dict[str, int]:
-    """Stage-0 of a plug-and-play upgrade (``plug_and_play.fit_stage0``, paper Eqs. (6)-(7)), bytes:
-
-        peak_stage0 = n_agents * W          the team, the incumbent among them
-                    + 2 * W                 the replacement: trainable pi_new + frozen pi_pre
-                    + P * (b + opt)         pi_new's gradients + AdamW m, v
-                    + T * a + 2 * T * H * b one micro-batch of T tokens through pi_new (a = activation bytes
-                                            per token), hidden states of pi_pre and pi_cur
-                    + K * E * 4             LM-head blocks of E = logits_budget fp32 elements, K live at once
-                                            (three log-softmaxes, the target and its exp, the bisection's
-                                            mixture and KL terms, one gradient: K = 8)
-
-    W = P * b with P the replacement's parameter count (the incumbent is taken to be as large).
-    T (--token-budget) and E (plug_and_play.STAGE0_LOGITS_BUDGET) are budgets, so the
-    peak does not grow with the response length: a longer response only means fewer
-    rows per micro-batch and more head blocks one after the other."""
-    params = count_parameters(model_config)
-    weight = params * dtype_bytes
-    hidden = model_dims(model_config)["hidden"]
-    parts = {
-        "stage0_weights": (n_agents + 2) * weight,
-        "stage0_grads_optimizer": params * (dtype_bytes + optimizer_bytes_per_param),
-        "stage0_activations": micro_batch_tokens * (activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
-                                                    + 2 * hidden * dtype_bytes),
-        "stage0_logits_blocks": live_blocks * logits_budget * 4,
-    }
-    parts["peak_stage0"] = sum(parts.values())
-    return parts
-
-
 STAGE0_RANK_NOTES = {
     "stage0_team": "the team's agents, the incumbent among them (whole on every rank)",
     "stage0_pi_pre": "the replacement as loaded, frozen (whole)",
