@@ -124,13 +124,15 @@ def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> l
 # ---------------------------------------------------------------------------
 @torch.no_grad()
 def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
-                   temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET):
+                   temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET, slices=None):
     """Per state: KL(pi_new || pi_cur) and the fit KL(target || pi_new), exact over
     the vocabulary; ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by
-    bisection when None. Returns (kl_cur [M], fit [M], t [M]) in row-major state order."""
+    bisection when None. One trunk forward per model per row slice (``slices``:
+    ``row_slices`` of ``states`` by ``token_budget`` unless given). Returns
+    (kl_cur [M], fit [M], t [M]) in row-major state order."""
     kls, fits, ts = [], [], []
     offset = 0
-    for sl in row_slices(states, len(states), token_budget):
+    for sl in row_slices(states, len(states), token_budget) if slices is None else slices:
         part = states.rows(sl)
         h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
         h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
@@ -168,11 +170,13 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
         return measure_stage0(new_model, pre_model, cur_model, states, t, delta0, **args)
     lo, hi = distributed.row_share(len(states))
     first, last = int(states.rmask[:lo].sum()), int(states.rmask[:hi].sum())
-    mine = measure_stage0(new_model, pre_model, cur_model, states.rows(slice(lo, hi)), None if t is None else t[first:last],
-                          delta0, **args)
+    share = states.rows(slice(lo, hi))
+    slices = row_slices(share, hi - lo, args["token_budget"])  # this rank's forwards: measured, and counted below
+    mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last], delta0,
+                          slices=slices, **args)
     models = (new_model, pre_model, cur_model)
     if any(distributed.is_sharded(m) for m in models):  # --shard-frozen: forwards are collectives, match the busiest rank
-        _dummy_forwards(models, states, len(row_slices(states.rows(slice(lo, hi)), hi - lo, args["token_budget"])))
+        _dummy_forwards(models, states, len(slices))
     parts = distributed.gather_objects(mine)
     return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
 
@@ -459,12 +463,17 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     return info
 
 
+def sharded_replacement(cfg) -> bool:
+    """--shard-frozen under torchrun: the replacement is held in FSDP2 shards, as the team's agents are."""
+    return bool(getattr(cfg, "shard_frozen", False)) and distributed.active()
+
+
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
     """The new model for an upgraded slot. A tiny spec gets its own (longer)
     warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    shard = bool(getattr(cfg, "shard_frozen", False)) and distributed.active()  # a model with files: straight into shards
-    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot, shard=shard)
+    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot,
+                       shard=sharded_replacement(cfg))  # a model with files: straight into shards
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
         holder = Team(list(team.agents), team.config)  # the slot's own prompt format (chain: earlier answers)
@@ -489,7 +498,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
         distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts Stage-0 from rank 0's weights
-        if getattr(cfg, "shard_frozen", False) and distributed.active() and not distributed.is_sharded(new_agent.model):
+        if sharded_replacement(cfg) and not distributed.is_sharded(new_agent.model):
             new_agent.model = distributed.shard_in_place(new_agent.model)  # a tiny replacement, warm-started whole
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)
