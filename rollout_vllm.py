@@ -329,13 +329,13 @@ def plan_sync(awake: set[str], stale: bool) -> list[str]:
 
 def plan_sleep(awake: set[str], sleep_mode: bool = True) -> list[str]:
     """Level-1 sleep; nothing where the platform has no sleep mode (CPU).
-    vLLM ignores sleep() while the weights sleep (``Executor.sleep``), so an
-    engine awake in its KV cache only wakes its weights first; awake in its
-    weights only, it sleeps as it is (the allocator passes over allocations
-    already asleep), without allocating a KV cache for nothing."""
+    A half-awake engine is first woken fully: vLLM ignores sleep() while
+    anything sleeps in some versions (``Executor.sleep``: ``is_sleeping``) and
+    while the weights sleep in others (0.32), so only a fully awake engine is
+    sure to sleep."""
     if not awake or not sleep_mode:
         return []
-    return ([] if "weights" in awake else ["wake:weights"]) + ["sleep"]
+    return [f"wake:{tag}" for tag in WAKE_TAGS if tag not in awake] + ["sleep"]
 
 
 def plan_shard_push(awake: set[str], sleep_mode: bool = True) -> list[str]:
@@ -343,7 +343,8 @@ def plan_shard_push(awake: set[str], sleep_mode: bool = True) -> list[str]:
     a collective (every rank gathers the layers), so unlike ``plan_sync`` it
     cannot wait for the next wake, which not every rank may reach: an engine
     asleep (training time) wakes its weights, takes the new ones, and goes
-    back to sleep, holding no accelerator memory while the next agent trains."""
+    back to sleep (``plan_sleep``: its KV cache woken for a moment first, as
+    at every rollout), holding no weights or KV cache while the next agent trains."""
     asleep = "weights" not in awake
     after = awake | {"weights"}
     actions = (["wake:weights"] if asleep else []) + ["load"]
