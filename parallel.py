@@ -84,25 +84,37 @@ def exit_process(code: int) -> NoReturn:
     buffers are flushed, then ``os._exit``. What is skipped is freeing every
     object and module one by one, memory the OS takes back at once anyway:
     1.3 s at the end of a short run (torch's and transformers' objects,
-    measured). Where teardown still has work to do, a non-daemon thread
-    running or a child process not yet reaped, it is the plain ``sys.exit``
-    (after unfreezing ``freeze_libraries``' objects, so the last collection
-    frees their cycles: left frozen, nanobind reports triton's as leaked)."""
+    measured). ``background_call``'s work still running (a stage closing
+    when a later one failed) is waited for first, so its metrics row and
+    checkpoint reach the disk (its own failure is printed; the exit code is
+    then at least 1). Where teardown still has work to do, a non-daemon thread
+    running or a multiprocessing child not yet reaped (vLLM's engines), it is
+    the plain ``sys.exit`` (after unfreezing ``freeze_libraries``' objects, so
+    the last collection frees their cycles: left frozen, nanobind reports
+    triton's as leaked). Output that cannot be flushed gives status 120, as
+    Python's own exit does."""
     import atexit
     import multiprocessing
     import sys
     import threading
 
+    if _BACKGROUND["pid"] is not None:
+        try:
+            wait_background()
+        except RuntimeError as err:
+            print(err, file=sys.stderr)
+            code = code or 1
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if others or multiprocessing.active_children():
         gc.unfreeze()
         sys.exit(code)
     atexit._run_exitfuncs()  # what Py_Finalize would run first (the private name is CPython's only entry point)
-    for stream in (sys.stdout, sys.stderr):
+    for stream, status in ((sys.stdout, 120), (sys.stderr, 0)):
         try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # closed or replaced: nothing left to write
-            pass
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # output lost (a full disk, a closed pipe)
+            code = code or status
     try:
         import ctypes
         ctypes.CDLL(None).fflush(None)  # C libraries' buffered stdout (a pipe), which exit() would flush

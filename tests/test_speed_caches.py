@@ -259,30 +259,43 @@ class Teardown:  # a module global: only the interpreter's teardown deletes it
 
 kept = Teardown()
 atexit.register(lambda: open({marker!r}, "w").write("atexit ran"))
-if {thread}:  # a non-daemon thread still writing: the exit must wait for it
-    threading.Thread(target=lambda: (time.sleep(0.3), open({marker!r} + ".thread", "w").write("done"))).start()
+case = {case!r}
+if case == "thread":  # a non-daemon thread still writing: the exit must wait for it
+    threading.Thread(target=lambda: (time.sleep(0.3), open({marker!r} + ".late", "w").write("done"))).start()
+if case == "background":  # a stage still closing in a forked child: its files must land
+    parallel.background_call(lambda: (time.sleep(0.3), open({marker!r} + ".late", "w").write("done")), "closing", True)
 print("python line", end="")  # buffered, no newline
 ctypes.CDLL(None).printf(b"C line")  # C's stdio buffer (stdout is a pipe)
-parallel.exit_process(3)
+if case == "lost output":
+    class Full:
+        def write(self, text):
+            return len(text)
+        def flush(self):
+            raise OSError(28, "No space left on device")
+    sys.stdout.flush()
+    sys.stdout = Full()
+parallel.exit_process(0 if case == "lost output" else 3)
 """
 
 
-@pytest.mark.parametrize("thread", [False, True])
-def test_exit_process_skips_only_the_teardown(tmp_path, thread):
+@pytest.mark.parametrize("case", ["plain", "thread", "background", "lost output"])
+def test_exit_process_skips_only_the_teardown(tmp_path, case):
     """parallel.exit_process: the exit code, both stdio buffers and the atexit
-    handlers as sys.exit; the teardown (a global's __del__) skipped, unless a
-    non-daemon thread is still running: then sys.exit, which waits for it."""
+    handlers as sys.exit, and a background child (records.close_stage)
+    finished first; the teardown (a global's __del__) skipped, unless a
+    non-daemon thread is still running: then sys.exit, which waits for it.
+    Output that cannot be flushed: status 120, as Python's own exit."""
     import subprocess
     import sys
     marker = str(tmp_path / "marker")
-    script = EXIT_SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), marker=marker, thread=thread)
+    script = EXIT_SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), marker=marker, case=case)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (which leaves C's stdout unbuffered too)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 3, done.stderr
+    assert done.returncode == (120 if case == "lost output" else 3), done.stderr
     assert "python line" in done.stdout and "C line" in done.stdout
     assert Path(marker).read_text() == "atexit ran"
-    assert ("torn down" in done.stderr) == thread  # the fast path never frees its objects
-    assert Path(marker + ".thread").exists() == thread
+    assert ("torn down" in done.stderr) == (case == "thread")  # the fast path never frees its objects
+    assert Path(marker + ".late").exists() == (case in ("thread", "background"))
 
 
 def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_alone(tmp_path, monkeypatch):
