@@ -129,7 +129,9 @@ def test_format_table_lists_every_phase():
 def test_stage0_peak_is_bounded_by_budgets_not_the_response_length():
     """memory.stage0_rank_bytes on one process: the micro-batch (--token-budget)
     and the LM-head blocks are budgets, so doubling the token budget adds exactly
-    one more micro-batch's activations, whatever the responses' length."""
+    one more micro-batch's activations (the response length is not an input: a
+    longer response means fewer rows per micro-batch; measured in
+    test_plug_and_play.py::test_stage0_peak_memory_is_flat_in_the_response_length)."""
     dims = memory.QWEN3_DIMS["qwen3-4b"]
     est = memory.stage0_rank_bytes(dims, dims, 3, micro_batch_tokens=1 << 15, logits_budget=1 << 22)
     assert est["stage0_logits_blocks"] == 8 * (1 << 22) * 4
