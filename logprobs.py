@@ -126,7 +126,7 @@ def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Te
 MIN_CALL_TOKENS = 128
 
 
-def _padded_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+def padded_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` [n, ...] with copies of its row 0 appended up to MIN_CALL_TOKENS / width rows."""
     extra = max(0, -(-MIN_CALL_TOKENS // max(width, 1)) - t.shape[0])
     return torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) if extra else t  # [max(n, ...), ...]
@@ -147,17 +147,17 @@ def shared_prefix_hidden_states(model, context_ids, context_mask, response_ids, 
     up to summation order (fp32 tiny agents: within 1e-5, tests/test_shared_prefix.py)."""
     (n, lc), lr = context_ids.shape, response_ids.shape[1]
     ctx_u, cmask_u, inverse = distinct_contexts(context_ids, context_mask)  # [u, Lc], [u, Lc], [N]
-    ctx_u, cmask_u = _padded_rows(ctx_u, lc), _padded_rows(cmask_u, lc)  # [u', Lc]
+    ctx_u, cmask_u = padded_rows(ctx_u, lc), padded_rows(cmask_u, lc)  # [u', Lc]
     out = model.base_model(input_ids=ctx_u, attention_mask=cmask_u, position_ids=position_ids_from_mask(cmask_u),
                            use_cache=True)
     cache = out.past_key_values
     if cache is None:
         raise RuntimeError("shared-prefix forward got no key/value cache (gradient checkpointing on?): use --no-share-prefix")
-    rows = _padded_rows(inverse.to(ctx_u.device), lr)  # [N'] distinct context of each (padded) row
+    rows = padded_rows(inverse.to(ctx_u.device), lr)  # [N'] distinct context of each (padded) row
     cache.reorder_cache(rows)  # every layer's keys/values [u', ...] -> [N', ...]
-    attention_mask = _padded_rows(torch.cat([context_mask, response_mask], dim=1), lr)  # [N', Lc+Lr]
+    attention_mask = padded_rows(torch.cat([context_mask, response_mask], dim=1), lr)  # [N', Lc+Lr]
     position_ids = position_ids_from_mask(attention_mask)[:, lc:]  # [N', Lr] as in the plain forward
-    resp = model.base_model(input_ids=_padded_rows(response_ids, lr), attention_mask=attention_mask,
+    resp = model.base_model(input_ids=padded_rows(response_ids, lr), attention_mask=attention_mask,
                             position_ids=position_ids, past_key_values=cache, use_cache=True).last_hidden_state  # [N', Lr, H]
     first = out.last_hidden_state[:, -1].index_select(0, rows[:n])  # [N, H] predicts response token 0
     return torch.cat([first[:, None], resp[:n, :-1]], dim=1)  # [N, Lr, H]
@@ -263,7 +263,7 @@ def turn_forward(model, turn_like, idx, temperature: float):
         # (padded with copies of row 0). Not with gradients: the duplicates' gradients would be
         # summed before the backward's matmuls instead of inside them (another summation order).
         *distinct, rows = distinct_rows(ctx, cmask, resp, rmask)  # [u, ...] x4, [b]
-        ctx, cmask, resp, rmask = [_padded_rows(t, resp.shape[1]) for t in distinct]  # [u', ...]
+        ctx, cmask, resp, rmask = [padded_rows(t, resp.shape[1]) for t in distinct]  # [u', ...]
     forward = shared_prefix_hidden_states if shared else response_hidden_states
     hidden = forward(model, ctx, cmask, resp, rmask)  # [b or u, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, resp, temperature) * rmask  # [b or u, Lr] fp32

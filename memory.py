@@ -453,6 +453,7 @@ def check_run(cfg, team, log) -> float | None:
         return None
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2
+    shard_frozen = bool(getattr(cfg, "shard_frozen", False))
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
     est = estimate_memory(biggest.model.config, len(team), cfg.update,
                           micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
@@ -462,12 +463,12 @@ def check_run(cfg, team, log) -> float | None:
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=gpus, offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
                           engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1),
-                          shard_frozen=bool(getattr(cfg, "shard_frozen", False)))
+                          shard_frozen=shard_frozen)
     available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
         est.update(stage0_rank_bytes(biggest.model.config, biggest.model.config, len(team), gpus=gpus, dtype_bytes=dtype_bytes,
                                      micro_batch_tokens=cfg.token_budget, gradient_checkpointing=cfg.gradient_checkpointing,
-                                     shard_frozen=bool(getattr(cfg, "shard_frozen", False))))
+                                     shard_frozen=shard_frozen))
     log(format_table(est, available))
     if available is not None:
         check_fits(est, available)

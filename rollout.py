@@ -51,8 +51,8 @@ import torch
 import distributed
 import parallel
 from grading import answers_match, vote_reward
-from logprobs import (MIN_CALL_TOKENS, _padded_rows, batched_response_logprobs, chunks_by_budget, cut_at_eos,
-                      distinct_contexts, left_pad, right_pad, turn_forward, turn_rows)
+from logprobs import (MIN_CALL_TOKENS, batched_response_logprobs, chunks_by_budget, cut_at_eos, distinct_contexts,
+                      left_pad, padded_rows, right_pad, turn_forward, turn_rows)
 from tasks import Problem
 from team import Team
 
@@ -217,7 +217,7 @@ class _distinct_prefill:
                 usable = max(len(first), MIN_CALL_TOKENS) < n
             if not usable:
                 return plain(model, input_ids, generation_config, model_kwargs, *args, **kwargs)
-            take = _padded_rows(first, 1)  # [u'] and copies of row 0: a call as wide as the one it replaces
+            take = padded_rows(first, 1)  # [u'] and copies of row 0: a call as wide as the one it replaces
             per_row = {k: v.index_select(0, take) for k, v in tensors.items() if v.shape[0] == n}  # attention_mask, position_ids
             out = plain(model, input_ids.index_select(0, take), generation_config, {**model_kwargs, **per_row}, *args, **kwargs)
             out.past_key_values.reorder_cache(rows)  # every layer's keys/values [u', ...] -> [n, ...]

@@ -95,10 +95,11 @@ from team import Agent, Team, TeamConfig, warm_start  # noqa: E402
 import parallel  # noqa: E402
 
 if hasattr(parallel, "freeze_libraries"):  # the state sat.py's CLI process runs in (a checkout without it: none)
-    parallel.freeze_libraries()
     import atexit  # noqa: E402
+    import gc  # noqa: E402
 
-    atexit.register(__import__("gc").unfreeze)  # as the CLI does before it exits
+    parallel.freeze_libraries()
+    atexit.register(gc.unfreeze)  # the interpreter's own exit frees them (left frozen, nanobind reports leaks)
 
 PHASES = ["rollout", "behaviour lp", "update", "KL checks"]
 seconds = {p: 0.0 for p in PHASES}

@@ -1,6 +1,5 @@
 """Agents, team protocols and the batched rollout, on tiny agents (same code as real checkpoints)."""
 import contextlib
-
 import json
 
 import pytest
