@@ -171,7 +171,12 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     differences are the ratios, the weights and the KL. [..., H] -> [..., V]"""
     head = model.get_output_embeddings()
     bias = head.bias.float() if getattr(head, "bias", None) is not None else None
-    return F.linear(hidden.float(), head.weight.float(), bias)
+    # One 2-D matmul over the positions, whatever the layout: on a strided [n, c, H] slice (the plain
+    # forward's positions) F.linear falls back to matmul, which picks a batched kernel or a folded one
+    # by whether the weight requires grad (even under no_grad), so the training forward would round
+    # its logits unlike the behaviour forward of the frozen agent (4.8e-7 in a log-prob, measured).
+    flat = hidden.float().reshape(-1, hidden.shape[-1])  # [n * c, H]
+    return F.linear(flat, head.weight.float(), bias).reshape(*hidden.shape[:-1], -1)  # [..., V]
 
 
 def _head_chunks(hidden, chunk_tokens: int):

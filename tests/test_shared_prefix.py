@@ -119,13 +119,17 @@ def test_a_measurement_computes_each_distinct_row_once(agent, dtype, monkeypatch
 
 
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
-def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, monkeypatch, protocol):
-    """A whole fp32 stage with shared-prefix forwards: behaviour log-probs over the
-    rollout, training log-probs in shuffled micro-batches: log r = 0 exactly."""
-    monkeypatch.setattr(logprobs, "SHARE_PREFIX", True)
+@pytest.mark.parametrize("sharing", ["every turn", "never"])
+def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, protocol, sharing):
+    """A whole fp32 stage with shared-prefix forwards, or with the plain
+    forward only (--no-share-prefix):
+    behaviour log-probs of the frozen agents over the rollout, training
+    log-probs in shuffled micro-batches of the agent whose weights now require
+    grad: log r = 0 exactly."""
     torch.manual_seed(0)
     team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
+    logprobs.set_share_prefix(sharing != "never")
     sampling = sat.SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     record = sat.sat_stage(team, arithmetic_problems(8, seed=1), cfg, sampling, controllers, {}, random.Random(0))
@@ -138,3 +142,18 @@ def test_share_prefix_option_defaults_from_gradient_checkpointing():
     assert sat.parse_args(["--no-share-prefix"]).share_prefix is False
     with pytest.raises(ValueError, match="--share-prefix needs the key/value cache"):
         sat.Config(device="cpu", share_prefix=True, gradient_checkpointing=True).apply_preset().validate()
+
+
+def test_log_probs_do_not_depend_on_whether_the_weights_require_grad(agent):
+    """The plain forward's positions are a strided slice of the hidden states:
+    the LM head must not let torch pick its matmul kernel by the weight's
+    requires_grad (the agent being trained) against the frozen agent that
+    scored the rollout. Bit for bit, under no_grad and with gradients."""
+    model = copy.deepcopy(agent.model)
+    turn_like = grouped_turn(model.config.vocab_size, [(7, 4), (5, 4), (6, 4), (3, 4)] * 2, [4, 3, 2, 4] * 8, 1)
+    with torch.no_grad():
+        frozen = turn_forward(model.requires_grad_(False), turn_like, slice(None), 1.0)[0]  # [32, Lr]
+        trained = turn_forward(model.requires_grad_(True), turn_like, slice(None), 1.0)[0]
+    assert torch.equal(frozen, trained)
+    assert torch.equal(turn_forward(model, turn_like, slice(None), 1.0)[0].detach(), frozen)
+    assert float(frozen.abs().max()) > 0
