@@ -88,7 +88,7 @@ def test_rollout_scoring_is_adopted_only_while_the_weights_are_unchanged(team_an
     assert not logprobs._REFERENCE_CACHE.get(moved)
 
 
-@pytest.mark.parametrize("overrides", [dict(protocol="independent", epochs=3, kl_check_every=1, delta=0.05),
+@pytest.mark.parametrize("overrides", [dict(protocol="independent", epochs=3, kl_check_every=1, delta=0.03),
                                        dict(protocol="chain", epochs=2), dict(update="joint", epochs=2)])
 def test_runs_with_and_without_the_caches_are_identical(tmp_path, monkeypatch, overrides):
     fast = sat.run(small_config(tmp_path / "fast", **overrides), log=lambda *_: None)
@@ -167,6 +167,15 @@ def test_fork_map_keeps_job_order_and_reports_a_failing_child():
         fork_map(lambda x: 1 / (x - 1), [0, 1, 2], parallel=True)  # job 1 runs in the child
 
 
+def warm_team(protocol: str, steps: int) -> Team:
+    """Two tiny agents warm-started for ``steps`` steps (``team.warm_start``):
+    untrained ones score 0, so a stage's update has no signal and never nears delta."""
+    from team import warm_start
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    warm_start(team, arithmetic_problems(64, seed=9), steps, 0.5, seed=3, batch=8, parallel=False)
+    return team
+
+
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_speculative_line_search_on_the_spare_core_changes_nothing(monkeypatch, protocol):
     """The first backtrack (fraction 1/2) measured in a forked child during the
@@ -176,10 +185,10 @@ def test_speculative_line_search_on_the_spare_core_changes_nothing(monkeypatch, 
 
     import parallel
     from trust_region import QuantileController
-    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=1, delta=0.02)
+    cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=1, delta=0.01)
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
     problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = warm_team(protocol, 80)
     records, calls = {}, {}
     for fork in (True, False):
         counted = []
@@ -318,9 +327,10 @@ def test_stage_closing_in_a_child_equals_serial_and_evaluation_leaves_training_a
     assert training(other_eval) == training(serial)
 
 
-@pytest.mark.parametrize("protocol,every,delta", [("independent", 1, 0.02),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
-                                                  ("chain", 4, 0.01)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
-def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every, delta):
+@pytest.mark.parametrize("protocol,every,delta,warm,seed", [
+    ("independent", 1, 0.1, 120, 3),  # agent 1: step 1 inside, step 2 crosses, seen at step 3
+    ("chain", 4, 0.01, 80, 2)])  # agent 1 crosses at step 4 of 6: seen when the epochs end
+def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every, delta, warm, seed):
     """An in-loop check measured in a forked child while the parent trains on
     (update._speculate) leaves what the serial check leaves: the same records,
     weights, AdamW moments and torch RNG state, the steps trained past a
@@ -332,8 +342,8 @@ def test_speculative_in_loop_checks_change_nothing(monkeypatch, protocol, every,
     cfg = small_config(Path("unused"), protocol=protocol, epochs=3, kl_check_every=every, delta=delta,
                        keep_optimizer_state=True)
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
-    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=2)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=seed)
+    team = warm_team(protocol, warm)
     out = {}
     for fork in (True, False):
         counted, forks = [], []
