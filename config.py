@@ -80,7 +80,7 @@ class Config:
     gae_lambda: float = 0.95
     token_budget: int | None = None
     gradient_checkpointing: bool | None = None  # recompute activations in the backward pass (real models)
-    share_prefix: bool | None = None  # teacher-forced forwards compute each distinct context once (default: on without gradient checkpointing; off under torchrun)
+    share_prefix: bool | None = None  # teacher-forced forwards compute each distinct context once, in the turns where a minibatch computes fewer tokens so (default: on without gradient checkpointing; off under torchrun)
     keep_optimizer_state: bool | None = None  # keep each agent's AdamW moments (on the host) between its turns
     kl_check_every: int | None = None  # measure the exact KL quantile every k gradient steps and stop at delta (0: only at the end)
     eval_size: int | None = None

@@ -17,7 +17,8 @@ rollout backends (``rollout.py`` and ``rollout_vllm.py``) and the update
 - ``turn_forward``: the one forward of a turn's rows at the turn's full width
   that behaviour, training, KL and log rho all use (see the note above it),
   by default with each distinct context of its rows computed once
-  (``shared_prefix_hidden_states``: a group's G rows share one prompt);
+  (``shared_prefix_hidden_states``: a group's G rows share one prompt) in
+  the turns where that computes fewer tokens (``prefix_sharing_pays``);
 - ``measure_kl``: the exact per-state KL over the whole vocabulary at every
   position of an agent's responses, plus the new log-probabilities of the
   sampled tokens, from one forward of each model.
@@ -235,7 +236,8 @@ def turn_rows(turn_like, token_budget: int) -> int:
 
 # With SHARE_PREFIX (``Config.share_prefix``, set per run by ``set_share_prefix``)
 # the forward computes each distinct context of its rows once
-# (``shared_prefix_hidden_states``). The property above holds for it too
+# (``shared_prefix_hidden_states``) in the turns where that computes fewer
+# tokens (``prefix_sharing_pays``). The property above holds for it too
 # (tests/test_shared_prefix.py): a distinct context's rows are computed in a
 # batch of distinct contexts at the turn's full context width, and the
 # responses at the full response width (each call at least MIN_CALL_TOKENS),
@@ -243,12 +245,58 @@ def turn_rows(turn_like, token_budget: int) -> int:
 # ``sat.run`` turns it off: the agent being trained is FSDP2-sharded and its
 # wrapper returns no cache (a sharded model always takes the plain forward here).
 SHARE_PREFIX = False
+# (minibatch rows, token budget) of the run's update, for ``prefix_sharing_pays``; None: share in every turn
+TRAINING_CALL: tuple[int, int] | None = None
 
 
-def set_share_prefix(on: bool) -> None:
-    """Whether ``turn_forward`` shares each distinct context (Config.share_prefix)."""
-    global SHARE_PREFIX
+def set_share_prefix(on: bool, minibatch_size: int | None = None, token_budget: int | None = None) -> None:
+    """Whether ``turn_forward`` shares each distinct context (Config.share_prefix),
+    and, given the update's minibatch size and token budget, only in the turns
+    where that pays (``prefix_sharing_pays``; without them: in every turn)."""
+    global SHARE_PREFIX, TRAINING_CALL
     SHARE_PREFIX = bool(on)
+    TRAINING_CALL = (minibatch_size, token_budget) if minibatch_size and token_budget else None
+
+
+def expected_distinct(counts: torch.Tensor, n: int, m: int) -> float:
+    """E[number of distinct contexts among m rows drawn without replacement
+    from n rows], where distinct context c has counts[c] rows:
+    sum over c of 1 - C(n - counts[c], m) / C(n, m) (the chance of missing c
+    is the product over its rows of (n - m - i) / (n - i), i < counts[c])."""
+    sizes, how_many = torch.unique(counts, return_counts=True)  # a handful of distinct sizes (G, 1, ...)
+    total = 0.0
+    for size, k in zip(sizes.tolist(), how_many.tolist()):
+        missed = 1.0
+        for i in range(size):
+            missed *= max(0, n - m - i) / (n - i)
+            if missed == 0.0:
+                break
+        total += k * (1.0 - missed)
+    return total
+
+
+def prefix_sharing_pays(turn_like) -> bool:
+    """Whether a training micro-batch of this turn (a random draw of the
+    update's rows, ``update._gradient_step``) computes fewer tokens through
+    ``shared_prefix_hidden_states``, E[distinct contexts] x Lc plus N x Lr
+    (each call padded to MIN_CALL_TOKENS), than through the plain forward,
+    N x (Lc + Lr). Short contexts with long responses in small minibatches
+    (16 rows, 7-token prompts, 32-token responses: 645 tokens against 624, in
+    two calls) or contexts that are all distinct (the chain protocol's later
+    turns) take the plain forward; a group's shared prompt longer than its
+    answers, or any long prompt, is shared. A function of the whole turn only
+    (never of the rows of one call), so every forward of a turn (behaviour,
+    training, KL, log rho) takes the same path, and the first step's ratio
+    is exactly 1."""
+    if TRAINING_CALL is None:
+        return True
+    ctx, cmask, resp, _rmask = turn_like
+    (n, lc), lr = ctx.shape, resp.shape[1]
+    m = min(n, TRAINING_CALL[0], turn_rows(turn_like, TRAINING_CALL[1]))  # rows of one training forward
+    counts = torch.bincount(distinct_contexts(ctx, cmask)[2])  # [u] rows of each distinct context
+    contexts = max(expected_distinct(counts, n, m), -(-MIN_CALL_TOKENS // max(lc, 1)))
+    responses = max(m, -(-MIN_CALL_TOKENS // max(lr, 1)))
+    return contexts * lc + responses * lr < m * (lc + lr)
 
 
 def turn_forward(model, turn_like, idx, temperature: float):
@@ -259,7 +307,7 @@ def turn_forward(model, turn_like, idx, temperature: float):
     in Eq. (5)'s objective, the per-state KL of Sec. 3."""
     device = next(model.parameters()).device
     ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
-    shared = SHARE_PREFIX and not distributed.is_sharded(model)
+    shared = SHARE_PREFIX and not distributed.is_sharded(model) and prefix_sharing_pays(turn_like)
     rows = None
     if shared and not torch.is_grad_enabled():
         # A measurement (no gradient): each distinct row once, then copied to its duplicates (a

@@ -301,7 +301,8 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
     cfg.share_prefix = bool(cfg.share_prefix) and not distributed.active()  # torchrun: the FSDP2 agent's forward keeps no cache
-    set_share_prefix(cfg.share_prefix)  # logprobs.turn_forward: each distinct context once (recorded in config.json)
+    # logprobs.turn_forward: each distinct context once (recorded in config.json), in the turns where the update's calls compute fewer tokens so
+    set_share_prefix(cfg.share_prefix, cfg.minibatch_size, cfg.token_budget)
     if cfg.shard_frozen is None:  # recorded in config.json as resolved
         cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
     cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
@@ -435,8 +436,8 @@ def parse_args(argv=None) -> Config:
                    "is R minus the vote with its other answers to the prompt swapped in; group: the group mean (Eq. (2))")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument("--share-prefix", dest="share_prefix", action=argparse.BooleanOptionalAction,
-                   help="teacher-forced forwards compute each distinct context once (default: on without --gradient-checkpointing; "
-                   "one process only: off under torchrun)")
+                   help="teacher-forced forwards compute each distinct context once, in the turns where a training minibatch "
+                   "computes fewer tokens so (default: on without --gradient-checkpointing; one process only: off under torchrun)")
     p.add_argument("--keep-optimizer-state", dest="keep_optimizer_state", action=argparse.BooleanOptionalAction,
                    help="keep each agent's AdamW moments on the host between its turns (default: off)")
     p.add_argument("--update", choices=UPDATES)

@@ -197,7 +197,9 @@ def main() -> None:
     elif hasattr(sat, "configure_threads"):
         sat.configure_threads(None, "cpu")
     cfg = config()
-    if hasattr(logprobs, "set_share_prefix"):  # as sat.run does (a checkout without it: the plain forward)
+    if hasattr(logprobs, "prefix_sharing_pays"):  # as sat.run does: shared in the turns where it pays
+        logprobs.set_share_prefix(cfg.share_prefix, cfg.minibatch_size, cfg.token_budget)
+    elif hasattr(logprobs, "set_share_prefix"):  # an older checkout: shared in every turn (without it: the plain forward)
         logprobs.set_share_prefix(cfg.share_prefix)
     rng = sat.seed_everything(cfg.seed)
     train, heldout, instruction = load_task(cfg)

@@ -119,17 +119,18 @@ def test_a_measurement_computes_each_distinct_row_once(agent, dtype, monkeypatch
 
 
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
-@pytest.mark.parametrize("sharing", ["every turn", "never"])
+@pytest.mark.parametrize("sharing", ["every turn", "where it pays", "never"])
 def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, protocol, sharing):
-    """A whole fp32 stage with shared-prefix forwards, or with the plain
-    forward only (--no-share-prefix):
+    """A whole fp32 stage with shared-prefix forwards in every turn, or as
+    ``sat.run`` sets it (in the turns where 12-row calls compute fewer tokens
+    so: here none), or with the plain forward only (--no-share-prefix):
     behaviour log-probs of the frozen agents over the rollout, training
     log-probs in shuffled micro-batches of the agent whose weights now require
     grad: log r = 0 exactly."""
     torch.manual_seed(0)
     team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
-    logprobs.set_share_prefix(sharing != "never")
+    logprobs.set_share_prefix(sharing != "never", *((cfg.minibatch_size, cfg.token_budget) if sharing == "where it pays" else ()))
     sampling = sat.SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     record = sat.sat_stage(team, arithmetic_problems(8, seed=1), cfg, sampling, controllers, {}, random.Random(0))
@@ -157,3 +158,64 @@ def test_log_probs_do_not_depend_on_whether_the_weights_require_grad(agent):
     assert torch.equal(frozen, trained)
     assert torch.equal(turn_forward(model, turn_like, slice(None), 1.0)[0].detach(), frozen)
     assert float(frozen.abs().max()) > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(1, 4), min_size=1, max_size=5), data=st.data())
+def test_expected_distinct_contexts_equals_brute_force(counts, data):
+    """E[distinct contexts among m rows drawn without replacement] against the
+    average over every m-subset of the rows."""
+    from itertools import combinations
+
+    n = sum(counts)
+    m = data.draw(st.integers(1, n))
+    owner = [c for c, k in enumerate(counts) for _ in range(k)]  # row -> its context
+    subsets = list(combinations(range(n), m))
+    brute = sum(len({owner[r] for r in s}) for s in subsets) / len(subsets)
+    assert logprobs.expected_distinct(torch.tensor(counts), n, m) == pytest.approx(brute, rel=1e-12)
+
+
+def shapes_turn(groups: int, rows: int, lc: int, lr: int, distinct: bool = False):
+    """A turn of ``groups`` contexts of ``lc`` tokens x ``rows`` rows each (all
+    rows' contexts distinct with ``distinct``), responses of ``lr`` tokens."""
+    ctx = torch.arange(groups * rows if distinct else groups).repeat_interleave(1 if distinct else rows)[:, None] + torch.zeros(1, lc, dtype=torch.long)
+    return ctx, torch.ones_like(ctx), torch.ones(groups * rows, lr, dtype=torch.long), torch.ones(groups * rows, lr, dtype=torch.long)
+
+
+@pytest.mark.parametrize("groups,rows,lc,lr,minibatch,budget,pays", [
+    (16, 4, 7, 32, 16, 4096, False),  # the matched workload: 11.1 expected contexts, padded to 19 x 7 + 16 x 32 = 645 > 624 tokens
+    (64, 8, 7, 4, 128, 4096, True),  # the tiny default: about 55 contexts x 7 + 128 x 4 = 897 < 1408
+    (64, 8, 150, 1000, 64, 1 << 20, True),  # long prompts (Qwen3-4B): about 42 x 150 + 64 x 1000 < 64 x 1150
+    (64, 8, 150, 1000, 64, 1150, False),  # one row per token-budget call: nothing to share
+    (128, 4, 33, 4, 128, 4096, False),  # every context distinct (the chain protocol's later turns): an extra call for nothing
+])
+def test_prefix_sharing_pays_by_the_tokens_of_a_training_call(monkeypatch, groups, rows, lc, lr, minibatch, budget, pays):
+    distinct = groups == 128
+    turn_like = shapes_turn(groups, rows, lc, lr, distinct=distinct)
+    monkeypatch.setattr(logprobs, "TRAINING_CALL", None)
+    assert logprobs.prefix_sharing_pays(turn_like)  # no update to size it by: always shared
+    logprobs.set_share_prefix(True, minibatch, budget)
+    assert logprobs.prefix_sharing_pays(turn_like) is pays
+
+
+@pytest.mark.parametrize("minibatch", [4, 64])
+def test_every_call_of_a_turn_takes_the_turns_path(agent, minibatch):
+    """The shared-or-plain choice is the whole turn's (one base-model call per
+    plain forward, two per shared one), never the rows' of a call: with 64-row
+    minibatches the turn shares, and its 12 distinct contexts alone, which
+    would not, still give the full call's rows bit for bit."""
+    logprobs.set_share_prefix(True, minibatch, 4096)
+    model = copy.deepcopy(agent.model)
+    turn_like = grouped_turn(model.config.vocab_size, [(6, 4), (5, 4), (7, 4), (4, 4), (6, 4)] + [(3, 1)] * 12, [2, 1, 2] * 11, 5)
+    pays = logprobs.prefix_sharing_pays(turn_like)
+    assert pays is (minibatch == 64)  # 4-row calls: their contexts would be padded to 19 rows of 7 tokens
+    distinct = torch.arange(20, 32)
+    assert not logprobs.prefix_sharing_pays([t[distinct] for t in turn_like])
+    calls = []
+    model.base_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        whole, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [N, Lr], [N, Lr, H]
+        for part in (torch.arange(4), distinct, torch.tensor([0, 1, 20, 31])):
+            lp, h = turn_forward(model, turn_like, part, 1.0)
+            assert torch.equal(lp, whole[part]) and torch.equal(h, hidden[part])
+    assert len(calls) == 4 * (2 if pays else 1)
