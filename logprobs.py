@@ -290,13 +290,38 @@ def prefix_sharing_pays(turn_like) -> bool:
     is exactly 1."""
     if TRAINING_CALL is None:
         return True
+    # once per turn, not per call (a 4096-row turn's distinct contexts take ~70 ms on a CPU): kept
+    # while the turn's very tensors live, unchanged in place (their version counters), for this run's sizes
+    key, stamp = id(turn_like[0]), (TRAINING_CALL, tuple(t._version for t in turn_like))
+    kept = _SHARING.get(key)
+    if kept is not None and kept[1] == stamp and all(ref() is t for ref, t in zip(kept[0], turn_like)):
+        return kept[2]
+    pays = _tokens_shared(turn_like) < _tokens_plain(turn_like)
+    refs = (weakref.ref(turn_like[0], lambda _, k=key: _SHARING.pop(k, None)), *map(weakref.ref, turn_like[1:]))
+    _SHARING[key] = (refs, stamp, pays)
+    return pays
+
+
+_SHARING: dict[int, tuple] = {}  # id(a turn's context tensor) -> (weak refs to its 4 tensors, sizes and versions, decision)
+
+
+def _training_call_rows(turn_like) -> int:
+    """Rows of one training forward of this turn (``update._gradient_step``'s micro-batch)."""
+    return min(turn_like[0].shape[0], TRAINING_CALL[0], turn_rows(turn_like, TRAINING_CALL[1]))
+
+
+def _tokens_plain(turn_like) -> int:
+    return _training_call_rows(turn_like) * (turn_like[0].shape[1] + turn_like[2].shape[1])
+
+
+def _tokens_shared(turn_like) -> float:
     ctx, cmask, resp, _rmask = turn_like
     (n, lc), lr = ctx.shape, resp.shape[1]
-    m = min(n, TRAINING_CALL[0], turn_rows(turn_like, TRAINING_CALL[1]))  # rows of one training forward
+    m = _training_call_rows(turn_like)
     counts = torch.bincount(distinct_contexts(ctx, cmask)[2])  # [u] rows of each distinct context
     contexts = max(expected_distinct(counts, n, m), -(-MIN_CALL_TOKENS // max(lc, 1)))
     responses = max(m, -(-MIN_CALL_TOKENS // max(lr, 1)))
-    return contexts * lc + responses * lr < m * (lc + lr)
+    return contexts * lc + responses * lr
 
 
 def turn_forward(model, turn_like, idx, temperature: float):

@@ -219,3 +219,23 @@ def test_every_call_of_a_turn_takes_the_turns_path(agent, minibatch):
             lp, h = turn_forward(model, turn_like, part, 1.0)
             assert torch.equal(lp, whole[part]) and torch.equal(h, hidden[part])
     assert len(calls) == 4 * (2 if pays else 1)
+
+
+def test_prefix_sharing_is_decided_once_per_turn(monkeypatch):
+    """Every forward of a turn asks; the turn's distinct contexts are counted
+    once, again only for other tensors, tensors changed in place, or other
+    sizes, and the answer is dropped with the turn."""
+    counted = []
+    monkeypatch.setattr(logprobs, "distinct_contexts", lambda *a, f=logprobs.distinct_contexts: counted.append(1) or f(*a))
+    logprobs.set_share_prefix(True, 16, 4096)
+    turn_like = shapes_turn(16, 4, 7, 32)
+    assert [logprobs.prefix_sharing_pays(turn_like) for _ in range(3)] == [False] * 3 and len(counted) == 1
+    assert not logprobs.prefix_sharing_pays(tuple(t.clone() for t in turn_like)) and len(counted) == 2
+    turn_like[0][:, 0] = torch.arange(64)  # every context now distinct, in place
+    assert not logprobs.prefix_sharing_pays(turn_like) and len(counted) == 3
+    logprobs.set_share_prefix(True, 64, 4096)
+    long = shapes_turn(16, 4, 150, 32)
+    assert logprobs.prefix_sharing_pays(long) and len(counted) == 4
+    entries = len(logprobs._SHARING)
+    del long
+    assert len(logprobs._SHARING) == entries - 1
