@@ -127,9 +127,14 @@ def distinct_contexts(context_ids, context_mask) -> tuple[torch.Tensor, torch.Te
 MIN_CALL_TOKENS = 128
 
 
+def min_call_rows(width: int) -> int:
+    """Rows of ``width`` tokens that make a call of at least MIN_CALL_TOKENS."""
+    return -(-MIN_CALL_TOKENS // max(width, 1))
+
+
 def padded_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` [n, ...] with copies of its row 0 appended up to MIN_CALL_TOKENS / width rows."""
-    extra = max(0, -(-MIN_CALL_TOKENS // max(width, 1)) - t.shape[0])
+    extra = max(0, min_call_rows(width) - t.shape[0])
     return torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) if extra else t  # [max(n, ...), ...]
 
 
@@ -177,7 +182,7 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     # by whether the weight requires grad (even under no_grad), so the training forward would round
     # its logits unlike the behaviour forward of the frozen agent (4.8e-7 in a log-prob, measured).
     flat = hidden.float().reshape(-1, hidden.shape[-1])  # [n * c, H]
-    return F.linear(flat, head.weight.float(), bias).reshape(*hidden.shape[:-1], -1)  # [..., V]
+    return F.linear(flat, head.weight.float(), bias).reshape(*hidden.shape[:-1], head.weight.shape[0])  # [..., V]
 
 
 def _head_chunks(hidden, chunk_tokens: int):
@@ -276,18 +281,20 @@ def expected_distinct(counts: torch.Tensor, n: int, m: int) -> float:
 
 
 def prefix_sharing_pays(turn_like) -> bool:
-    """Whether a training micro-batch of this turn (a random draw of the
-    update's rows, ``update._gradient_step``) computes fewer tokens through
-    ``shared_prefix_hidden_states``, E[distinct contexts] x Lc plus N x Lr
-    (each call padded to MIN_CALL_TOKENS), than through the plain forward,
-    N x (Lc + Lr). Short contexts with long responses in small minibatches
-    (16 rows, 7-token prompts, 32-token responses: 645 tokens against 624, in
-    two calls) or contexts that are all distinct (the chain protocol's later
-    turns) take the plain forward; a group's shared prompt longer than its
-    answers, or any long prompt, is shared. A function of the whole turn only
-    (never of the rows of one call), so every forward of a turn (behaviour,
-    training, KL, log rho) takes the same path, and the first step's ratio
-    is exactly 1."""
+    """Whether a training micro-batch of this turn (m rows drawn at random
+    from the turn's N, ``update._gradient_step``) computes fewer tokens through
+    ``shared_prefix_hidden_states``, about E[distinct contexts] x Lc plus
+    m x Lr (each call padded to MIN_CALL_TOKENS), than through the plain
+    forward, m x (Lc + Lr). An estimate (the padding is applied to the
+    expectation, the cache's expansion is not counted); ties take the plain
+    forward. Short contexts with long responses in small minibatches (16
+    rows, 7-token prompts, 32-token responses: 645 tokens against 624, in two
+    calls), contexts that are all distinct (the chain protocol's later turns
+    can be) and one-row calls take the plain forward; a group's prompt shared
+    by several rows of a call and longer than a few response tokens is
+    shared. A function of the whole turn only (never of the rows of one
+    call), so every forward of a turn (behaviour, training, KL, log rho)
+    takes the same path, and the first step's ratio is exactly 1."""
     if TRAINING_CALL is None:
         return True
     # once per turn, not per call (a 4096-row turn's distinct contexts take ~70 ms on a CPU): kept
@@ -319,8 +326,8 @@ def _tokens_shared(turn_like) -> float:
     (n, lc), lr = ctx.shape, resp.shape[1]
     m = _training_call_rows(turn_like)
     counts = torch.bincount(distinct_contexts(ctx, cmask)[2])  # [u] rows of each distinct context
-    contexts = max(expected_distinct(counts, n, m), -(-MIN_CALL_TOKENS // max(lc, 1)))
-    responses = max(m, -(-MIN_CALL_TOKENS // max(lr, 1)))
+    contexts = max(expected_distinct(counts, n, m), min_call_rows(lc))
+    responses = max(m, min_call_rows(lr))
     return contexts * lc + responses * lr
 
 
@@ -332,16 +339,18 @@ def turn_forward(model, turn_like, idx, temperature: float):
     in Eq. (5)'s objective, the per-state KL of Sec. 3."""
     device = next(model.parameters()).device
     ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
-    shared = SHARE_PREFIX and not distributed.is_sharded(model) and prefix_sharing_pays(turn_like)
+    once = SHARE_PREFIX and not distributed.is_sharded(model)  # shared work computed once (Config.share_prefix)
+    shared = once and prefix_sharing_pays(turn_like)
     rows = None
-    if shared and not torch.is_grad_enabled():
+    if once and not torch.is_grad_enabled():
         # A measurement (no gradient): each distinct row once, then copied to its duplicates (a
-        # group's G samples often agree). Exact: on this path a row's result does not depend on
-        # which rows share its call, the LM head's included once the call has MIN_CALL_TOKENS
+        # group's G samples often agree), on either forward. Exact: a row's result does not depend
+        # on which rows share its call, the LM head's included, once the call has MIN_CALL_TOKENS
         # (padded with copies of row 0). Not with gradients: the duplicates' gradients would be
         # summed before the backward's matmuls instead of inside them (another summation order).
         *distinct, rows = distinct_rows(ctx, cmask, resp, rmask)  # [u, ...] x4, [b]
-        ctx, cmask, resp, rmask = [padded_rows(t, resp.shape[1]) for t in distinct]  # [u', ...]
+        width = resp.shape[1] if shared else ctx.shape[1] + resp.shape[1]  # tokens per row of the largest call
+        ctx, cmask, resp, rmask = [padded_rows(t, width) for t in distinct]  # [u', ...]
     forward = shared_prefix_hidden_states if shared else response_hidden_states
     hidden = forward(model, ctx, cmask, resp, rmask)  # [b or u, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, resp, temperature) * rmask  # [b or u, Lr] fp32

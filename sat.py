@@ -301,8 +301,9 @@ def run(cfg: Config, log=None) -> list[dict]:
     cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
     distributed.check_options(cfg)
     cfg.share_prefix = bool(cfg.share_prefix) and not distributed.active()  # torchrun: the FSDP2 agent's forward keeps no cache
-    # logprobs.turn_forward: each distinct context once (recorded in config.json), in the turns where the update's calls compute fewer tokens so
-    set_share_prefix(cfg.share_prefix, cfg.minibatch_size, cfg.token_budget)
+    # logprobs.turn_forward: each distinct context once (recorded in config.json), in the turns where the update's calls
+    # compute fewer tokens so; with --shard-rollouts in every turn (its blocks' turns are scored apart from the merged one)
+    set_share_prefix(cfg.share_prefix, *(() if cfg.shard_rollouts else (cfg.minibatch_size, cfg.token_budget)))
     if cfg.shard_frozen is None:  # recorded in config.json as resolved
         cfg.shard_frozen = distributed.active() and cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
     cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard

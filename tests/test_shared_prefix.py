@@ -93,48 +93,57 @@ def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(agent, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_measurement_computes_each_distinct_row_once(agent, dtype, monkeypatch):
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_measurement_computes_each_distinct_row_once(agent, dtype, shared, monkeypatch):
     """Without gradients (behaviour log-probs, KL checks), rows that repeat
-    (a group's samples that agree) run once and are copied: the response pass
-    sees the 30 distinct rows of 90, and every row's log-probs and hidden
-    states are bit for bit those of the row computed alone. With gradients
-    every row runs (their gradients must sum inside the backward's matmuls)."""
-    monkeypatch.setattr(logprobs, "SHARE_PREFIX", True)
+    (a group's samples that agree) run once and are copied, on the
+    shared-prefix forward and on the plain one (a turn where sharing does not
+    pay, --share-prefix on): the response pass sees the 30 distinct rows of
+    90, and every row's log-probs and hidden states are bit for bit those of
+    the row computed alone. With gradients every row runs (their gradients
+    must sum inside the backward's matmuls)."""
+    logprobs.set_share_prefix(True, *(() if shared else (1, 4096)))  # one-row training calls: sharing never pays
     model = copy.deepcopy(agent.model).to(dtype)
     distinct = grouped_turn(model.config.vocab_size, [(6, 10), (3, 10), (7, 10)], [1, 5, 2, 4, 3] * 6, 4)  # 30 rows
     order = torch.randperm(90, generator=torch.Generator().manual_seed(1)) % 30  # each row three times, shuffled
     turn_like = [t[order] for t in distinct]
     rows_seen = []
     model.base_model.register_forward_pre_hook(lambda _m, _a, kw: rows_seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    assert logprobs.prefix_sharing_pays(turn_like) is shared
     with torch.no_grad():
         lp, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [90, Lr], [90, Lr, H]
-        assert rows_seen == [max(3, -(-logprobs.MIN_CALL_TOKENS // 7)), 30]  # distinct contexts, then distinct rows
+        # distinct contexts, then distinct rows; or the distinct rows with their contexts
+        assert rows_seen == ([max(3, logprobs.min_call_rows(7)), 30] if shared else [30])
         for i in range(90):
             lp_i, h_i = turn_forward(model, turn_like, torch.tensor([i]), 1.0)
             assert torch.equal(lp_i, lp[i : i + 1]) and torch.equal(h_i, hidden[i : i + 1])
     rows_seen.clear()
     turn_forward(model.requires_grad_(True), turn_like, slice(None), 1.0)
-    assert rows_seen[1] == 90
+    assert rows_seen[-1] == 90
     assert float(lp.abs().max()) > 0
 
 
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 @pytest.mark.parametrize("sharing", ["every turn", "where it pays", "never"])
-def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, protocol, sharing):
+def test_shared_prefix_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, monkeypatch, protocol, sharing):
     """A whole fp32 stage with shared-prefix forwards in every turn, or as
-    ``sat.run`` sets it (in the turns where 12-row calls compute fewer tokens
-    so: here none), or with the plain forward only (--no-share-prefix):
-    behaviour log-probs of the frozen agents over the rollout, training
-    log-probs in shuffled micro-batches of the agent whose weights now require
-    grad: log r = 0 exactly."""
+    ``sat.run`` sets it (in the turns where 16-row calls compute fewer tokens
+    so: in the chain protocol agent 2's turn, not agent 1's), or with the
+    plain forward only (--no-share-prefix): behaviour log-probs of the frozen
+    agents over the rollout, training log-probs in shuffled micro-batches of
+    the agent whose weights now require grad: log r = 0 exactly."""
     torch.manual_seed(0)
     team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
-    cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
+    cfg = small_config(tmp_path, protocol=protocol, minibatch_size=16 if sharing == "where it pays" else 12, epochs=2)
     logprobs.set_share_prefix(sharing != "never", *((cfg.minibatch_size, cfg.token_budget) if sharing == "where it pays" else ()))
+    decided = {}  # context width -> the turn's choice
+    monkeypatch.setattr(logprobs, "prefix_sharing_pays", lambda t, f=logprobs.prefix_sharing_pays: decided.setdefault(t[0].shape[1], f(t)))
     sampling = sat.SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     record = sat.sat_stage(team, arithmetic_problems(8, seed=1), cfg, sampling, controllers, {}, random.Random(0))
     assert [rec["step0_log_ratio_max"] for rec in record["agents"]] == [0.0, 0.0]
+    if sharing == "where it pays" and protocol == "chain":
+        assert sorted(decided.values()) == [False, True]  # the two turns took different forwards
 
 
 def test_share_prefix_option_defaults_from_gradient_checkpointing():
@@ -158,6 +167,7 @@ def test_log_probs_do_not_depend_on_whether_the_weights_require_grad(agent):
     assert torch.equal(frozen, trained)
     assert torch.equal(turn_forward(model, turn_like, slice(None), 1.0)[0].detach(), frozen)
     assert float(frozen.abs().max()) > 0
+    assert logprobs.head_logits(model, torch.zeros(0, 3, model.config.hidden_size)).shape == (0, 3, model.config.vocab_size)
 
 
 @settings(max_examples=40, deadline=None)
@@ -184,7 +194,7 @@ def shapes_turn(groups: int, rows: int, lc: int, lr: int, distinct: bool = False
 
 @pytest.mark.parametrize("groups,rows,lc,lr,minibatch,budget,pays", [
     (16, 4, 7, 32, 16, 4096, False),  # the matched workload: 11.1 expected contexts, padded to 19 x 7 + 16 x 32 = 645 > 624 tokens
-    (64, 8, 7, 4, 128, 4096, True),  # the tiny default: about 55 contexts x 7 + 128 x 4 = 897 < 1408
+    (64, 8, 7, 4, 128, 4096, True),  # the tiny default: 57.7 expected contexts x 7 + 128 x 4 = 916 < 1408
     (64, 8, 150, 1000, 64, 1 << 20, True),  # long prompts (Qwen3-4B): about 42 x 150 + 64 x 1000 < 64 x 1150
     (64, 8, 150, 1000, 64, 1150, False),  # one row per token-budget call: nothing to share
     (128, 4, 33, 4, 128, 4096, False),  # every context distinct (the chain protocol's later turns): an extra call for nothing
