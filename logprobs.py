@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import distributed
+from memory import LOGITS_CHUNK_TOKENS
 from trust_region import per_state_kl
 
 
@@ -198,7 +199,8 @@ def _head_chunks(hidden, chunk_tokens: int):
 HEAD_CHECKPOINT_BYTES = 64 << 20
 
 
-def token_logprobs_from_hidden(model, hidden, targets, temperature: float, chunk_tokens: int = 4096) -> torch.Tensor:
+def token_logprobs_from_hidden(model, hidden, targets, temperature: float,
+                               chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> torch.Tensor:
     """log softmax(lm_head(h)/T)[target] in fp32 (``head_logits``), the LM head
     applied to about ``chunk_tokens`` positions (rows x columns) at a time, so
     a [n, c, V] logits block stays small (4096 x 151936 x 4 B = 2.5 GB for

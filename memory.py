@@ -167,6 +167,16 @@ def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return model_dims(config)["vocab"] * 3 * 4
 
 
+# Positions (rows x columns) through the LM head at once: logprobs.token_logprobs_from_hidden's chunks
+LOGITS_CHUNK_TOKENS = 4096
+
+
+def head_chunk_tokens(rows: int, length: int, chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> int:
+    """The largest LM-head chunk of a [rows, length] forward: every row's next
+    max(1, chunk_tokens // rows) positions (``logprobs._head_chunks``)."""
+    return rows * min(length, max(1, chunk_tokens // max(rows, 1)))
+
+
 def head_fp32_bytes(config) -> int:
     """The fp32 copy of the LM head weight that ``head_logits`` makes per chunk."""
     d = model_dims(config)
@@ -188,10 +198,9 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     max_seq_len: the longest context + response; vLLM needs KV for at least one.
     rollout_tokens: tokens held in the KV cache at once (HF: a generate chunk,
         i.e. --token-budget; vLLM: the concurrent batch). Default: max(micro_batch_tokens, max_seq_len).
-    logits_chunk_tokens: positions through the LM head at once. Default
-        min(micro_batch_tokens, 1024). Note: rollout.token_logprobs_from_hidden
-        chunks 1024 positions of *every row* of the micro-batch, so today's
-        code needs rows * min(1024, row length) here.
+    logits_chunk_tokens: positions through the LM head at once (``head_chunk_tokens``:
+        about LOGITS_CHUNK_TOKENS rows x columns, at least one position of every
+        row). Default min(micro_batch_tokens, LOGITS_CHUNK_TOKENS).
     optimizer_bytes_per_param: AdamW m and v in fp32 (they live on the fp32
         master weights of a bf16 agent, on the fp32 parameters otherwise).
     dtype_bytes < 4 adds the fp32 master weights (4 B per trained parameter);
@@ -229,7 +238,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     largest_tensor = max(d["vocab"] * d["hidden"], d["hidden"] * d["intermediate"])  # embedding or an MLP matrix
     transient_grad = largest_tensor * dtype_bytes if dtype_bytes < 4 else 0  # a bf16 grad before its fp32 add
     rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
-    chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, 1024)
+    chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, LOGITS_CHUNK_TOKENS)
     train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
     # the exact-KL check runs 1024 positions of two models through the head (no grad)
     kl_check = 1024 * 2 * logits_bytes_per_token(model_config, dtype_bytes)
@@ -455,10 +464,11 @@ def check_run(cfg, team, log) -> float | None:
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2
     shard_frozen = bool(getattr(cfg, "shard_frozen", False))
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
+    rows = max(1, min(cfg.minibatch_size, cfg.token_budget // seq))  # rows of a training micro-batch
     est = estimate_memory(biggest.model.config, len(team), cfg.update,
                           micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
                           max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
-                          rollout_tokens=cfg.token_budget, logits_chunk_tokens=4096,
+                          rollout_tokens=cfg.token_budget, logits_chunk_tokens=head_chunk_tokens(rows, seq),
                           dtype_bytes=dtype_bytes,
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=gpus, offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
@@ -517,12 +527,12 @@ def main(argv=None) -> None:
                          shard_frozen=args.shard_frozen,
                          micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
                          gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
-                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=args.rows * min(1024, args.max_seq_len),
+                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
                          engine_tensor_parallel=args.vllm_tensor_parallel))
         return
     est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, args.update, micro_batch_tokens=args.rows * args.max_seq_len,
                           max_seq_len=args.max_seq_len, gradient_checkpointing=not args.no_checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
-                          logits_chunk_tokens=args.rows * min(1024, args.max_seq_len),  # rollout.py's chunking today
+                          logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
                           engine_tensor_parallel=args.vllm_tensor_parallel)
     available = int(args.available_gib * GiB) if args.available_gib else None
     print(f"{args.model} x{args.n_agents}, {args.update} update, backend {args.backend}: "

@@ -1,6 +1,8 @@
 """memory.py: exact parameter counts, the sequential-vs-joint accounting, check_fits."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memory
 
@@ -233,3 +235,14 @@ def test_stage0_plan_cli_prints_labelled_estimates(capsys):
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
     peaks = [float(r[9]) for r in rows]
     assert peaks == sorted(peaks, reverse=True) and rows[0][-2:] == ["NO", "NO"]  # one GPU: 3 x 4B + 8B Stage-0 fits neither
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9000), length=st.integers(1, 9000))
+def test_head_chunk_is_the_largest_chunk_the_forward_sends_through_the_head(rows, length):
+    """memory.head_chunk_tokens (the logits block the plan counts) against the
+    chunks logprobs.token_logprobs_from_hidden makes of a [rows, length] forward."""
+    import logprobs
+
+    widths = [sl.indices(length)[1] - sl.indices(length)[0] for sl in logprobs._head_chunks(torch.empty(rows, length, 0), memory.LOGITS_CHUNK_TOKENS)]
+    assert memory.head_chunk_tokens(rows, length) == rows * max(widths)
