@@ -29,7 +29,9 @@ the same rows as the stage took (the plain forward: every row's context
 computed). stage/floor is the stage (without evaluation and checkpoint) over
 that floor. Beside it, the shared-prefix floor: the same steps through
 ``logprobs.shared_prefix_hidden_states`` (each distinct context once, what the
-run does with ``--share-prefix``, its default on the tiny preset), and
+run does with ``--share-prefix``, its default on the tiny preset, in the turns
+where that computes fewer tokens: ``logprobs.prefix_sharing_pays``, every turn
+of the tiny stage, none of the matched workload's), and
 stage/shared-prefix floor; and the tightest floor: that update plus generate
 with each distinct context prefilled once (``rollout._distinct_prefill``, what
 the run's rollout does), and stage/tightest floor.
