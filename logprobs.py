@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import distributed
-from memory import LOGITS_CHUNK_TOKENS
+from memory import LOGITS_CHUNK_TOKENS, head_chunk_positions
 from trust_region import per_state_kl
 
 
@@ -189,7 +189,7 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def _head_chunks(hidden, chunk_tokens: int):
     """Position slices covering about ``chunk_tokens`` (rows x columns) each."""
     n, length, _ = hidden.shape
-    chunk = max(1, chunk_tokens // max(n, 1))  # positions per chunk
+    chunk = head_chunk_positions(n, chunk_tokens)  # positions per chunk
     return [slice(s, s + chunk) for s in range(0, length, chunk)]
 
 
@@ -305,7 +305,7 @@ def prefix_sharing_pays(turn_like) -> bool:
     kept = _SHARING.get(key)
     if kept is not None and kept[1] == stamp and all(ref() is t for ref, t in zip(kept[0], turn_like)):
         return kept[2]
-    pays = _tokens_shared(turn_like) < _tokens_plain(turn_like)
+    pays = _sharing_saves_tokens(turn_like)
     refs = (weakref.ref(turn_like[0], lambda _, k=key: _SHARING.pop(k, None)), *map(weakref.ref, turn_like[1:]))
     _SHARING[key] = (refs, stamp, pays)
     return pays
@@ -314,23 +314,16 @@ def prefix_sharing_pays(turn_like) -> bool:
 _SHARING: dict[int, tuple] = {}  # id(a turn's context tensor) -> (weak refs to its 4 tensors, sizes and versions, decision)
 
 
-def _training_call_rows(turn_like) -> int:
-    """Rows of one training forward of this turn (``update._gradient_step``'s micro-batch)."""
-    return min(turn_like[0].shape[0], TRAINING_CALL[0], turn_rows(turn_like, TRAINING_CALL[1]))
-
-
-def _tokens_plain(turn_like) -> int:
-    return _training_call_rows(turn_like) * (turn_like[0].shape[1] + turn_like[2].shape[1])
-
-
-def _tokens_shared(turn_like) -> float:
+def _sharing_saves_tokens(turn_like) -> bool:
+    """``prefix_sharing_pays``' comparison, uncached: the expected tokens of
+    one training forward of m rows (``update._gradient_step``'s micro-batch),
+    shared against plain."""
     ctx, cmask, resp, _rmask = turn_like
     (n, lc), lr = ctx.shape, resp.shape[1]
-    m = _training_call_rows(turn_like)
+    m = min(n, TRAINING_CALL[0], turn_rows(turn_like, TRAINING_CALL[1]))  # rows of one training forward
     counts = torch.bincount(distinct_contexts(ctx, cmask)[2])  # [u] rows of each distinct context
-    contexts = max(expected_distinct(counts, n, m), min_call_rows(lc))
-    responses = max(m, min_call_rows(lr))
-    return contexts * lc + responses * lr
+    shared = max(expected_distinct(counts, n, m), min_call_rows(lc)) * lc + max(m, min_call_rows(lr)) * lr
+    return shared < m * (lc + lr)
 
 
 def turn_forward(model, turn_like, idx, temperature: float):

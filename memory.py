@@ -171,10 +171,14 @@ def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 LOGITS_CHUNK_TOKENS = 4096
 
 
+def head_chunk_positions(rows: int, chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> int:
+    """Positions of every row in one LM-head chunk (``logprobs._head_chunks``): at least one."""
+    return max(1, chunk_tokens // max(rows, 1))
+
+
 def head_chunk_tokens(rows: int, length: int, chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> int:
-    """The largest LM-head chunk of a [rows, length] forward: every row's next
-    max(1, chunk_tokens // rows) positions (``logprobs._head_chunks``)."""
-    return rows * min(length, max(1, chunk_tokens // max(rows, 1)))
+    """The largest LM-head chunk of a [rows, length] forward (``head_chunk_positions`` of every row)."""
+    return rows * min(length, head_chunk_positions(rows, chunk_tokens))
 
 
 def head_fp32_bytes(config) -> int:
