@@ -442,7 +442,7 @@ class EngineRegistry:
 
     # -- versions ---------------------------------------------------------------
     def agent_version(self, agent) -> int:
-        return self.book.observe(id(agent), weights_fingerprint(agent.model, distributed.local_parameters(agent.model)))
+        return self.book.observe(id(agent), weights_fingerprint(distributed.local_parameters(agent.model)))
 
     def assert_in_sync(self, agent) -> None:
         eng = self.engines[id(agent)]

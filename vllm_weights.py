@@ -122,13 +122,13 @@ def check_group(named: list[tuple[str, torch.Tensor]], specs: dict, seen: set) -
 # Versions
 # ---------------------------------------------------------------------------
 @torch.no_grad()
-def weights_fingerprint(model, params=None) -> tuple[float, ...]:
-    """Per-parameter float64 sums of ``params`` (default: the model's): any
-    optimizer step or line-search interpolation changes them, a bit-exact
-    restore gives them back. One read of the weights (milliseconds on a GPU),
-    one host sync. A sharded model passes this rank's shards
-    (``distributed.local_parameters``): a DTensor sum would be a collective."""
-    sums = [p.detach().sum(dtype=torch.float64) for p in (model.parameters() if params is None else params)]
+def weights_fingerprint(params) -> tuple[float, ...]:
+    """Per-parameter float64 sums of a model's ``params``: any optimizer step
+    or line-search interpolation changes them, a bit-exact restore gives them
+    back. One read of the weights (milliseconds on a GPU), one host sync. A
+    sharded model's are this rank's shards (``distributed.local_parameters``):
+    a DTensor sum would be a collective."""
+    sums = [p.detach().sum(dtype=torch.float64) for p in params]
     return tuple(torch.stack(sums).tolist()) if sums else ()
 
 

@@ -226,21 +226,21 @@ def test_ipc_rebuild_signature_is_what_the_worker_calls():
 def test_fingerprint_and_versions_follow_the_weights():
     model = tiny_model(tied=True)
     book = vw.VersionBook()
-    v0 = book.observe("a", vw.weights_fingerprint(model))
-    assert v0 == 0 and book.observe("a", vw.weights_fingerprint(model)) == 0  # unchanged: same version
+    v0 = book.observe("a", vw.weights_fingerprint(model.parameters()))
+    assert v0 == 0 and book.observe("a", vw.weights_fingerprint(model.parameters())) == 0  # unchanged: same version
     saved = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     opt.step()
-    v1 = book.observe("a", vw.weights_fingerprint(model))
+    v1 = book.observe("a", vw.weights_fingerprint(model.parameters()))
     assert v1 == 1
     with torch.no_grad():  # a one-element change is seen too
         next(model.parameters())[0, 0] += 1e-3
-    assert book.observe("a", vw.weights_fingerprint(model)) == 2
+    assert book.observe("a", vw.weights_fingerprint(model.parameters())) == 2
     with torch.no_grad():  # a bit-exact restore (line search rejecting) is a new version of old weights
         for p, s in zip(model.parameters(), saved):
             p.copy_(s)
-    assert book.observe("a", vw.weights_fingerprint(model)) == 3
+    assert book.observe("a", vw.weights_fingerprint(model.parameters())) == 3
     assert book.version("a") == 3 and book.version("b") is None
     vw.check_in_sync(3, 3, "agent 1")
     with pytest.raises(RuntimeError, match="stale weights.*sync_weights"):
