@@ -192,15 +192,14 @@ def shapes_turn(groups: int, rows: int, lc: int, lr: int, distinct: bool = False
     return ctx, torch.ones_like(ctx), torch.ones(groups * rows, lr, dtype=torch.long), torch.ones(groups * rows, lr, dtype=torch.long)
 
 
-@pytest.mark.parametrize("groups,rows,lc,lr,minibatch,budget,pays", [
-    (16, 4, 7, 32, 16, 4096, False),  # the matched workload: 11.1 expected contexts, padded to 19 x 7 + 16 x 32 = 645 > 624 tokens
-    (64, 8, 7, 4, 128, 4096, True),  # the tiny default: 57.7 expected contexts x 7 + 128 x 4 = 916 < 1408
-    (64, 8, 150, 1000, 64, 1 << 20, True),  # long prompts (Qwen3-4B): about 42 x 150 + 64 x 1000 < 64 x 1150
-    (64, 8, 150, 1000, 64, 1150, False),  # one row per token-budget call: nothing to share
-    (128, 4, 33, 4, 128, 4096, False),  # every context distinct (the chain protocol's later turns): an extra call for nothing
+@pytest.mark.parametrize("groups,rows,lc,lr,distinct,minibatch,budget,pays", [
+    (16, 4, 7, 32, False, 16, 4096, False),  # the matched workload: 11.1 expected contexts, padded to 19 x 7 + 16 x 32 = 645 > 624 tokens
+    (64, 8, 7, 4, False, 128, 4096, True),  # the tiny default: 57.7 expected contexts x 7 + 128 x 4 = 916 < 1408
+    (64, 8, 150, 1000, False, 64, 1 << 20, True),  # long prompts (Qwen3-4B): about 42 x 150 + 64 x 1000 < 64 x 1150
+    (64, 8, 150, 1000, False, 64, 1150, False),  # one row per token-budget call: nothing to share
+    (128, 4, 33, 4, True, 128, 4096, False),  # every context distinct (the chain protocol's later turns): an extra call for nothing
 ])
-def test_prefix_sharing_pays_by_the_tokens_of_a_training_call(monkeypatch, groups, rows, lc, lr, minibatch, budget, pays):
-    distinct = groups == 128
+def test_prefix_sharing_pays_by_the_tokens_of_a_training_call(monkeypatch, groups, rows, lc, lr, distinct, minibatch, budget, pays):
     turn_like = shapes_turn(groups, rows, lc, lr, distinct=distinct)
     monkeypatch.setattr(logprobs, "TRAINING_CALL", None)
     assert logprobs.prefix_sharing_pays(turn_like)  # no update to size it by: always shared
