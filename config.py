@@ -164,7 +164,7 @@ def validate_run_inputs(cfg: "Config") -> None:
         raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
                          "trained; use --group-size 2 or more (or --adv gae)")
     if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
-        from vllm_ranks import check_tensor_parallel
+        from scale.vllm_ranks import check_tensor_parallel
 
         if cfg.backend != "vllm":
             raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")

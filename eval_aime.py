@@ -520,7 +520,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
         log(f"team: {', '.join(identity['agents'])} | protocol {identity['protocol']} | thinking "
             f"{'on' if identity['enable_thinking'] else 'off'} | {device}/{backend} | {pending} of {total} samples to generate")
         if backend == "vllm":
-            import rollout_vllm
+            from scale import rollout_vllm
 
             rollout_vllm.configure(n_engines=len(team), seed=cfg.seed)  # one engine per agent, sized for the team
         try:
@@ -537,7 +537,7 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
                     pbar.update(missing)
         finally:
             if backend == "vllm":
-                import rollout_vllm
+                from scale import rollout_vllm
 
                 rollout_vllm.shutdown()
     per_bench = summarize(read_predictions(pred_path), benches, cfg.k)

@@ -31,8 +31,8 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
-import distributed
-from memory import LOGITS_CHUNK_TOKENS, head_chunk_positions
+from scale import distributed
+from scale.memory import LOGITS_CHUNK_TOKENS, head_chunk_positions
 from trust_region import per_state_kl
 
 

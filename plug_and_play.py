@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import distributed
+from scale import distributed
 from logprobs import left_pad, response_hidden_states
 from rollout import SamplingConfig, rollout, rollout_in_blocks
 from tasks import Problem
@@ -516,7 +516,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log)
         incumbent = team.swap(slot, new_agent)
         if cfg.backend == "vllm":
-            import rollout_vllm
+            from scale import rollout_vllm
 
             rollout_vllm.release(incumbent)
         controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import distributed
+from scale import distributed
 import parallel
 from team import Agent, Team
 from trust_region import QuantileController

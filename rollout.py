@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import distributed
+from scale import distributed
 import parallel
 from grading import answers_match, vote_reward
 from logprobs import (MIN_CALL_TOKENS, batched_response_logprobs, chunks_by_budget, cut_at_eos, distinct_contexts,
@@ -311,7 +311,7 @@ def default_backend(device: str) -> str:
 
 def generate(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
     if sampling.backend == "vllm":
-        import rollout_vllm  # lazy: an optional extra (CUDA or CPU vLLM)
+        from scale import rollout_vllm  # lazy: an optional extra (CUDA or CPU vLLM)
 
         return rollout_vllm.generate_vllm(agent, contexts, sampling)
     return generate_hf(agent, contexts, sampling)
@@ -488,7 +488,7 @@ def with_sampler_logprobs(part: TeamBatch, team: Team, sampling: SamplingConfig)
     """vLLM backend: attach the engines' own log-probabilities of this block
     (each agent's last generate call) to the block, so they travel with it."""
     if sampling.backend == "vllm":
-        import rollout_vllm
+        from scale import rollout_vllm
 
         part.sampler_logprobs = [rollout_vllm.last_logprobs(a) for a in team.agents]
     return part
@@ -500,7 +500,7 @@ def keep_sampler_logprobs(team: Team, parts: list[TeamBatch], sampling: Sampling
     ones, so the health metric (``after_rollout``) compares the same rows."""
     if sampling.backend != "vllm" or any(getattr(p, "sampler_logprobs", None) is None for p in parts):
         return
-    import rollout_vllm
+    from scale import rollout_vllm
 
     for k, agent in enumerate(team.agents):
         rows = [p.sampler_logprobs[k] for p in parts]
@@ -513,11 +513,11 @@ def blocks_of_rank(n_blocks: int, sampling: SamplingConfig) -> range:
     vLLM with one engine per agent per rank); with K-rank tensor-parallel vLLM
     engines the K ranks of one engine take the same blocks
     (``vllm_ranks.engine_blocks``). The union is the same batch for any N."""
-    import vllm_ranks  # light: os, pathlib and torch only
+    from scale import vllm_ranks  # light: os, pathlib and torch only
 
     k = 1
     if sampling.backend == "vllm":
-        import rollout_vllm
+        from scale import rollout_vllm
 
         k = rollout_vllm.tensor_parallel()
     return vllm_ranks.engine_blocks(n_blocks, distributed.STATE.rank, distributed.STATE.world, k)
@@ -560,7 +560,7 @@ def start_backend(backend: str, n_engines: int, seed: int, train_fraction: float
     the GPU that training keeps). Nothing to do for the HF backend."""
     if backend != "vllm":
         return
-    import rollout_vllm
+    from scale import rollout_vllm
 
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
     rollout_vllm.configure(n_engines=n_engines, seed=seed, health_logprobs=True, tensor_parallel=tensor_parallel, **extra)
@@ -569,7 +569,7 @@ def start_backend(backend: str, n_engines: int, seed: int, train_fraction: float
 def stop_backend(backend: str) -> None:
     """Shut the vLLM engines down at the end of a run."""
     if backend == "vllm":
-        import rollout_vllm
+        from scale import rollout_vllm
 
         rollout_vllm.shutdown()
 
@@ -579,7 +579,7 @@ def after_rollout(team: Team, batch: TeamBatch, sampling: SamplingConfig):
     trainer log-prob health metric per agent (None with the HF backend)."""
     if sampling.backend != "vllm":
         return None
-    import rollout_vllm
+    from scale import rollout_vllm
 
     rollout_vllm.sleep_all()
     health = []
@@ -592,6 +592,6 @@ def after_rollout(team: Team, batch: TeamBatch, sampling: SamplingConfig):
 def sync_weights(agent, sampling: SamplingConfig) -> None:
     """After a promotion: the agent's engine samples from the new weights from now on."""
     if sampling.backend == "vllm":
-        import rollout_vllm
+        from scale import rollout_vllm
 
         rollout_vllm.sync_weights(agent)

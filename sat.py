@@ -49,14 +49,14 @@ from pathlib import Path
 
 import torch
 
-import distributed
+from scale import distributed
 import parallel
-from distributed import configure_threads, seed_everything
+from scale.distributed import configure_threads, seed_everything
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from config import ADVANTAGES, BASELINES, DTYPES, ORDERS, RATIOS, REUSES, UPDATES, Config
 from bounds import stage_certificate, turn_certificate
 from logprobs import adopt_scoring, measure_kl, set_share_prefix
-from memory import check_run
+from scale.memory import check_run
 from plug_and_play import apply_upgrades
 from records import (STAGE_HEADER, latest_checkpoint, load_checkpoint, plot_run, read_metrics,
                      record_upgrades, rollout_record, save_checkpoint, finish_checkpoints, close_stage, collect_stage, prepare_plot, stage_row,

@@ -194,7 +194,7 @@ class Agent:
         files, is built whole and sharded later (``distributed.shard_team``)."""
         spec = resolve_agent_spec(spec) if isinstance(spec, str) else spec
         if shard and spec.kind != "tiny":
-            from shard_load import load_agent_sharded
+            from scale.shard_load import load_agent_sharded
 
             return load_agent_sharded(spec, spec.source, device, dtype)
         if spec.kind == "tiny":
@@ -220,7 +220,7 @@ class Agent:
         path = Path(path)
         meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
         if shard:
-            from shard_load import load_agent_sharded
+            from scale.shard_load import load_agent_sharded
 
             return load_agent_sharded(AgentSpec(name=meta["name"], kind="local", source=str(path)), str(path), device, dtype)
         model, tokenizer = _load_pretrained(str(path), dtype)

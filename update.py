@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import distributed
+from scale import distributed
 import parallel
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows

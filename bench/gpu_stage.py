@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import memory  # noqa: E402
+from scale import memory  # noqa: E402
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import distributed
+from scale import distributed
 from rollout import SamplingConfig, concat_batches, rollout, rollout_in_blocks
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -276,7 +276,7 @@ def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
 
 def test_shard_load_resolves_folders_and_names_a_missing_hub_model(tmp_path, monkeypatch):
     """A folder is used as it is; a hub name not in the cache, offline, is one line (before any model is built)."""
-    import shard_load
+    from scale import shard_load
     import team
 
     assert shard_load.snapshot_folder(str(tmp_path)) == tmp_path

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import eval_aime
-import memory
+from scale import memory
 import sat
 import team as team_module
 from team import Agent

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import memory
+from scale import memory
 
 
 def real_count(config) -> int:

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import memory
-import rollout_vllm as rv
-import vllm_ranks as vr
-import vllm_weights as vw
+from scale import memory
+from scale import rollout_vllm as rv
+from scale import vllm_ranks as vr
+from scale import vllm_weights as vw
 from logprobs import cut_at_eos, right_pad
 from rollout import SamplingConfig
 
@@ -430,7 +430,7 @@ def test_engine_blocks_cover_every_block_once_per_engine(world, k):
 
 
 def test_blocks_of_rank_follows_the_engines(monkeypatch):
-    import distributed
+    from scale import distributed
     from rollout import blocks_of_rank
 
     monkeypatch.setattr(distributed.STATE, "rank", 3)
@@ -530,7 +530,7 @@ def test_engine_config_of_a_sharded_agent_names_its_architecture(tmp_path):
     engine loads its weights as usual."""
     import json
 
-    import distributed
+    from scale import distributed
 
     model = tiny_model(tied=True)
     assert not model.config.architectures and vr.sharded_engine_kwargs(model) == {}

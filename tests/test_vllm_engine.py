@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-import rollout_vllm as rv  # noqa: E402
+from scale import rollout_vllm as rv  # noqa: E402
 from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from team import Agent  # noqa: E402

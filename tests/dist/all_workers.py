@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 
-import distributed
+from scale import distributed
 
 jobs, job = [], []
 for arg in sys.argv[1:] + ["--"]:

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-import distributed
+from scale import distributed
 from logprobs import measure_kl
 from rollout import SamplingConfig, regenerate, rollout_in_blocks
 from tasks import arithmetic_problems

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-import distributed
-from shard_load import load_into_shards
+from scale import distributed
+from scale.shard_load import load_into_shards
 
 torch.set_num_threads(1)
 distributed.setup("cpu")

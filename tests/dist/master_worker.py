@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import distributed
+from scale import distributed
 import sat
 from records import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout

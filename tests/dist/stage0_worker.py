@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-import distributed
+from scale import distributed
 import sat
 from plug_and_play import stage0_align
 from rollout import SamplingConfig

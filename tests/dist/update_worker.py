@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-import distributed
+from scale import distributed
 import sat
 from rollout import SamplingConfig, rollout
 from tasks import arithmetic_problems

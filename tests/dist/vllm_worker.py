@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-import distributed
-import rollout_vllm as rv
+from scale import distributed
+from scale import rollout_vllm as rv
 from logprobs import batched_response_logprobs, left_pad, right_pad
 from rollout import SamplingConfig, after_rollout, rollout_in_blocks
 from tasks import arithmetic_problems

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-import distributed
+from scale import distributed
 
 WEIGHT_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # config, weights, tokenizer
 

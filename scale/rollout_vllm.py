@@ -63,12 +63,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import distributed
+from scale import distributed
 from logprobs import cut_at_eos
-from memory import cpu_kv_cache_bytes
-from vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, engine_source, prepare_environment, push_layers,
+from scale.memory import cpu_kv_cache_bytes
+from scale.vllm_ranks import (TENSOR_PARALLEL_CPU_ERROR, engine_platform, engine_source, prepare_environment, push_layers,
                         sharded_engine_kwargs, start_llm)
-from vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
+from scale.vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weights_fingerprint
 
 WAKE_TAGS = ("weights", "kv_cache")
 SEED_MODULUS = 2 ** 31 - 1

@@ -28,7 +28,7 @@ import pickle
 
 import torch
 
-EXTENSION_CLS = "vllm_weights.WeightSyncExtension"  # imported by name inside each engine process
+EXTENSION_CLS = "scale.vllm_weights.WeightSyncExtension"  # imported by name inside each engine process
 # Wrappers that prefix parameter names without changing the model
 # (torch.compile, DistributedDataParallel, FSDP1).
 WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")

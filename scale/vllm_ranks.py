@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-import distributed
-from vllm_weights import check_group, layer_groups, parameter_specs, payload_for, vllm_group
+from scale import distributed
+from scale.vllm_weights import check_group, layer_groups, parameter_specs, payload_for, vllm_group
 
 TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through vLLM's "
                              "external launcher); on CPU use --vllm-tensor-parallel 1 (one engine per agent per rank)")
