@@ -31,42 +31,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total / count.clamp_min(1).to(total.dtype)
 
 
-def group_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    eps: float = 1e-6,
-    clip: float | None = 5.0,
-    weights: torch.Tensor | None = None,
-    normalize: bool = True,
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, clip: float | None = 5.0,
+                     weights: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
     """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (paper, Section 5, Eq. (2)).
 
-    With ``normalize=False`` the result is R - mean_g in reward units (the
-    certificate's A), still clipped when ``clip`` is given.
-
-    A group is the G joint trajectories of one prompt; every trajectory in it is compared
-    with its siblings, so no value model is needed.
-
-    std is the *population* std (divide by the group's size / total weight, not size - 1):
-    it is the spread of exactly the empirical distribution whose mean we subtract, it is
-    defined for groups of one (advantage 0) and it has one natural weighted form,
-    sum w (R - m)^2 / sum w; the unbiased sample std has no single weighted analogue and
-    only rescales all advantages of a group by sqrt(G / (G - 1)), which the clip and the
-    learning rate absorb anyway. A group with all equal rewards gets advantage 0 (also
-    with eps = 0).
-
-    Args:
-        rewards: [N] scalar reward per trajectory.
-        group_ids: [N] integer group label per trajectory (any values, any order).
-        eps: added to the std so a zero-spread group does not divide by zero.
-        clip: clamp advantages to [-clip, clip]; None disables clipping.
-        weights: optional [N] non-negative weights for the group mean and std (e.g. the
-            truncated importance weights w(tau)); a group whose weights sum to 0 gets 0.
-    Returns:
-        [N] advantages, same dtype as rewards (float).
-    """
+    A group is the G joint trajectories of one prompt (``group_ids`` [N], any labels): each trajectory
+    is compared with its siblings, so no value model is needed. ``normalize=False``: R - mean_g in
+    reward units (the certificate's A). std is the *population* std: the spread of exactly the
+    empirical distribution whose mean is subtracted, defined for groups of one, with one natural
+    weighted form sum w (R - m)^2 / sum w (the sample std only rescales a group by sqrt(G / (G - 1))).
+    A group with all equal rewards gets 0 (also with eps = 0). ``weights`` [N] >= 0 (e.g. the
+    truncated importance weights w(tau)) weight the group mean and std; a weightless group gets 0.
+    [N] rewards -> [N] advantages."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)}, {tuple(group_ids.shape)}")
+        raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)}, "
+                         f"{tuple(group_ids.shape)}")
     r = rewards.to(torch.float64) if not rewards.is_floating_point() else rewards  # [N]
     w = torch.ones_like(r) if weights is None else weights.to(r.dtype)  # [N]
     if w.shape != r.shape:
@@ -91,42 +70,24 @@ def group_advantages(
     return adv
 
 
-def gae(
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    traces: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95,
+        traces: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE(lambda) with truncated traces over right-padded sequences.
 
         delta_t = r_t + gamma * V_{t+1} - V_t               (V_{t+1} = 0 after the last valid token)
         A_t     = delta_t + gamma * lam * c_{t+1} * A_{t+1}
                 = sum_k (gamma lam)^k (c_{t+1} ... c_{t+k}) delta_{t+k}
 
-    With c = 1 this is GAE(lambda) (Schulman et al., 2016). With c_t = min(1, rho_t) it is
-    the Retrace-style truncation (Munos et al., 2016): the tail of the sum starts with the
-    action a_{t+1}, which was drawn by the behaviour policy, so its off-policy ratio is
-    what decides how much of that tail to trust; capping at 1 keeps the trace product
-    bounded (low variance) at the price of cutting the tail short where the target
-    policy likes a_{t+1} more than the behaviour did. The current token's own ratio is not
-    in A_t: it enters the loss through the PPO ratio.
-
-    Args:
-        rewards: [B, T] per-token rewards (typically the team reward on the last token).
-        values: [B, T] value estimates V(s_t).
-        mask: [B, T] true on valid tokens; each row valid on a prefix (right padding).
-            A position whose successor is invalid is treated as terminal.
-        gamma, lam: discount and GAE lambda.
-        traces: optional [B, T] trace coefficients c_t (e.g. min(1, rho_t)); None = all ones.
-    Returns:
-        (advantages [B, T], returns [B, T] = advantages + values), both 0 on padding.
-    """
+    With c = 1 this is GAE(lambda) (Schulman et al., 2016); with c_t = min(1, rho_t) the Retrace-style
+    truncation (Munos et al., 2016): the tail starts with a_{t+1}, drawn by the behaviour policy, so
+    its ratio decides how much of the tail to trust; capping at 1 keeps the trace product bounded.
+    The current token's own ratio enters the loss through the PPO ratio instead.
+    rewards, values, mask, traces (None: all ones): [B, T], each row valid on a prefix (a position
+    whose successor is invalid is terminal) -> (advantages [B, T], returns = advantages + values),
+    both 0 on padding."""
     if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
-        raise ValueError(
-            f"rewards, values, mask must all be [B, T], got {tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
-        )
+        raise ValueError(f"rewards, values, mask must all be [B, T], got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
     if traces is not None and traces.shape != rewards.shape:
         raise ValueError(f"traces must be [B, T], got {tuple(traces.shape)}")
     valid = mask.bool()  # [B, T]
@@ -157,27 +118,18 @@ def _check_log_ratios(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]], b
         raise ValueError("no earlier agents: pass batch_size to get the all-zero log weights")
     for log_rho, mask in log_ratios:
         if log_rho.dim() != 2 or mask.shape != log_rho.shape:
-            raise ValueError(f"each entry must be ([B, T] log rho, [B, T] mask), got {tuple(log_rho.shape)}, {tuple(mask.shape)}")
+            raise ValueError(f"each entry must be ([B, T] log rho, [B, T] mask), got {tuple(log_rho.shape)}, "
+                             f"{tuple(mask.shape)}")
 
 
-def truncated_log_weights(
-    log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    batch_size: int | None = None,
-) -> torch.Tensor:
-    """log w(tau) = log prod_t min(1, rho_t) over the tokens of the already-updated agents.
+def truncated_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                          batch_size: int | None = None) -> torch.Tensor:
+    """log w(tau) = log prod_t min(1, rho_t) over the tokens of the already-updated agents (paper, Section 5).
 
-    For step i of a stage (paper, Section 5; c_t = min(1, rho_t)) the list holds, for each agent sigma(1..i-1),
-    its cached per-token log rho_t = log pi_tar(a_t|s_t) - log pi_cur(a_t|s_t) and the mask
-    of its tokens in each joint trajectory (agents may have different lengths T).
-    log min(1, rho) = min(0, log rho), so the product is a sum in log space and never
-    overflows; w <= 1 by construction.
-
-    Args:
-        log_ratios: list of ([B, T_k] log rho, [B, T_k] mask), one per earlier agent.
-        batch_size: B, needed only when the list is empty (the first agent: w = 1).
-    Returns:
-        [B] log weights (<= 0).
-    """
+    For step i of a stage ``log_ratios`` holds, per agent sigma(1..i-1), its per-token
+    log rho_t = log pi_tar(a_t|s_t) - log pi_cur(a_t|s_t) [B, T_k] and the mask of its tokens [B, T_k].
+    log min(1, rho) = min(0, log rho): a sum in log space that never overflows, w <= 1.
+    ``batch_size`` is needed only for an empty list (the first agent: w = 1). -> [B] log weights <= 0."""
     _check_log_ratios(log_ratios, batch_size)
     if len(log_ratios) == 0:
         return torch.zeros(batch_size, dtype=torch.float32)  # [B]
@@ -187,17 +139,12 @@ def truncated_log_weights(
     return total
 
 
-def full_log_weights(
-    log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    batch_size: int | None = None,
-) -> torch.Tensor:
-    """log W(tau) = log prod_t rho_t over the already-updated agents' tokens (no truncation).
-
-    Same inputs as `truncated_log_weights`. W is the exact importance weight that makes
-    rollouts of pi_cur unbiased for pi_hat_{i-1}; it is only used to estimate how much the
-    truncation to w costs (`truncation_bias`), never as a training weight (its variance
-    explodes with length).
-    """
+def full_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     batch_size: int | None = None) -> torch.Tensor:
+    """log W(tau) = log prod_t rho_t over the already-updated agents' tokens (no truncation), inputs as
+    ``truncated_log_weights``. W makes rollouts of pi_cur unbiased for pi_hat_{i-1}; it only estimates
+    what the truncation to w costs (``truncation_bias``), never a training weight (its variance
+    explodes with length)."""
     _check_log_ratios(log_ratios, batch_size)
     if len(log_ratios) == 0:
         return torch.zeros(batch_size, dtype=torch.float32)  # [B]
@@ -210,39 +157,20 @@ def full_log_weights(
 LOG_WEIGHT_CAP = math.log(1e6)
 
 
-def truncation_bias(
-    log_w_full: torch.Tensor,
-    log_w_trunc: torch.Tensor,
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    log_cap: float = LOG_WEIGHT_CAP,
-) -> float:
-    """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of Theorem 4.2).
+def truncation_bias(log_w_full: torch.Tensor, log_w_trunc: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
+                    log_cap: float = LOG_WEIGHT_CAP) -> float:
+    """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of Theorem 4.2), four [B] tensors.
 
-    The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact
-    weight W = prod rho_t; SAT trains with the truncated w = prod min(1, rho_t) instead.
-    Their difference is the bias that truncating the weights introduces into the
-    *surrogate* estimate, and that is all this measures: it says nothing about the error
-    of the advantage estimates A themselves (group baseline noise, value-function error),
-    which are taken as given. Being a sample mean, it is itself an estimate.
+    The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact W = prod rho_t;
+    SAT trains with the truncated w = prod min(1, rho_t). Their difference is the bias truncation
+    brings into the *surrogate* estimate, and only that: the error of the advantages themselves
+    is taken as given. A sample mean, so itself an estimate.
 
-    W can be astronomically large (a sum of thousands of log-ratios), so both weights are
-    exponentiated from log space after capping the log at `log_cap` (default log 1e6):
-    an inf would make the certificate meaningless. The cap is NOT conservative: it
-    lowers W where W > 1e6, so whenever it binds the returned value can be smaller
-    than the uncapped estimate (and the certificate's bias term too optimistic).
-    ``sat.finish_update`` logs how many rows hit the cap (``zeta_capped_rows``); a
-    non-zero count means the weights have collapsed and zeta should not be trusted
-    (``--reuse regenerate`` needs no weights, so zeta is then exactly 0).
-
-    Args:
-        log_w_full: [B] log W from `full_log_weights`.
-        log_w_trunc: [B] log w from `truncated_log_weights`.
-        ratio: [B] the active agent's policy ratio r_j per trajectory.
-        adv: [B] advantages.
-    Returns:
-        zeta >= 0 as a Python float.
-    """
+    W can be astronomically large, so both weights are exponentiated after capping the log at
+    ``log_cap`` (log 1e6): an inf would make the certificate meaningless. The cap is NOT conservative:
+    where it binds the value can be smaller than the uncapped one. ``sat.finish_update`` logs how many
+    rows hit it (``zeta_capped_rows``); a non-zero count means the weights have collapsed and zeta
+    should not be trusted (``--reuse regenerate`` needs no weights: zeta is then exactly 0)."""
     if not (log_w_full.shape == log_w_trunc.shape == ratio.shape == adv.shape) or log_w_full.dim() != 1:
         raise ValueError("truncation_bias expects four [B] tensors of equal shape")
     if log_w_full.numel() == 0:
@@ -253,9 +181,8 @@ def truncation_bias(
 
 
 def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None:
-    """Pearson correlation between an agent's advantages and its own correctness
-    over the batch (None when either is constant): how much of the team credit
-    an agent receives tracks whether it was right."""
+    """Pearson correlation between an agent's advantages and its own correctness over the batch (None
+    when either is constant): how much of the team credit an agent receives tracks whether it was right."""
     a = (adv if adv.dim() == 1 else adv.mean(1)).double()  # [N]
     c = correct.double()  # [N]
     a, c = a - a.mean(), c - c.mean()

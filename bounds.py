@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-
 # ---------------------------------------------------------------------------
 # The certificate (paper, Theorems 4.2, 4.4, 4.9)
 # ---------------------------------------------------------------------------
@@ -55,7 +54,8 @@ def certificate(
     Returns a dict of floats: gain, occupancy_penalty, bias_penalty, sample_penalty,
     lower_bound = gain - occupancy_penalty - bias_penalty - sample_penalty.
     """
-    for name, value in (("surrogate_advantage", surrogate_advantage), ("kl_max", kl_max), ("adv_max", adv_max), ("zeta", zeta)):
+    for name, value in (("surrogate_advantage", surrogate_advantage), ("kl_max", kl_max), ("adv_max", adv_max),
+                        ("zeta", zeta)):
         if not math.isfinite(float(value)):
             raise ValueError(f"{name} must be finite, got {value}")
     if not 0.0 <= gamma < 1.0:
@@ -123,8 +123,7 @@ def turn_certificate(
     sequence ratio of agent j's response. That right-hand side is the surrogate
     L_i^SEQ of Section 3 computed by ``sat.finish_update`` (group-mean baseline,
     truncated weights for pi_hat^{i-1}), already one episode's worth: it is not
-    multiplied by a horizon 1/(1-gamma) (the earlier turn-level MDP with
-    gamma = 1 - 1/n overstated it n-fold in the chain protocol).
+    multiplied by a horizon 1/(1-gamma).
 
     What remains is the estimation error: the truncation bias zeta_i
     (Theorem 4.2's zeta term) and the finite-sample term of Theorems 4.7/4.9,

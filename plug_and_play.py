@@ -1,38 +1,25 @@
 """Plug-and-play: replace an agent by a stronger model without retraining the rest.
 
-Paper, Section 5 ("plug-and-play upgrades", Eqs. (6)-(7)) and Section 4.3
-(plug-and-play invariance of the bound). Stage-0 projects the replacement
-pi_pre onto the per-state KL ball of radius delta_0 around the incumbent:
+Paper, Section 5 (Eqs. (6)-(7)) and Section 4.3 (plug-and-play invariance of the bound). Stage-0
+projects the replacement pi_pre onto the per-state KL ball of radius delta_0 around the incumbent:
 
-    pi_new = argmin_pi E_s[ KL(pi(.|s) || pi_pre(.|s)) ]  s.t.  KL(pi(.|s) || pi_j,cur(.|s)) <= delta_0   (Eq. (6))
-    pi_new(a|s)  ~  pi_pre(a|s)^(1/(1+lambda(s))) * pi_j,cur(a|s)^(lambda(s)/(1+lambda(s)))          (Eq. (7))
+    pi_new = argmin_pi E_s[ KL(pi(.|s) || pi_pre(.|s)) ]  s.t.  KL(pi(.|s) || pi_j,cur(.|s)) <= delta_0   (6)
+    pi_new(a|s)  ~  pi_pre(a|s)^(1/(1+lambda(s))) * pi_j,cur(a|s)^(lambda(s)/(1+lambda(s)))          (7)
 
-with lambda(s) >= 0 found by bisection per state (``trust_region.
-geometric_mixture_projection``): 0 where pi_pre is already inside, else the
-value that makes the constraint tight. A network cannot be set to Eq. (7)
-state by state, so Stage-0 *fits* it: pi_pre is kept frozen (the replacement's
-weights as loaded), lambda(s) is solved once per state, and the trainable copy
-minimises E_s KL(target(.|s) || pi_new(.|s)) toward these fixed targets until
-both (i) the (1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the
-mean fit KL(target || pi_new) <= the fit tolerance (a share of its start value).
-Both are reported, in sample and on held-out states (rollouts of problems
-the fit never saw; a warning line when held-out states are outside delta_0).
-Targets on the ball's boundary cannot be fitted exactly, and the quantile
-asks for all but alpha of the states inside; so once the fit is within
-tolerance or stops improving, a state the fitted model leaves outside or near
-the boundary gets a target deeper inside the ball (its own t(s) shrunk, still
-an Eq. (7) mixture); the share of states so moved is reported.
+with lambda(s) >= 0 found by bisection per state (``trust_region.geometric_mixture_projection``): 0
+where pi_pre is already inside, else the value that makes the constraint tight. A network cannot be
+set to Eq. (7) state by state, so Stage-0 *fits* it: pi_pre stays frozen, lambda(s) is solved once
+per state, and the trainable copy minimises E_s KL(target(.|s) || pi_new(.|s)) until (i) the
+(1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the mean fit KL(target || pi_new) is
+within the fit tolerance. Both are reported in sample and on held-out states (rollouts of problems
+the fit never saw). Targets on the ball's boundary cannot be fitted exactly, so once the fit is
+within tolerance or stops improving, a state left outside or near the boundary gets a target deeper
+inside (its own t(s) shrunk, still an Eq. (7) mixture).
 
-Memory is bounded by budgets, not by the response length: rows go through the
-trunks in micro-batches of at most ``token_budget`` tokens, and the LM heads
-see at most ``logits_budget // V`` positions at a time (a [positions, V] block
-of ``logits_budget`` elements), recomputed in the backward pass. The peak
-formula is ``memory.stage0_rank_bytes`` (one process: ``gpus=1``).
-
-Each model reads a state through its own chat template: the replacement's
-contexts are rendered by its tokenizer, the incumbent's by its own; when they
-differ as token sequences the log says so. Per-token mixing needs a shared
-vocabulary; a replacement with another tokenizer is refused
+Memory is bounded by budgets, not by the response length: rows go through the trunks in
+micro-batches of at most ``token_budget`` tokens, and the LM heads see at most ``logits_budget // V``
+positions at a time, recomputed in the backward pass (peak: ``memory.stage0_rank_bytes``). Each model
+reads a state through its own chat template; per-token mixing needs a shared vocabulary
 (``team.check_same_vocabulary``). Then SAT continues with the new agent.
 
     python sat.py --resume runs/sat --upgrade 2=tiny-6L --stages 12
@@ -46,19 +33,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scale import distributed
 from logprobs import left_pad, response_hidden_states
-from rollout import SamplingConfig, rollout, rollout_in_blocks
+from rollout import HF, SamplingConfig, rollout, rollout_in_blocks
+from scale import distributed
+from scale.shard_load import load_agent_sharded
 from tasks import Problem
 from team import Agent, MasterWeightAdamW, Team, check_same_vocabulary, warm_start
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
 from update import make_value_head
 
 # ``cfg`` below is the run's ``config.Config``.
-
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
 STAGE0_HELDOUT_FRACTION = 0.25  # share of the Stage-0 problems whose states are held out of the fit
-STAGE0_SHRINK = 0.9  # a state past 0.9 delta_0 has its target exponent t(s) = 1/(1+lambda(s)) shrunk by this (deeper inside)
+STAGE0_SHRINK = 0.9  # a state past 0.9 delta_0 has its target exponent t(s) = 1/(1+lambda(s)) shrunk by this
 STAGE0_EVERY = 5  # passes between two such retargetings, so the fit can follow
 STAGE0_PATIENCE = 10  # passes with neither a 1% better fit nor a 1% lower quantile before the learning rate halves
 STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
@@ -69,8 +56,8 @@ STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 
 # ---------------------------------------------------------------------------
 @dataclass
 class Stage0States:
-    """The states s of one slot: the same response prefixes after each model's
-    own rendering of the context (left-padded), shared response ids."""
+    """The states s of one slot: the same response prefixes after each model's own rendering of the
+    context (left-padded), shared response ids."""
 
     ctx_new: torch.Tensor  # [N, Lc'] the replacement's template
     cmask_new: torch.Tensor  # [N, Lc']
@@ -80,7 +67,8 @@ class Stage0States:
     rmask: torch.Tensor  # [N, Lr]
 
     def rows(self, sl: slice) -> "Stage0States":
-        return Stage0States(*(t[sl] for t in (self.ctx_new, self.cmask_new, self.ctx_cur, self.cmask_cur, self.resp, self.rmask)))
+        parts = (self.ctx_new, self.cmask_new, self.ctx_cur, self.cmask_cur, self.resp, self.rmask)
+        return Stage0States(*(t[sl] for t in parts))
 
     def __len__(self) -> int:
         return self.resp.shape[0]
@@ -111,9 +99,8 @@ def _logp(model, h: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> list[slice]:
-    """Consecutive row slices of at most ``rows_per_step`` rows and about
-    ``token_budget`` (context + response) tokens: the trunks' activations do
-    not grow with the response length."""
+    """Consecutive row slices of at most ``rows_per_step`` rows and about ``token_budget`` (context +
+    response) tokens: the trunks' activations do not grow with the response length."""
     width = max(states.ctx_new.shape[1], states.ctx_cur.shape[1]) + states.resp.shape[1]
     rows = max(1, min(rows_per_step, token_budget // width))
     return [slice(s, s + rows) for s in range(0, len(states), rows)]
@@ -125,11 +112,10 @@ def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> l
 @torch.no_grad()
 def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
                    temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET, slices=None):
-    """Per state: KL(pi_new || pi_cur) and the fit KL(target || pi_new), exact over
-    the vocabulary; ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by
-    bisection when None. One trunk forward per model per row slice (``slices``:
-    ``row_slices`` of ``states`` by ``token_budget`` unless given). Returns
-    (kl_cur [M], fit [M], t [M]) in row-major state order."""
+    """Per state: KL(pi_new || pi_cur) and the fit KL(target || pi_new), exact over the vocabulary;
+    ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by bisection when None. One trunk
+    forward per model per row slice (``slices``: ``row_slices`` by ``token_budget`` unless given).
+    Returns (kl_cur [M], fit [M], t [M]) in row-major state order."""
     kls, fits, ts = [], [], []
     offset = 0
     for sl in row_slices(states, len(states), token_budget) if slices is None else slices:
@@ -155,17 +141,15 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
             fits.append((target.exp() * (target - logp_new)).sum(-1).cpu())  # [c] KL(target || new)
             ts.append(t_c.cpu())
         offset += h_new.shape[0]
-    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0))
-    return cat(kls).clamp_min(0.0), cat(fits).clamp_min(0.0), cat(ts)
+    kl, fit = (torch.cat(xs) if xs else torch.zeros(0) for xs in (kls, fits))
+    return kl.clamp_min(0.0), fit.clamp_min(0.0), torch.cat(ts) if ts else torch.zeros(0)
 
 
 def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
                 **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``measure_stage0`` over all the states. Under torchrun each rank measures
-    its share of the rows (``row_share``, plain models: no collective inside)
-    and the per-state values are gathered in row order, so every rank holds
-    the same [M] vectors, as one process would, and takes the same decisions
-    (quantile against delta_0, fit mean, retargeting, learning-rate halving)."""
+    """``measure_stage0`` over all the states. Under torchrun each rank measures its share of the rows
+    (``row_share``) and the per-state values are gathered in row order, so every rank holds the [M]
+    vectors one process would and takes the same decisions (quantile, fit, retargeting, lr)."""
     if not distributed.active():
         return measure_stage0(new_model, pre_model, cur_model, states, t, delta0, **args)
     lo, hi = distributed.row_share(len(states))
@@ -175,7 +159,7 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
     mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last], delta0,
                           slices=slices, **args)
     models = (new_model, pre_model, cur_model)
-    if any(distributed.is_sharded(m) for m in models):  # --shard-frozen: forwards are collectives, match the busiest rank
+    if any(distributed.is_sharded(m) for m in models):  # --shard-frozen: forwards are collectives
         _dummy_forwards(models, states, len(slices))
     parts = distributed.gather_objects(mine)
     return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
@@ -183,10 +167,9 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
 
 @torch.no_grad()
 def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
-    """Sharded models (``--shard-frozen``): after this rank's ``calls`` trunk
-    forwards of each model, as many more on one row as the busiest rank made
-    (``distributed.extra_calls``), so every all-gather meets its peers; then
-    free the gathered roots."""
+    """Sharded models (``--shard-frozen``): after this rank's ``calls`` trunk forwards of each model,
+    as many more on one row as the busiest rank made (``distributed.extra_calls``), so every
+    all-gather meets its peers; then free the gathered roots."""
     part = states.rows(slice(0, 1))
     for _ in range(distributed.extra_calls(calls)):
         for model, ctx, cmask in zip(models, (part.ctx_new, part.ctx_new, part.ctx_cur),
@@ -197,8 +180,8 @@ def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
 
 
 def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
-    """Sum over a block of states of KL(target || pi_new); the target (Eq. (7))
-    carries no gradient. Run under checkpointing: one block of logits at a time."""
+    """Sum over a block of states of KL(target || pi_new); the target (Eq. (7)) carries no gradient.
+    Run under checkpointing: one block of logits at a time."""
     with torch.no_grad():
         logp_pre = F.log_softmax(head_pre(h_pre).float() / temperature, dim=-1)  # [c, V]
         logp_cur = F.log_softmax(head_cur(h_cur).float() / temperature, dim=-1)  # [c, V]
@@ -208,11 +191,9 @@ def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature
 
 
 def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
-    """This rank's rows of the micro-batch ``sl`` (which holds states) and the
-    weight of their loss. A rank left without states (a micro-batch of fewer
-    rows than ranks) runs the micro-batch's first row that has states, with
-    weight 0: every rank makes the same forward and backward calls through
-    every parameter, which FSDP2's collectives need."""
+    """This rank's rows of the micro-batch ``sl`` and the weight of their loss. A rank left without
+    states (fewer rows than ranks) runs the micro-batch's first row with states at weight 0: every
+    rank makes the same forward and backward calls, which FSDP2's collectives need."""
     start, stop = sl.start, min(sl.stop, len(states))
     lo, hi = distributed.row_share(stop - start)
     if bool(states.rmask[start + lo : start + hi].any()):
@@ -223,18 +204,15 @@ def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
 
 def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
              rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET) -> float:
-    """One pass over the fit states: per micro-batch of rows, minimise the mean
-    KL(target || pi_new) toward the fixed targets. Returns the mean loss.
-
-    Under torchrun ``new_model`` is the FSDP2-sharded copy (``fit_stage0``):
-    the micro-batches are the one-process ones (``row_slices`` of all states),
-    each rank computes the loss of its share of a micro-batch's rows divided by
-    the micro-batch's state count (times N: FSDP2 averages the gradients over
-    ranks), so a step is the one-process step up to float summation order."""
+    """One pass over the fit states: per micro-batch of rows, minimise the mean KL(target || pi_new)
+    toward the fixed targets. Returns the mean loss. Under torchrun ``new_model`` is the FSDP2 copy:
+    the micro-batches are the one-process ones, each rank's loss is its share of a micro-batch's rows
+    divided by the micro-batch's state count (times N: FSDP2 averages gradients over ranks), so a
+    step is the one-process step up to float summation order."""
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
     step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
     world, losses = distributed.STATE.world, []
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), states.rmask.sum(1).long().cumsum(0)])  # [N + 1] first state of each row
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), states.rmask.sum(1).long().cumsum(0)])  # [N + 1]
     for sl in row_slices(states, rows_per_step, token_budget):
         m_all = int(states.rmask[sl].sum())  # the micro-batch's states, on all ranks
         if m_all == 0:
@@ -262,83 +240,71 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
     return sum(losses) / max(len(losses), 1)
 
 
+def _trainable(new_model, lr: float):
+    """(the copy Stage-0 trains, its optimizer). One process: ``new_model`` itself, a bf16 one through
+    fp32 master weights as in the SAT update. Under torchrun: an fp32 FSDP2 copy (its shards are the
+    masters), with ``--shard-frozen`` built shard by shard from the sharded model, never whole."""
+    if distributed.is_sharded(new_model):
+        trained = distributed.training_copy(new_model)
+        if new_model.lm.is_gradient_checkpointing:
+            trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        trained = distributed.shard_model(new_model) if distributed.active() else new_model
+    trained.requires_grad_(True).train()
+    if next(new_model.parameters()).dtype != torch.float32 and not distributed.active():
+        return trained, MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
+    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+
+
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delta0: float, q_level: float, lr: float,
                max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
-               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent", trace: dict | None = None) -> dict:
-    """Stage-0 (Eqs. (6)-(7)) on given states. ``new_model`` enters as pi_pre and
-    leaves aligned; a frozen copy keeps pi_pre. Stops when the (1-alpha) quantile
-    of KL(pi_new || pi_cur) over the fit states is <= delta0 and the mean fit
-    KL(target || pi_new) is <= fit_tol x its value at the start, KL(target || pi_pre)
-    (a relative tolerance; the absolute one is reported as ``fit_tol``).
+               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent",
+               trace: dict | None = None) -> dict:
+    """Stage-0 (Eqs. (6)-(7)) on given states. ``new_model`` enters as pi_pre and leaves aligned; a
+    frozen copy keeps pi_pre. Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit
+    states is <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value
+    KL(target || pi_pre) (the absolute tolerance is reported as ``fit_tol``).
 
-    Targets are the exact Eq. (7) projection onto radius delta0, t(s) = 1/(1+lambda(s))
-    solved once per state. A network fits them only approximately, and the
-    targets of the violating states lie *on* the boundary, so fit error leaves
-    about half of those states outside, while the quantile asks for all but
-    alpha of them inside. So once the mean fit is within tolerance (checked
-    every STAGE0_EVERY passes) or has stopped improving, while the quantile is
-    above delta0, every state past or near the boundary (KL > STAGE0_SHRINK x
-    delta0) gets its target moved deeper inside, t(s) <- STAGE0_SHRINK x t(s):
-    still an Eq. (7) mixture, at a smaller radius of its own; t -> 0 is pi_cur
-    itself, always feasible, so there is no floor. States the fit keeps well
-    inside keep the exact argmin targets; ``retargeted`` reports the share that
-    moved. (The earlier rule shrank one global radius, floored at delta0 / 2,
-    as soon as the fit was within tolerance: it spent the margin while the fit
-    was still improving, and a plateau rule on the fit alone then decayed the
-    learning rate to nothing while the tail still moved, so a 2-layer
-    replacement stalled at 1.06-1.5 x delta0.) The learning rate halves only when
-    the model is inside and neither the fit nor the quantile improved by 1% in
-    STAGE0_PATIENCE passes. Raises if the model is still outside delta0 after
-    ``max_passes``; if only the fit tolerance is missed, the (feasible) model
-    is kept and ``fit_ok`` is False.
-    ``trace``, when given, receives the final per-state t and the exact t_exact of the fit states.
+    Targets are the exact Eq. (7) projection, t(s) = 1/(1+lambda(s)) solved once per state. The
+    targets of violating states lie *on* the boundary, so fit error leaves about half of them outside
+    while the quantile asks for all but alpha inside. So once the mean fit is within tolerance
+    (checked every STAGE0_EVERY passes) or stalls while the quantile is above delta0, every state with
+    KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s): still an Eq. (7) mixture, at a
+    smaller radius of its own (t -> 0 is pi_cur, always feasible, so no floor); ``retargeted`` is the
+    share moved. The learning rate halves only when the model is inside and neither the fit nor the
+    quantile improved by 1% in STAGE0_PATIENCE passes. Raises if still outside delta0 after
+    ``max_passes``; a missed fit tolerance keeps the (feasible) model with ``fit_ok`` False.
+    ``trace`` receives the final t and the exact t_exact of the fit states (and the fp32 masters).
 
-    Under torchrun (every rank calls this with the same states and models) the
-    trainable copy is FSDP2-sharded (``distributed.shard_model``, fp32 shards:
-    the master weights of a bf16 replacement, returned in ``trace`` as
-    ``master_shards``; with one process a bf16 replacement trains through
-    ``team.MasterWeightAdamW``, its masters returned as ``master_weights``), each rank fits its share of every micro-batch
-    (``fit_pass``) and measures its share of the states (``measure_all``), and
-    the per-state values are gathered: the quantiles, means and every decision
-    are the one-process ones up to float summation order. The whole weights
-    are written back into ``new_model`` (the same on every rank) after each pass.
-    With ``--shard-frozen`` (``new_model`` and ``cur_model`` FSDP2 shards) pi_pre
-    is a sharded copy, the trainable copy is built from the shards
-    (``distributed.training_copy``) and each rank writes its shards back
-    (``copy_local_into``): no model is ever whole on a rank; the measurements'
-    forwards are collectives, matched by ``_dummy_forwards``."""
+    Under torchrun the trainable copy is FSDP2-sharded (fp32 shards: a bf16 replacement's masters,
+    ``trace["master_shards"]``; one process: ``MasterWeightAdamW``, ``trace["master_weights"]``),
+    each rank fits and measures its share and the per-state values are gathered, so every decision
+    is the one-process one up to float summation order. With ``--shard-frozen`` pi_pre is a sharded
+    copy, the trainable copy is built from the shards (``distributed.training_copy``) and each rank
+    writes its shards back: no model is ever whole on a rank."""
     log = log or (lambda *_: None)
-    pre_model = distributed.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre, frozen (shards: a sharded copy)
+    pre_model = distributed.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre (shards: a sharded copy)
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
     kl, fit_kl, t = measure_all(new_model, pre_model, cur_model, fit, None, delta0, **args)
     t_exact = t.clone()  # [M] the argmin's exponents
-    kl_held = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held) else torch.zeros(0)
-    # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs float rounding when pi_pre is inside
+    kl_held = (measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held)
+               else torch.zeros(0))
+    # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs rounding when pi_pre is inside
     fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
     before = {"fit_mean_before": float(fit_kl.mean()) if fit_kl.numel() else 0.0,
               "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
     sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
-    if distributed.is_sharded(new_model):  # --shard-frozen: the fp32 copy built shard by shard, never whole
-        trained = distributed.training_copy(new_model)
-        if new_model.lm.is_gradient_checkpointing:
-            trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        trained = distributed.shard_model(new_model) if sharded else new_model  # torchrun: fp32 shards, FSDP2
-    trained.requires_grad_(True).train()
-    if low and not sharded:  # bf16: fp32 master weights, as in the SAT update (the shards are the masters under torchrun)
-        opt = MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
-    else:
-        opt = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    trained, opt = _trainable(new_model, lr)
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = kl_quantile(kl, q_level)
         fit_mean = float(fit_kl.mean()) if fit_kl.numel() else 0.0
         lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
-            log(f"  stage-0 pass {passes}: KL(new||cur) quantile {q:.4f} (delta_0 {delta0}), "
-                f"fit KL(target||new) mean {fit_mean:.5f} (tol {fit_tol:.5f}), retargeted {float((t < t_exact).float().mean()):.1%}, "
+            log(f"  stage-0 pass {passes}: KL(new||cur) quantile {q:.4f} (delta_0 {delta0}), fit KL(target||new) "
+                f"mean {fit_mean:.5f} (tol {fit_tol:.5f}), retargeted {float((t < t_exact).float().mean()):.1%}, "
                 f"lr {lr_now:.2e}")
         if (q <= delta0 and (fit_mean <= fit_tol or lr_now <= lr / 1000)) or passes == max_passes:
             break  # done (or inside delta0 with a fit that no longer improves: fit_ok says which)
@@ -370,8 +336,10 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     del opt
     if trace is not None:
         trace.update(t=t.clone(), t_exact=t_exact)
-        if low:  # the replacement's first SAT turn continues these fp32 masters
-            trace["master_shards" if sharded else "master_weights"] = distributed.master_shards_of(trained) if sharded else masters
+        if low and sharded:  # the replacement's first SAT turn continues these fp32 masters
+            trace["master_shards"] = distributed.master_shards_of(trained)
+        elif low:
+            trace["master_weights"] = masters
     del trained
     if beyond(q, delta0):  # a NaN quantile too
         del pre_model
@@ -388,9 +356,9 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
                    heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
                    heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
         if beyond(out["heldout_kl_quantile"], delta0):
-            log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is {out['heldout_kl_quantile']:.4f} "
-                f"> delta_0 {delta0} (in sample {q:.4f}): the fit does not carry to new states; more Stage-0 states "
-                f"(--stage0-problems) narrow the gap")
+            log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is "
+                f"{out['heldout_kl_quantile']:.4f} > delta_0 {delta0} (in sample {q:.4f}): the fit does not carry "
+                "to new states; more Stage-0 states (--stage0-problems) narrow the gap")
     del pre_model
     return out
 
@@ -399,18 +367,19 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
 # Stage-0 for a team slot
 # ---------------------------------------------------------------------------
 def slot_states(team: Team, slot: int, new_agent: Agent, batch) -> tuple[Stage0States, int]:
-    """The slot's states in both templates: the incumbent's rollout contexts and
-    the same messages rendered by the replacement's own chat template (chain
-    protocol: with the same earlier answers). Also returns how many rows the
-    two templates tokenise differently."""
+    """The slot's states in both templates: the incumbent's rollout contexts and the same messages
+    rendered by the replacement's own chat template (chain protocol: with the same earlier answers);
+    and how many rows the two templates tokenise differently."""
     turn = batch.turns[slot]
     holder = Team(list(team.agents), team.config)
     holder.agents[slot] = new_agent
-    previous = [[t.answers[i] for t in batch.turns[:slot]] if team.protocol == "chain" else [] for i in range(len(batch))]
+    chain = team.protocol == "chain"
+    previous = [[t.answers[i] for t in batch.turns[:slot]] if chain else [] for i in range(len(batch))]
     contexts = [holder.prompt_ids(slot, p, prev) for p, prev in zip(batch.problems, previous)]
     ctx_new, cmask_new = left_pad(contexts, new_agent.tokenizer.pad_token_id)  # [N, Lc']
     differ = sum(ctx != turn.context_ids[i][turn.context_mask[i].bool()].tolist() for i, ctx in enumerate(contexts))
-    return Stage0States(ctx_new, cmask_new, turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask), differ
+    cur = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
+    return Stage0States(ctx_new, cmask_new, *cur), differ
 
 
 def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[list[Problem], list[Problem]]:
@@ -421,39 +390,38 @@ def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[li
     return unique[: len(unique) - n_held], unique[len(unique) - n_held :]
 
 
-def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg,
-                 sampling: SamplingConfig, lr: float, log, trace: dict | None = None) -> dict:
-    """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around
-    the incumbent of ``slot`` by fitting the Eq. (7) projection of its frozen
-    self (``fit_stage0``). States: every position of the incumbent's responses
-    in fresh rollouts of the trained team (the states the team visits); a
-    quarter of the distinct problems is held out of the fit and only measured.
-    With --shard-rollouts (always under torchrun) the rollouts are seeded
-    blocks shared out over the ranks, the same states for any number of
-    processes; ``trace`` receives the fit states, t, t_exact (and the master shards)."""
+def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
+                 lr: float, log, trace: dict | None = None, backend=HF) -> dict:
+    """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of
+    ``slot`` by fitting the Eq. (7) projection of its frozen self (``fit_stage0``). States: every
+    position of the incumbent's responses in fresh rollouts of the trained team (the states the team
+    visits); a quarter of the distinct problems is held out of the fit and only measured. With
+    --shard-rollouts (always under torchrun) the rollouts are seeded blocks shared out over the
+    ranks: the same states for any number of processes. ``trace`` receives the fit states, t,
+    t_exact (and the fp32 masters)."""
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
-    if getattr(cfg, "shard_rollouts", False):
+    problems = fit_problems + held_problems
+    if cfg.shard_rollouts:
         seed = int(torch.randint(0, 2 ** 62, ()))  # from the global RNG: the same draw on every rank
-        batch = rollout_in_blocks(team, fit_problems + held_problems, cfg.group_size, sampling, seed, cfg.rollout_blocks)
+        batch = rollout_in_blocks(team, problems, cfg.group_size, sampling, seed, cfg.rollout_blocks, backend=backend)
     else:
-        batch = rollout(team, fit_problems + held_problems, cfg.group_size, sampling)  # the trained team's states
+        batch = rollout(team, problems, cfg.group_size, sampling, backend=backend)  # the trained team's states
     states, differ = slot_states(team, slot, new_agent, batch)
     if differ:
-        log(f"  stage-0: the replacement's chat template renders {differ} of {len(batch)} contexts as other tokens than "
-            f"the incumbent's; each model is evaluated on its own rendering")
+        log(f"  stage-0: the replacement's chat template renders {differ} of {len(batch)} contexts as other tokens "
+            f"than the incumbent's; each model is evaluated on its own rendering")
     n_fit = len(fit_problems) * cfg.group_size
     fit, held = states.rows(slice(0, n_fit)), states.rows(slice(n_fit, len(states)))
-    fit_tol = getattr(cfg, "stage0_fit_tol", None)
-    fit_tol = STAGE0_FIT_TOL if fit_tol is None else fit_tol
+    fit_tol = STAGE0_FIT_TOL if cfg.stage0_fit_tol is None else cfg.stage0_fit_tol
     new_agent.freeze()
     if cfg.gradient_checkpointing:  # as in the update: trunk activations recomputed in the backward pass
         new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trace = {} if trace is None else trace
     trace["fit"] = fit
-    info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes,
-                      fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget, log=log,
-                      label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace)
+    info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr,
+                      cfg.stage0_max_passes, fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget,
+                      log=log, label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace)
     new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
     new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:
@@ -465,15 +433,15 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
 
 def sharded_replacement(cfg) -> bool:
     """--shard-frozen under torchrun: the replacement is held in FSDP2 shards, as the team's agents are."""
-    return bool(getattr(cfg, "shard_frozen", False)) and distributed.active()
+    return bool(cfg.shard_frozen) and distributed.active()
 
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
-    """The new model for an upgraded slot. A tiny spec gets its own (longer)
-    warm start, standing in for a stronger pretrained model."""
+    """The new model for an upgraded slot (with --shard-frozen a model with files is read straight into
+    shards). A tiny spec gets its own (longer) warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = Agent.load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot,
-                       shard=sharded_replacement(cfg))  # a model with files: straight into shards
+    load = load_agent_sharded if sharded_replacement(cfg) else Agent.load
+    agent = load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
         holder = Team(list(team.agents), team.config)  # the slot's own prompt format (chain: earlier answers)
@@ -482,12 +450,11 @@ def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int
     return agent
 
 
-def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig,
-                   controllers: dict, value_heads: dict, rng: random.Random, log, evaluate=None) -> list[dict]:
-    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0; a
-    new agent gets a fresh controller (and a fresh value head with --adv gae).
-    ``evaluate(team) -> dict``, when given, records the held-out accuracy of the
-    team with the unaligned replacement (before Stage-0) in the event."""
+def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig, controllers: dict,
+                   value_heads: dict, rng: random.Random, log, evaluate=None, backend=HF) -> list[dict]:
+    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0; a new agent gets a fresh
+    controller (and a fresh value head with --adv gae). ``evaluate(team) -> dict``, when given, records
+    the held-out accuracy of the team with the unaligned replacement (before Stage-0) in the event."""
     events = []
     for item in cfg.upgrade:
         slot_text, _, spec = item.partition("=")
@@ -497,7 +464,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         if not 0 <= slot < len(team):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
-        distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts Stage-0 from rank 0's weights
+        distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts from rank 0's weights
         if sharded_replacement(cfg) and not distributed.is_sharded(new_agent.model):
             new_agent.model = distributed.shard_in_place(new_agent.model)  # a tiny replacement, warm-started whole
         old_name = team.agents[slot].spec.name
@@ -507,18 +474,15 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             holder = Team(list(team.agents), team.config)
             holder.agents[slot] = new_agent
             before = evaluate(holder)
-            log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement {before['eval_accuracy']:.3f}; "
-                f"agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
-        n_prompts = getattr(cfg, "stage0_problems", None) or cfg.batch_size // cfg.group_size
+            log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
+                f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
+        n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
-        log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment (delta_0 = {cfg.stage0_delta})")
+        log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment "
+            f"(delta_0 = {cfg.stage0_delta})")
         t0 = time.time()
-        stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log)
-        incumbent = team.swap(slot, new_agent)
-        if cfg.backend == "vllm":
-            from scale import rollout_vllm
-
-            rollout_vllm.release(incumbent)
+        stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
+        backend.release(team.swap(slot, new_agent))  # the incumbent's engine, if the backend keeps one
         controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
         if cfg.adv == "gae":
             value_heads[slot] = make_value_head(new_agent)
@@ -526,9 +490,10 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
                  "seconds": time.time() - t0, "stage0": stage0}
         if before is not None:
             event["before_stage0"] = before
+        held_q = stage0.get("heldout_kl_quantile", float("nan"))
         log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
-            f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {stage0.get('heldout_kl_quantile', float('nan')):.4f}), "
-            f"fit mean {stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
+            f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {held_q:.4f}), fit mean "
+            f"{stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
             f"{stage0['retargeted']:.0%} of the states aimed deeper inside")
         events.append(event)
     return events

@@ -1,13 +1,12 @@
 """The team: agents (one causal LM each) and the factorized team policy.
 
-Paper, Section 3 (the team as a factorized policy). A team of n agents is one factorized policy
-pi(a|s) = prod_i pi_i(a_i|s); each agent's action is a whole response.
-Two protocols:
+Paper, Section 3: a team of n agents is one factorized policy pi(a|s) = prod_i pi_i(a_i|s); each
+agent's action is a whole response. Two protocols:
 
-- ``independent``: every agent answers the problem alone; the team answer is
-  the majority vote of the agents' extracted answers (ties -> earliest agent).
-- ``chain``: agents speak in turn; agent k sees the problem plus the extracted
-  answers of agents 1..k-1; the last agent's answer is the team answer.
+- ``independent``: every agent answers the problem alone; the team answer is the majority vote of
+  the agents' extracted answers (ties -> earliest agent).
+- ``chain``: agents speak in turn; agent k sees the problem plus the extracted answers of agents
+  1..k-1; the last agent's answer is the team answer.
 
 Agent specs (``parse_agents``):
     "Qwen3-4B x3"            three copies of Qwen/Qwen3-4B
@@ -16,12 +15,10 @@ Agent specs (``parse_agents``):
     "tiny-6L"                a tiny model with 6 layers (stronger)
     "org/model" or a local checkpoint folder (one with config.json)
 
-Weights are float32 or bfloat16 (``--dtype``); a bf16 agent trains on fp32
-master weights (``MasterWeightAdamW``, Algorithm 1's OPTIMIZE step at lr 1e-5).
-
-A tiny agent is a real ``Qwen3ForCausalLM`` with a real (character-level)
-``PreTrainedTokenizerFast`` and chat template: it goes through exactly the same
-code as a downloaded checkpoint, and ``save``/``Agent.load`` round-trip it.
+Weights are float32 or bfloat16 (``--dtype``); a bf16 agent trains on fp32 master weights
+(``MasterWeightAdamW``, Algorithm 1's OPTIMIZE step at lr 1e-5). A tiny agent is a real
+``Qwen3ForCausalLM`` with a real (character-level) ``PreTrainedTokenizerFast`` and chat template: it
+goes through exactly the same code as a downloaded checkpoint.
 """
 from __future__ import annotations
 
@@ -36,25 +33,12 @@ from pathlib import Path
 import torch
 
 from advantage import masked_mean
+from config import PROTOCOLS, AgentSpec, parse_agents, resolve_agent_spec  # noqa: F401  parse_agents: team's API
 from grading import extract_answer, majority_vote
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
 from tasks import Problem, noisy_label
 
-# Short names users type on the command line -> public Hugging Face ids.
-SHORT_NAMES = {
-    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
-    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
-    "qwen3-4b": "Qwen/Qwen3-4B",
-    "qwen3-8b": "Qwen/Qwen3-8B",
-    "qwen3-14b": "Qwen/Qwen3-14B",
-    "qwen3-32b": "Qwen/Qwen3-32B",
-}
-PROTOCOLS = ("independent", "chain")
-TINY_PATTERN = re.compile(r"^tiny(?:-(\d+)L)?$", re.IGNORECASE)
-HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-# Special tokens of the tiny character tokenizer. The chat template below uses
-# the role markers exactly like a real chat model uses its own.
+# Special tokens of the tiny character tokenizer; its chat template uses the role markers as a real chat model does.
 TINY_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|unk|>"]
 TINY_CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 TINY_CHAT_TEMPLATE = (
@@ -64,65 +48,11 @@ TINY_CHAT_TEMPLATE = (
 
 
 # ---------------------------------------------------------------------------
-# Agent specs
-# ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AgentSpec:
-    """What to load for one team slot. ``kind`` is tiny | hub | local."""
-
-    name: str  # as the user wrote it, e.g. "Qwen3-4B"
-    kind: str
-    source: str  # hub id, folder path, or "tiny"
-    tiny_layers: int = 4
-
-
-def resolve_agent_spec(name: str) -> AgentSpec:
-    """Map one agent name to what it loads; a clear error for anything else."""
-    name = name.strip()
-    m = TINY_PATTERN.match(name)
-    if m:
-        return AgentSpec(name=name, kind="tiny", source="tiny", tiny_layers=int(m.group(1) or 4))
-    if os.path.isdir(name):
-        if not (Path(name) / "config.json").exists():
-            raise ValueError(f"agent folder '{name}' has no config.json: pass a folder written by save_pretrained")
-        return AgentSpec(name=name, kind="local", source=str(Path(name).resolve()))
-    if name.lower() in SHORT_NAMES:
-        return AgentSpec(name=name, kind="hub", source=SHORT_NAMES[name.lower()])
-    if HUB_ID_PATTERN.match(name):
-        return AgentSpec(name=name, kind="hub", source=name)
-    known = ", ".join(v.split("/")[1] for v in SHORT_NAMES.values())
-    raise ValueError(
-        f"unknown agent '{name}': use a short name ({known}), a hub id like Qwen/Qwen3-4B, "
-        "a local checkpoint folder, or tiny / tiny-6L"
-    )
-
-
-def parse_agents(spec: str) -> list[AgentSpec]:
-    """Parse "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", "tiny x3" into one spec per slot."""
-    if not spec or not spec.strip():
-        raise ValueError("empty --agents: give e.g. 'tiny x3' or 'Qwen3-4B x2, Qwen3-8B'")
-    specs: list[AgentSpec] = []
-    for item in spec.split(","):
-        item = item.strip()
-        m = re.fullmatch(r"(\S+)(?:\s*[x\*]\s*(\d+))?", item)
-        if not m:
-            raise ValueError(f"cannot parse agent entry '{item}' in '{spec}': write NAME or NAME xK, entries separated by commas")
-        count = int(m.group(2)) if m.group(2) else 1
-        if count < 1:
-            raise ValueError(f"agent entry '{item}': the count must be at least 1")
-        specs.extend([resolve_agent_spec(m.group(1))] * count)
-    return specs
-
-
-# ---------------------------------------------------------------------------
 # Tiny agents: a Qwen3-shaped model from a config and a character tokenizer
 # ---------------------------------------------------------------------------
 def build_char_tokenizer():
-    """A character-level tokenizer built offline, wrapped like a hub tokenizer.
-
-    BPE with an empty merge list splits text into single characters; the role
-    markers are added tokens so the chat template tokenizes them atomically.
-    """
+    """A character-level tokenizer built offline, wrapped like a hub tokenizer: BPE with an empty
+    merge list splits text into characters; the role markers are added tokens (atomic)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -130,13 +60,8 @@ def build_char_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     core.decoder = decoders.Fuse()  # join characters without spaces
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-        unk_token="<|unk|>",
-        padding_side="left",
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                        unk_token="<|unk|>", padding_side="left")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
 
@@ -145,20 +70,11 @@ def build_tiny_model(tokenizer, layers: int = 4, seed: int = 0, hidden: int = 12
     """A randomly initialised Qwen3ForCausalLM small enough for two CPU cores."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=2048,  # AIME prompts fit
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                         max_position_embeddings=2048,  # AIME prompts fit
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # same seed -> bit-identical weights
         model = Qwen3ForCausalLM(config)
@@ -169,9 +85,8 @@ def build_tiny_model(tokenizer, layers: int = 4, seed: int = 0, hidden: int = 12
 # Agent
 # ---------------------------------------------------------------------------
 class Agent:
-    """One team member: a causal LM, its tokenizer, and (only while it is the
-    agent being trained) an optimizer. Frozen agents hold no gradients and no
-    optimizer state: that is SAT's memory advantage."""
+    """One team member: a causal LM, its tokenizer, and (only while it is the agent being trained)
+    an optimizer. Frozen agents hold no gradients and no optimizer state: SAT's memory advantage."""
 
     def __init__(self, spec: AgentSpec, model, tokenizer):
         self.spec = spec
@@ -180,23 +95,18 @@ class Agent:
         self.optimizer: torch.optim.Optimizer | None = None
         self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
         self.master_weights: list[torch.Tensor] | None = None  # fp32 master of a bf16 agent between turns (host)
-        self.master_shards: list[torch.Tensor] | None = None  # under torchrun: this rank's shards of it (distributed.py)
+        self.master_shards: list[torch.Tensor] | None = None  # under torchrun: this rank's shards of it
         self._prompt_cache: dict = {}  # (messages, thinking) -> prompt ids; the tokenizer never changes
         self._text_cache: dict = {}  # text -> ids
         self.freeze()
 
     # -- loading / saving ---------------------------------------------------
     @classmethod
-    def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-             shard: bool = False) -> "Agent":
-        """``shard`` (``--shard-frozen`` under torchrun): a checkpoint is read
-        straight into FSDP2 shards (``shard_load``); a tiny agent, which has no
-        files, is built whole and sharded later (``distributed.shard_team``)."""
+    def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             seed: int = 0) -> "Agent":
+        """The agent of ``spec``, whole on ``device`` (straight into FSDP2 shards under torchrun:
+        ``scale.shard_load.load_agent_sharded``). A tiny agent is built from ``seed``."""
         spec = resolve_agent_spec(spec) if isinstance(spec, str) else spec
-        if shard and spec.kind != "tiny":
-            from scale.shard_load import load_agent_sharded
-
-            return load_agent_sharded(spec, spec.source, device, dtype)
         if spec.kind == "tiny":
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
@@ -210,23 +120,16 @@ class Agent:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
-        (path / "agent.json").write_text(json.dumps({"name": self.spec.name, "kind": self.spec.kind, "source": self.spec.source}))
+        meta = {"name": self.spec.name, "kind": self.spec.kind, "source": self.spec.source}
+        (path / "agent.json").write_text(json.dumps(meta))
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        shard: bool = False) -> "Agent":
-        """Load an agent saved by ``save``; its spec keeps the original name.
-        ``shard``: straight into FSDP2 shards (``shard_load``)."""
-        path = Path(path)
-        meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
-        if shard:
-            from scale.shard_load import load_agent_sharded
-
-            return load_agent_sharded(AgentSpec(name=meta["name"], kind="local", source=str(path)), str(path), device, dtype)
-        model, tokenizer = _load_pretrained(str(path), dtype)
+    def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Agent":
+        """Load an agent saved by ``save``; its spec keeps the original name (``checkpoint_spec``)."""
+        spec = checkpoint_spec(path)
+        model, tokenizer = _load_pretrained(spec.source, dtype)
         model.to(device=device, dtype=dtype)
-        spec = AgentSpec(name=meta["name"], kind="local", source=str(path))
-        return cls(spec, model, prepare_tokenizer(tokenizer, meta["name"], str(path)))
+        return cls(spec, model, prepare_tokenizer(tokenizer, spec.name, spec.source))
 
     # -- training state -----------------------------------------------------
     @property
@@ -238,17 +141,15 @@ class Agent:
         return next(self.model.parameters()).dtype
 
     def grad_parameters(self) -> list[torch.Tensor]:
-        """The tensors that hold this agent's gradients while it trains: the
-        fp32 master weights of a bf16 agent, else the model's own parameters
-        (for gradient clipping)."""
+        """The tensors that hold this agent's gradients while it trains (for gradient clipping): the
+        fp32 master weights of a bf16 agent, else the model's own parameters."""
         if isinstance(self.optimizer, MasterWeightAdamW):
             return self.optimizer.master
         return list(self.model.parameters())
 
     def freeze(self, offload_optimizer: bool = False) -> None:
-        """No gradients, no optimizer on the accelerator. With
-        ``offload_optimizer`` the AdamW moments are kept on the host for the
-        agent's next turn; otherwise they are dropped."""
+        """No gradients, no optimizer on the accelerator. With ``offload_optimizer`` the AdamW moments
+        are kept on the host for the agent's next turn; otherwise they are dropped."""
         if offload_optimizer and self.optimizer is not None:
             self.saved_optimizer_state = _to_cpu(self.optimizer.state_dict())
         if isinstance(self.optimizer, MasterWeightAdamW):
@@ -259,9 +160,8 @@ class Agent:
         self.optimizer = None
 
     def start_training(self, lr: float, weight_decay: float = 0.0, extra_params=None) -> torch.optim.Optimizer:
-        """Give this agent gradients and an AdamW (its offloaded moments if it
-        has them); the others stay frozen. ``extra_params`` (e.g. a value head)
-        form a second group at 10x the learning rate."""
+        """Give this agent gradients and an AdamW (its offloaded moments if it has them); the others
+        stay frozen. ``extra_params`` (e.g. a value head) form a second group at 10x the learning rate."""
         self.model.requires_grad_(True)
         self.model.train()
         params = list(self.model.parameters())
@@ -272,31 +172,29 @@ class Agent:
         else:  # bf16 / fp16 weights: fp32 master weights, fp32 gradients and fp32 moments
             self.optimizer = MasterWeightAdamW(params, self.master_weights, extra, lr=lr, weight_decay=weight_decay)
             self.master_weights = None
-        groups = self.optimizer.param_groups
-        saved = self.saved_optimizer_state
-        groups = [{"lr": g["lr"]} for g in groups]
-        if saved is not None and len(saved["param_groups"]) != len(groups):
-            warnings.warn(f"agent '{self.spec.name}': saved AdamW state has {len(saved['param_groups'])} parameter groups, "
-                          f"this update has {len(groups)} (value head added or removed); starting from fresh moments")
+        saved, self.saved_optimizer_state = self.saved_optimizer_state, None
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if saved is not None and len(saved["param_groups"]) != len(lrs):
+            warnings.warn(f"agent '{self.spec.name}': saved AdamW state has {len(saved['param_groups'])} parameter "
+                          f"groups, this update has {len(lrs)} (value head added or removed); "
+                          "starting from fresh moments")
         elif saved is not None:
             self.optimizer.load_state_dict(saved)  # moves the moments to the parameters' device
-            for group, spec in zip(self.optimizer.param_groups, groups):
-                group["lr"] = spec["lr"]
-        self.saved_optimizer_state = None
+            for group, group_lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = group_lr
         return self.optimizer
 
     # -- prompting ------------------------------------------------------------
     def render_prompt(self, messages: list[dict], enable_thinking: bool = False) -> str:
-        """The agent's own chat template; Qwen3's thinking switch is passed
-        through (templates without it ignore the variable)."""
+        """The agent's own chat template; Qwen3's thinking switch is passed through (templates without
+        it ignore the variable)."""
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
         )
 
     def encode_prompt(self, messages: list[dict], enable_thinking: bool = False) -> list[int]:
-        """Token ids of the rendered chat prompt. Cached per agent: the same
-        problems come back every stage and in every evaluation, and rendering
-        the template plus tokenizing was a fifth of the tiny warm start."""
+        """Token ids of the rendered chat prompt, cached per agent: the same problems come back every
+        stage and in every evaluation (rendering plus tokenizing is a fifth of the tiny warm start)."""
         key = (tuple((m["role"], m["content"]) for m in messages), enable_thinking)
         ids = self._prompt_cache.get(key)
         if ids is None:
@@ -312,38 +210,23 @@ class Agent:
             _bounded_put(self._text_cache, text, ids)
         return list(ids)
 
-    def vocabulary_signature(self) -> tuple[int, int]:
-        """(size, hash of the token->id map): two agents can share per-token
-        distributions only when these agree."""
-        vocab = self.tokenizer.get_vocab()
-        return len(vocab), hash(tuple(sorted(vocab.items())))
-
 
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW on fp32 master weights of a low-precision (bf16) model.
 
-    Why: at the paper's lr 1e-5 an AdamW step moves a weight by about 1e-5,
-    less than half a bf16 rounding step for any |w| > 2.6e-3 (bf16 keeps 8
-    significant bits), so stepping bf16 parameters directly rounds most
-    updates away. The standard fix (mixed precision with master weights) is
-    used here in the form that keeps ONE policy function: the model keeps its
-    bf16 weights, the forward and backward run on them (so the agent being
-    trained, its frozen reference pi_j,cur and the behaviour log-probs are the
-    same bf16 computation, and log r = 0 before the first step); each bf16
-    gradient is added into an fp32 gradient on the fp32 master as soon as
-    backward produces it (micro-batches accumulate in fp32, the bf16 buffer is
-    freed); AdamW keeps fp32 moments and steps the master; the master is then
-    rounded into the bf16 weights. Training the model itself in fp32 under
-    bf16 autocast was the alternative; it was not chosen because its forward
-    (fp32 embeddings, norms and residual stream) is a different function from
-    the bf16 forward of the reference and the sampler.
+    At the paper's lr 1e-5 an AdamW step moves a weight by about 1e-5, less than half a bf16 rounding
+    step for any |w| > 2.6e-3, so stepping bf16 parameters directly rounds most updates away. Mixed
+    precision with master weights, in the form that keeps ONE policy function: the forward and
+    backward run on the bf16 weights (the trained agent, its frozen reference pi_j,cur and the
+    behaviour log-probs are the same bf16 computation, so log r = 0 before the first step); each bf16
+    gradient is added into an fp32 gradient on the master as soon as backward produces it; AdamW
+    steps the master with fp32 moments; the master is rounded into the bf16 weights. (fp32 weights
+    under bf16 autocast would make the trained forward a different function from the reference's.)
 
-    Between the agent's turns the master stays on the host (``release``), so
-    updates smaller than a bf16 step keep accumulating across stages. An
-    element whose bf16 weight no longer equals round(master) (the line search
-    backtracked or rejected the step, or the weights were loaded anew) restarts
-    from its bf16 value. Per trained parameter on the accelerator: bf16 weight
-    2 B + fp32 master 4 B + fp32 gradient 4 B + fp32 m, v 8 B (memory.py)."""
+    Between the agent's turns the master waits on the host (``release``), so updates smaller than a
+    bf16 step accumulate across stages; an element whose bf16 weight no longer equals round(master)
+    (a backtracked or rejected step, weights loaded anew) restarts from its bf16 value. Per trained
+    parameter: bf16 weight 2 B + fp32 master 4 B + fp32 gradient 4 B + fp32 m, v 8 B (memory.py)."""
 
     def __init__(self, params: list[torch.Tensor], master: list[torch.Tensor] | None, extra: list[torch.Tensor],
                  lr: float, weight_decay: float = 0.0):
@@ -352,7 +235,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
             if master is None or len(master) != len(params) or any(m.shape != p.shape for m, p in zip(master, params)):
                 master = [p.detach().float() for p in params]
             else:  # keep the fp32 residual only where the bf16 weight is still round(master)
-                master = [torch.where(m.to(p.device, p.dtype) == p, m.to(p.device), p.float()) for m, p in zip(master, params)]
+                master = [torch.where(m.to(p.device, p.dtype) == p, m.to(p.device), p.float())
+                          for m, p in zip(master, params)]
         self.master = [m.detach().clone().requires_grad_(True) for m in master]
         groups = [{"params": self.master, "lr": lr}] + ([{"params": extra, "lr": 10 * lr}] if extra else [])
         super().__init__(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -405,25 +289,24 @@ def _to_cpu(obj):
 
 
 def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
-    """Stage-0 mixes per-token distributions, so both agents must index the
-    same tokens the same way (tokenizer map and the LM head's width)."""
+    """Stage-0 mixes per-token distributions, so both agents must index the same tokens the same way
+    (tokenizer map and the LM head's width)."""
     v_inc, v_new = incumbent.tokenizer.get_vocab(), replacement.tokenizer.get_vocab()
     w_inc = incumbent.model.get_output_embeddings().weight.shape[0]
     w_new = replacement.model.get_output_embeddings().weight.shape[0]
     if v_inc != v_new or w_inc != w_new:
         raise ValueError(
-            f"cannot project '{replacement.spec.name}' onto '{incumbent.spec.name}' per token: their vocabularies differ "
-            f"({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; {replacement.spec.name}: {len(v_new)} tokens, "
-            f"LM head {w_new}); choose a replacement that shares the incumbent's tokenizer"
+            f"cannot project '{replacement.spec.name}' onto '{incumbent.spec.name}' per token: their "
+            f"vocabularies differ ({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; "
+            f"{replacement.spec.name}: {len(v_new)} tokens, LM head {w_new}); choose a replacement that "
+            "shares the incumbent's tokenizer"
         )
 
 
 def prepare_tokenizer(tokenizer, name: str, source: str):
-    """Every agent's tokenizer, wherever it was loaded from (``Agent.load``,
-    ``Agent.from_checkpoint``, ``shard_load``): a chat template
-    (``check_chat_template``), a pad token (the EOS where the checkpoint ships
-    none: padding is masked out everywhere) and left padding (batched prompts
-    end where generation starts). Returns ``tokenizer``."""
+    """Every agent's tokenizer, wherever it was loaded from (``Agent.load``, ``scale.shard_load``): a
+    chat template (``check_chat_template``), a pad token (the EOS where the checkpoint ships none:
+    padding is masked out everywhere) and left padding (batched prompts end where generation starts)."""
     check_chat_template(tokenizer, name, source)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -432,8 +315,8 @@ def prepare_tokenizer(tokenizer, name: str, source: str):
 
 
 def check_chat_template(tokenizer, name: str, source: str) -> None:
-    """Prompts are built with the agent's own chat template (Team.prompt_ids):
-    a base model without one is refused in one line rather than guessed at."""
+    """Prompts are built with the agent's own chat template (``Team.prompt_ids``): a base model
+    without one is refused in one line rather than guessed at."""
     if getattr(tokenizer, "chat_template", None):
         return
     where = f"{source}/tokenizer_config.json" if os.path.isdir(source) else f"a local copy of {source}"
@@ -445,9 +328,8 @@ _OFFLINE: list[bool] = []  # probed once per process
 
 
 def hub_offline() -> bool:
-    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or one
-    TCP connection to the endpoint fails within 3 s (probed once, then cached),
-    so an offline run fails in seconds instead of after the client's retries."""
+    """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or one TCP connection to
+    the endpoint fails within 3 s (probed once per process), so an offline run fails in seconds."""
     if not _OFFLINE:
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
             _OFFLINE.append(True)
@@ -491,10 +373,8 @@ def _load_pretrained(source: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
     except OSError as err:  # not cached and no network, or a wrong id
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(
-            f"could not load model '{source}' ({first}); download it first "
-            f"(huggingface-cli download {source}) or pass a local checkpoint folder"
-        ) from err
+        raise RuntimeError(f"could not load model '{source}' ({first}); download it first "
+                           f"(huggingface-cli download {source}) or pass a local checkpoint folder") from err
     return model, tokenizer
 
 
@@ -509,8 +389,8 @@ class TeamConfig:
 
 
 class Team:
-    """Ordered agents + a protocol. Agent k's prompt is built with agent k's
-    own tokenizer and chat template, so mixed teams just work."""
+    """Ordered agents + a protocol. Agent k's prompt is built with agent k's own tokenizer and chat
+    template, so mixed teams just work."""
 
     def __init__(self, agents: list[Agent], config: TeamConfig | None = None):
         self.agents = agents
@@ -528,9 +408,8 @@ class Team:
         return self.config.protocol
 
     def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
-        """The text agent k reads. In the chain protocol it includes the
-        extracted answers of the agents before it (answers, not whole
-        responses: a thinking model's response can be 30k tokens)."""
+        """The text agent k reads. In the chain protocol it includes the extracted answers of the
+        agents before it (answers, not whole responses: a thinking model's can be 30k tokens)."""
         text = problem.problem + self.config.instruction
         if self.config.protocol == "chain" and previous_answers:
             lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
@@ -549,9 +428,8 @@ class Team:
         return answers[-1]
 
     def swap(self, slot: int, new_agent: Agent) -> Agent:
-        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based); returns the
-        incumbent. The others are untouched. Refuses a replacement whose
-        vocabulary differs: Stage-0's per-token projection would be undefined."""
+        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based); returns the incumbent. Refuses a
+        replacement whose vocabulary differs: Stage-0's per-token projection would be undefined."""
         if not 0 <= slot < len(self.agents):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(self.agents)}")
         check_same_vocabulary(self.agents[slot], new_agent)
@@ -559,9 +437,8 @@ class Team:
         return incumbent
 
     def extract(self, text: str) -> str | None:
-        """An agent's answer. When the team is asked for a \\boxed{} answer (the
-        math tasks), only a complete final answer counts (grading.extract_answer
-        with final_only): a truncated response has none."""
+        """An agent's answer. When the team is asked for a \\boxed{} answer (the math tasks), only a
+        complete final answer counts (``extract_answer`` with final_only): a truncated response has none."""
         return extract_answer(text, final_only="\\boxed" in self.config.instruction)
 
     # -- persistence ------------------------------------------------------------
@@ -575,69 +452,60 @@ class Team:
         """team.json: the protocol, the instruction and the agents' names (``save`` writes the agents too)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "team.json").write_text(json.dumps({"protocol": self.config.protocol, "enable_thinking": self.config.enable_thinking,
-                                                    "instruction": self.config.instruction, "agents": [a.spec.name for a in self.agents]}))
+        meta = {"protocol": self.config.protocol, "enable_thinking": self.config.enable_thinking,
+                "instruction": self.config.instruction, "agents": [a.spec.name for a in self.agents]}
+        (path / "team.json").write_text(json.dumps(meta))
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, shard: bool = False) -> "Team":
-        path = Path(path)
-        meta = json.loads((path / "team.json").read_text())
-        agents = [Agent.from_checkpoint(path / f"agent_{k}", device, dtype, shard) for k in range(len(meta["agents"]))]
-        cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"], instruction=meta["instruction"])
-        return cls(agents, cfg)
+    def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Team":
+        """A team saved by ``save``, each agent whole (``read_team`` gives the folders to load sharded)."""
+        folders, cfg = read_team(path)
+        return cls([Agent.from_checkpoint(f, device, dtype) for f in folders], cfg)
+
+
+def read_team(path: str | Path) -> tuple[list[Path], TeamConfig]:
+    """(the agents' checkpoint folders in slot order, the team's config) of a folder written by ``Team.save``."""
+    path = Path(path)
+    meta = json.loads((path / "team.json").read_text())
+    cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"],
+                     instruction=meta["instruction"])
+    return [path / f"agent_{k}" for k in range(len(meta["agents"]))], cfg
+
+
+def checkpoint_spec(path: str | Path) -> AgentSpec:
+    """The spec of an agent folder written by ``Agent.save``: a local source under its original name."""
+    path = Path(path)
+    meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
+    return AgentSpec(name=meta["name"], kind="local", source=str(path))
 
 
 # ---------------------------------------------------------------------------
 # Warm start of tiny agents: a short supervised phase standing in for pretraining
 # ---------------------------------------------------------------------------
 def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
-               batch: int = 64, slots: list[int] | None = None, parallel: bool | None = None) -> None:
-    """Teach tiny agents the answer format on labels that are wrong with
-    probability ``p_wrong`` (off by 1, 2 or 10), so they start weak but not at
-    zero reward: sparse exact-match reward needs a policy that sometimes
-    samples the right answer (a sparse exact-match reward gives no gradient at zero accuracy). Each agent sees its real
-    prompt format (in the chain protocol: noisy earlier answers).
-
-    Every agent's batches are drawn first, in the serial order (agent 1's
-    steps, then agent 2's, ...); the agents then train independently, on the
-    other cores where there are some: the same weights
-    bit for bit as one agent after the other. All agents train at once
-    (``parallel.fork_map_each``: one process each, the OS sharing the cores)."""
-    from parallel import fork_map_each
+               batch: int = 64, slots: list[int] | None = None) -> None:
+    """Teach tiny agents the answer format on labels that are wrong with probability ``p_wrong``
+    (off by 1, 2 or 10), so they start weak but not at zero reward: a sparse exact-match reward gives
+    no gradient at zero accuracy. Each agent sees its real prompt format (chain protocol: noisy
+    earlier answers). One random stream from ``seed`` draws agent 1's batches, then agent 2's, ...
+    (training draws no random numbers)."""
+    from tqdm import tqdm
 
     rng = random.Random(seed)
-    jobs = []
     for k, agent in enumerate(team.agents):
         if agent.spec.kind != "tiny" or (slots is not None and k not in slots):
             continue
         tok = agent.tokenizer
-        batches = []
-        for _ in range(steps):
+        opt = agent.start_training(lr)
+        for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
             items = [rng.choice(problems) for _ in range(batch)]
             contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
-            batches.append((*left_pad(contexts, tok.pad_token_id), *right_pad(targets, tok.pad_token_id)))  # [b, Lc] x2, [b, Lr] x2
-        jobs.append((k, batches))
-    results = fork_map_each(lambda job: _warm_train(team.agents[job[0]], job[0], job[1], lr), jobs, parallel)
-    for (k, _), (state, master) in zip(jobs, results):
-        team.agents[k].model.load_state_dict(state)  # a no-op copy for the agents trained here
-        team.agents[k].master_weights = master
-
-
-def _warm_train(agent: Agent, k: int, batches: list, lr: float):
-    """Supervised steps of one agent on its drawn batches; (state_dict, fp32 master weights or None)."""
-    from tqdm import tqdm
-
-    import parallel
-
-    opt = agent.start_training(lr)
-    bar = batches if parallel.IN_CHILD else tqdm(batches, desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False)
-    for ctx, cmask, resp, rmask in bar:
-        hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
-        logp = token_logprobs_from_hidden(agent.model, hidden, resp, 1.0)  # [b, Lr]
-        loss = -masked_mean(logp, rmask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    agent.freeze()
-    return agent.model.state_dict(), agent.master_weights
+            ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [b, Lc]
+            resp, rmask = right_pad(targets, tok.pad_token_id)  # [b, Lr]
+            hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
+            loss = -masked_mean(token_logprobs_from_hidden(agent.model, hidden, resp, 1.0), rmask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        agent.freeze()

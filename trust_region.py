@@ -1,7 +1,4 @@
-"""Trust-region machinery for SAT (Sequential Agent Tuning).
-
-Everything that keeps one agent's update inside its KL ball lives here
-(paper, Sections 3-5):
+"""Trust-region machinery: everything that keeps one agent's update inside its KL ball (paper, Sections 3-5).
 
 - `per_state_kl`        exact KL(pi_new(.|s) || pi_cur(.|s)) over the whole vocabulary
 - `kl_penalty`          per-token sampled KL estimators for the loss penalty
@@ -11,12 +8,9 @@ Everything that keeps one agent's update inside its KL ball lives here
 - `geometric_mixture_projection`  Stage-0 projection of a plug-in model (section 5)
 - `exponential_tilt_step`         exact KL-constrained improvement step per state
 
-The monotonic-improvement bounds (the certificate) are in `bounds.py`.
-
-All functions are plain PyTorch on tensors of shape [rows, vocab]; callers
-flatten (batch, position) into rows.
+The monotonic-improvement bounds (the certificate) are in `bounds.py`. All functions are plain PyTorch on
+tensors of shape [rows, vocab]; callers flatten (batch, position) into rows.
 """
-
 from __future__ import annotations
 
 import math
@@ -29,8 +23,6 @@ import torch
 # ---------------------------------------------------------------------------
 # Exact per-state KL
 # ---------------------------------------------------------------------------
-
-
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     # bf16/fp16 logits lose too much in exp/log; float64 callers (tests, toy MDPs) keep float64.
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -39,37 +31,22 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 def _kl_rows(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Tensor:
     """sum_v p_new (log p_new - log p_cur) per row, for normalised log-probs [N, V]."""
     p_new = logp_new.exp()  # [N, V]
-    # 0 * log 0 = 0: a token the new policy never emits contributes nothing, even if
-    # the current policy gives it zero mass too (which would otherwise read -inf - -inf = nan).
+    # 0 * log 0 = 0: a token the new policy never emits contributes nothing (not -inf - -inf = nan).
     terms = torch.where(p_new > 0, p_new * (logp_new - logp_cur), torch.zeros_like(p_new))  # [N, V]
     return terms.sum(dim=-1)  # [N]
 
 
-def per_state_kl(
-    new_logits: torch.Tensor,
-    cur_logits: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-) -> torch.Tensor:
-    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), paper, Section 3.
+def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature: float = 1.0,
+                 chunk_size: int = 1024) -> torch.Tensor:
+    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), paper, Section 3:
 
-    KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
+        KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
 
-    This is the direction the trust region and the certificate (section 4) use: the
-    *new* policy is the reference measure. Both distributions are available in full at
-    every position of the active agent's tokens, so we sum over the vocabulary instead of
-    using a sampled proxy. Rows are processed `chunk_size` at a time so the float32 copy
-    of a [N, V] block (V ~ 150k for Qwen) never has to exist all at once.
-
-    Args:
-        new_logits, cur_logits: [N, V] logits (or log-probs; log_softmax is idempotent).
-            Any float dtype; bf16/fp16 are upcast to float32, float64 stays float64.
-        temperature: sampling temperature the policies are defined at.
-        chunk_size: rows per chunk.
-    Returns:
-        [N] non-negative KL per row (float32, or float64 for float64 input); +inf where
-        pi_new puts mass on a token pi_cur cannot emit.
-    """
+    The direction the trust region and the certificate (Section 4) use. Both distributions are
+    available in full at every position of the active agent's tokens, so the sum runs over the
+    vocabulary instead of a sampled proxy, ``chunk_size`` rows at a time (V ~ 150k for Qwen).
+    [N, V] logits or log-probs, any float dtype (bf16/fp16 computed in fp32, fp64 kept) -> [N] KL >= 0;
+    +inf where pi_new puts mass on a token pi_cur cannot emit."""
     if new_logits.shape != cur_logits.shape or new_logits.dim() != 2:
         raise ValueError(
             f"per_state_kl expects two [N, V] tensors of equal shape, got {tuple(new_logits.shape)} "
@@ -96,41 +73,23 @@ def per_state_kl(
 # ---------------------------------------------------------------------------
 # Sampled per-token KL estimators (for the loss penalty)
 # ---------------------------------------------------------------------------
-
-
 def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token sampled KL estimators, for tokens sampled from pi_cur (the behaviour policy).
+    """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a).
+    J. Schulman's estimators ("Approximating KL Divergence", 2020):
 
-    Let r = pi_new(a) / pi_cur(a), a ~ pi_cur. These are J. Schulman's estimators
-    ("Approximating KL Divergence", 2020) written for samples from pi_cur:
+        k1 = -log r              E_cur[k1] = KL(cur || new)   unbiased, can be < 0
+        k2 = (log r)^2 / 2       E_cur[k2] = KL(cur || new) + O(|new - cur|^3)   biased, >= 0, low variance
+        k3 = (r - 1) - log r     E_cur[k3] = KL(cur || new)   unbiased, >= 0
 
-        k1 = -log r = logp_cur - logp_new      E_cur[k1] = KL(cur || new)   unbiased, can be < 0
-        k2 = (log r)^2 / 2                     E_cur[k2] = KL(cur || new) + O(|new - cur|^3)
-                                               (biased, always >= 0, low variance)
-        k3 = (r - 1) - log r                   E_cur[k3] = KL(cur || new)   unbiased, always >= 0
+    With samples from pi_cur they estimate the *reverse* KL(cur || new). The trust region's own
+    direction KL(new || cur) needs an importance weight (higher variance far from pi_cur):
 
-    Note the direction: with samples from pi_cur the Schulman forms estimate the *reverse*
-    divergence KL(cur || new). (The raw log-ratio logp_new - logp_cur has expectation
-    -KL(cur || new) <= 0 under pi_cur, so it is not usable as a penalty as such.)
-    The trust region's own direction KL(new || cur) needs an importance weight:
+        k3_new = r log r - (r - 1)   E_cur[.] = KL(new || cur)   unbiased, >= 0
 
-        "k3_new" = r log r - (r - 1)           E_cur[.] = KL(new || cur)    unbiased, always >= 0
-
-    (E_cur[r log r] = KL(new || cur) and E_cur[r - 1] = 0; r log r - r + 1 >= 0 for r > 0.)
-    It carries the factor r, so it has higher variance far from pi_cur. The two KLs agree
-    to second order near pi_new = pi_cur, which is where a trust-region step stays; and
-    SAT's accept/reject test uses the exact `per_state_kl`, so the penalty only has to
-    pull in the right direction. Every kind is >= 0 in expectation and zero (with zero
-    gradient) at pi_new = pi_cur, so `beta * masked_mean(kl_penalty(...))` can be added
-    to a loss directly; the gradient flows through logp_new.
-
-    Args:
-        logp_new: [...] log pi_new of the sampled tokens (carries the gradient).
-        logp_cur: [...] log pi_cur of the same tokens (behaviour log-probs, no gradient).
-        kind: "k1", "k2", "k3" or "k3_new".
-    Returns:
-        [...] per-token estimates, same shape as the inputs.
-    """
+    The two KLs agree to second order near pi_new = pi_cur, where a trust-region step stays, and the
+    accept/reject test uses the exact ``per_state_kl``, so the penalty only has to pull the right way.
+    Every kind is zero with zero gradient at pi_new = pi_cur, so ``beta * masked_mean(kl_penalty(...))``
+    is added to the loss directly. logp_new [...] carries the gradient; logp_cur [...] none. -> [...]"""
     log_r = logp_new - logp_cur  # [...]  log(pi_new / pi_cur)
     if kind == "k1":
         return -log_r  # [...]
@@ -149,41 +108,28 @@ def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3")
 # ---------------------------------------------------------------------------
 # Quantile of a masked tensor
 # ---------------------------------------------------------------------------
-
-
 def kl_quantile(kl: torch.Tensor, level: float) -> float:
-    """The trust region's statistic: the ``level``-quantile of the per-state KL
-    over the agent's tokens (0.0 when the turn has none)."""
+    """The trust region's statistic: the ``level``-quantile of the per-state KL over the agent's tokens
+    (0.0 when the turn has none)."""
     return quantile(kl, level) if kl.numel() else 0.0
 
 
 def beyond(kl_quantile_value: float, delta: float) -> bool:
-    """A measured KL quantile outside the ball of radius delta; NaN and inf
-    count as outside (a diverged step is never kept as inside)."""
+    """A measured KL quantile outside the ball of radius delta; NaN and inf count as outside (a diverged
+    step is never kept as inside)."""
     return not (math.isfinite(kl_quantile_value) and kl_quantile_value <= delta)
 
 
 def outside_trust_region(kl: torch.Tensor, level: float, delta: float) -> bool:
-    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies
-    beyond delta (``beyond``, the line search's and the controller's test)."""
+    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies beyond delta (``beyond``,
+    the line search's and the controller's test)."""
     return beyond(kl_quantile(kl, level), delta)
 
 
 def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
-    """The q-quantile of the (masked) entries of x, linear interpolation as torch.quantile.
-
-    The trust-region test of Algorithm 1 (line 10) compares the (1 - alpha)-quantile of the
-    per-state KL over the active agent's tokens with delta_j. One batch can hold far more
-    than 16M tokens, torch.quantile's input limit, so we select the two order statistics
-    around position q * (n - 1) with kthvalue (linear time, no size limit) and interpolate.
-
-    Args:
-        x: tensor of any shape.
-        q: quantile level in [0, 1].
-        mask: optional bool (or 0/1) tensor of x's shape; only True entries count.
-    Returns:
-        the quantile as a Python float (nan if a selected entry is nan).
-    """
+    """The q-quantile of the (masked) entries of x, linear interpolation as torch.quantile (nan if a
+    selected entry is nan). One batch can hold far more than 16M tokens, torch.quantile's input limit,
+    so the two order statistics around q * (n - 1) come from kthvalue (linear time, no size limit)."""
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile level must be in [0, 1], got {q}")
     values = x.reshape(-1)  # [M]
@@ -208,47 +154,36 @@ def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> flo
 
 
 def dkw_slack(n: int, eta: float) -> float:
-    """eps(N, eta) = sqrt(log(2 / eta) / (2 N)): the Dvoretzky-Kiefer-Wolfowitz
-    band (paper, Section 4.3, "structural properties"). With probability at
-    least 1 - eta the empirical CDF of N i.i.d. draws is within eps of the true
-    CDF everywhere, so the empirical quantile at level q + eps is an upper
-    bound on the true q-quantile (``dkw_upper_quantile``)."""
+    """eps(N, eta) = sqrt(log(2 / eta) / (2 N)): the Dvoretzky-Kiefer-Wolfowitz band (paper, Section 4.3).
+    With probability >= 1 - eta the empirical CDF of N i.i.d. draws is within eps of the true CDF
+    everywhere, so the empirical quantile at level q + eps bounds the true q-quantile from above."""
     if n < 1 or not 0 < eta < 1:
         raise ValueError(f"dkw_slack needs n >= 1 and eta in (0, 1) (got n={n}, eta={eta})")
     return math.sqrt(math.log(2.0 / eta) / (2.0 * n))
 
 
 def dkw_upper_quantile(x: torch.Tensor, q: float, eta: float = 0.05) -> float:
-    """High-probability upper bound on the true q-quantile of the distribution
-    the entries of x were drawn from: the empirical quantile at level
-    min(1, q + dkw_slack(N, eta)). Per-state KLs along one response are not
-    independent, so on LLM batches this is a relaxation, not a guarantee."""
+    """High-probability upper bound on the true q-quantile: the empirical quantile at level
+    min(1, q + dkw_slack(N, eta)). Per-state KLs along one response are not independent, so on LLM
+    batches this is a relaxation, not a guarantee."""
     return quantile(x, min(1.0, q + dkw_slack(x.numel(), eta)))
 
 
 # ---------------------------------------------------------------------------
 # Adaptive penalty from the KL quantile
 # ---------------------------------------------------------------------------
-
-
 @dataclass
 class QuantileController:
-    """Adapts the KL penalty weight beta from the measured KL quantile (paper, Section 5).
+    """Adapts the KL penalty weight beta from the measured KL quantile kq (paper, Section 5), ``update(kq)``:
 
-    After each step the caller measures kq = quantile_{`quantile`} over the active agent's
-    states of KL(pi_j(.|s) || pi_j,cur(.|s)) and calls `update(kq)`:
-
-    - kq > delta (a violation; also any non-finite kq): beta <- min(beta_max, max(beta_min,
-      beta * beta_up)). Multiplicative, so repeated violations escalate fast; a beta of 0
+    - kq > delta (or non-finite): beta <- min(beta_max, max(beta_min, beta * beta_up)); a beta of 0
       (penalty off) jumps to beta_min, since 0 * beta_up would never switch it on.
-    - kq < far_inside * delta (the step used little of its budget): beta <- beta * beta_down,
-      and a beta that falls below beta_min is set to 0, so an over-cautious penalty can
-      switch itself off again instead of lingering at a negligible value.
-    - otherwise beta is kept: the step was inside the ball and used it reasonably.
+    - kq < far_inside * delta (the step used little of its budget): beta <- beta * beta_down, set to 0
+      below beta_min, so an over-cautious penalty switches itself off again.
+    - otherwise beta is kept.
 
-    The hard guarantee comes from the line search, not from beta: beta only makes the
-    optimiser's proposals land inside the ball more often, saving backtracks.
-    """
+    The hard guarantee comes from the line search, not from beta: beta only makes the optimiser's
+    proposals land inside the ball more often, saving backtracks."""
 
     delta: float = 0.05
     quantile: float = 0.99
@@ -304,24 +239,14 @@ class QuantileController:
 # ---------------------------------------------------------------------------
 # Backtracking line search
 # ---------------------------------------------------------------------------
-
-
 @torch.no_grad()
-def interpolate_parameters(
-    model_params: Sequence[torch.Tensor],
-    cur_params: Sequence[torch.Tensor],
-    new_params: Sequence[torch.Tensor],
-    frac: float,
-) -> None:
-    """Write cur + frac * (new - cur) into model_params, in place.
-
-    frac = 0 and frac = 1 copy cur / new exactly, so restoring pi_cur is bit-exact
-    (cur + 0 * (new - cur) could differ from cur in the last bit, or be nan if new has inf).
-    """
+def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Sequence[torch.Tensor],
+                           new_params: Sequence[torch.Tensor], frac: float) -> None:
+    """Write cur + frac * (new - cur) into model_params, in place. frac = 0 and 1 copy cur / new
+    exactly, so restoring pi_cur is bit-exact (cur + 0 * (new - cur) could differ in the last bit)."""
     if not (len(model_params) == len(cur_params) == len(new_params)):
-        raise ValueError(
-            f"parameter lists differ in length: {len(model_params)}, {len(cur_params)}, {len(new_params)}"
-        )
+        raise ValueError(f"parameter lists differ in length: {len(model_params)}, {len(cur_params)}, "
+                         f"{len(new_params)}")
     for p, c, n in zip(model_params, cur_params, new_params):
         if not (p.shape == c.shape == n.shape):
             raise ValueError(f"parameter shapes differ: {tuple(p.shape)}, {tuple(c.shape)}, {tuple(n.shape)}")
@@ -333,29 +258,17 @@ def interpolate_parameters(
             p.copy_(torch.lerp(c.to(p.dtype), n.to(p.dtype), frac))
 
 
-def backtracking_line_search(
-    apply_step: Callable[[float], None],
-    measure_kl_quantile: Callable[[], float],
-    delta: float,
-    max_backtracks: int = 5,
-    shrink: float = 0.5,
-) -> dict:
-    """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur.
+def backtracking_line_search(apply_step: Callable[[float], None], measure_kl_quantile: Callable[[], float],
+                             delta: float, max_backtracks: int = 5, shrink: float = 0.5) -> dict:
+    """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur (paper, Section 5).
 
-    Tries step fractions 1, shrink, shrink^2, ..., shrink^max_backtracks of the proposed
-    update (paper, Section 5). `apply_step(frac)` must set the active agent to
-    cur + frac * (new - cur) (see `interpolate_parameters`); `measure_kl_quantile()` returns
-    the KL quantile of whatever is currently in place. The first fraction with
-    kl <= delta is accepted and left in place. If none is, apply_step(0.0) restores pi_cur
-    and the update is rejected: a violating step is never left in place (unlike the
-    released reference code), which is what the per-step guarantee needs. If measuring
-    raises, pi_cur is restored before the exception propagates.
-
-    Returns:
-        {"accepted", "fraction" (0.0 when rejected), "backtracks" (shrinks performed),
-         "kl_quantile" (of the policy left in place; 0.0 after a restore),
-         "history": [{"fraction", "kl_quantile"} per try]}
-    """
+    Tries fractions 1, shrink, ..., shrink^max_backtracks: ``apply_step(frac)`` sets the agent to
+    cur + frac * (new - cur) (``interpolate_parameters``), ``measure_kl_quantile()`` measures what is in
+    place; the first fraction inside delta stays. If none is, apply_step(0.0) restores pi_cur: a
+    violating step is never left in place (unlike the released reference code), which the per-step
+    guarantee needs; also when measuring raises. Returns {"accepted", "fraction" (0.0 when rejected),
+    "backtracks", "kl_quantile" (of the policy left in place; 0.0 after a restore), "history": [{"fraction",
+    "kl_quantile"} per try]}."""
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     if max_backtracks < 0:
@@ -370,7 +283,8 @@ def backtracking_line_search(
             kl = float(measure_kl_quantile())
             history.append({"fraction": frac, "kl_quantile": kl})
             if not beyond(kl, delta):
-                return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl, "history": history}
+                return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl,
+                        "history": history}
             frac *= shrink
     except BaseException:
         apply_step(0.0)
@@ -382,8 +296,6 @@ def backtracking_line_search(
 # ---------------------------------------------------------------------------
 # Stage-0 projection (plug-and-play) and the exact tilt step
 # ---------------------------------------------------------------------------
-
-
 def _weighted(t: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """t * logp with 0 * (-inf) read as 0 (a zero exponent makes pi^0 = 1 even where pi = 0)."""
     return torch.where(t == 0, torch.zeros_like(logp), t * logp)  # [N, V]
@@ -395,35 +307,23 @@ def _geometric_mixture(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.
     return torch.log_softmax(mixed, dim=-1)  # [N, V]
 
 
-def geometric_mixture_projection(
-    logp_pre: torch.Tensor,
-    logp_cur: torch.Tensor,
-    delta: float,
-    iters: int = 50,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor, delta: float,
+                                 iters: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage-0 projection of a plug-in model onto the incumbent's trust region (paper, Section 5, Eqs. (6)-(7)).
 
-    Per state s solves  min_pi KL(pi || pi_pre)  s.t.  KL(pi || pi_cur) <= delta.
-    Stationarity of KL(pi || pi_pre) + lam * KL(pi || pi_cur) gives the geometric mixture
+    Per state s solves  min_pi KL(pi || pi_pre)  s.t.  KL(pi || pi_cur) <= delta.  Stationarity of
+    KL(pi || pi_pre) + lam * KL(pi || pi_cur) gives the geometric mixture
 
         pi_new ∝ pi_pre^(1/(1+lam)) * pi_cur^(lam/(1+lam)),   lam >= 0,
 
-    with lam = 0 when pi_pre is already inside, else the lam that makes the constraint
-    tight. With t = 1/(1+lam), pi_t ∝ pi_cur * exp(t * (log pi_pre - log pi_cur)) is an
-    exponential family in t and d/dt KL(pi_t || pi_cur) = t * Var_{pi_t}(log pi_pre -
-    log pi_cur) >= 0, so the KL is nondecreasing in t and one batched bisection over all
-    rows finds the largest feasible t. We return the lower (feasible) end of the bracket,
-    so KL(pi_new || pi_cur) <= delta holds for every row.
-
-    Args:
-        logp_pre, logp_cur: [N, V] normalised log-probs over a shared vocabulary.
-        delta: radius delta_0 >= 0.
-        iters: bisection steps (bracket width 2^-iters in t).
-    Returns:
-        (logp_new [N, V] normalised, lam [N]; lam = inf where only t = 0, i.e. pi_cur, fits).
-    """
+    lam = 0 when pi_pre is already inside, else the lam that makes the constraint tight. With
+    t = 1/(1+lam), pi_t is an exponential family in t and d/dt KL(pi_t || pi_cur) =
+    t * Var_{pi_t}(log pi_pre - log pi_cur) >= 0, so one batched bisection finds the largest feasible
+    t; the feasible end of the bracket is returned, so KL(pi_new || pi_cur) <= delta for every row.
+    [N, V] normalised log-probs -> (logp_new [N, V], lam [N]; inf where only t = 0, i.e. pi_cur, fits)."""
     if logp_pre.shape != logp_cur.shape or logp_pre.dim() != 2:
-        raise ValueError(f"expected two [N, V] tensors of equal shape, got {tuple(logp_pre.shape)}, {tuple(logp_cur.shape)}")
+        raise ValueError(f"expected two [N, V] tensors of equal shape, got {tuple(logp_pre.shape)}, "
+                         f"{tuple(logp_cur.shape)}")
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     dtype = _compute_dtype(logp_pre)
@@ -431,8 +331,7 @@ def geometric_mixture_projection(
     cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [N, V]
     n = pre.shape[0]
     if delta == 0:
-        # Only pi_cur itself fits. Bisection would creep to t ~ 1e-8, where the KL is
-        # below float rounding and reads as 0, so answer exactly.
+        # Only pi_cur fits; bisection would creep to t ~ 1e-8, where the KL rounds to 0: answer exactly.
         return cur, torch.full((n,), math.inf, dtype=dtype, device=pre.device)
 
     def kl_at(t: torch.Tensor) -> torch.Tensor:  # t [N, 1] -> [N]
@@ -453,10 +352,9 @@ def geometric_mixture_projection(
 
 
 def geometric_mixture_at(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The Stage-0 target of Eq. (7) for given exponents: normalised pi_pre^t * pi_cur^(1-t)
-    per row, t = 1/(1+lambda(s)) in [0, 1] ([N]; t = 0 is pi_cur, t = 1 is pi_pre).
-    With the t of ``geometric_mixture_projection`` (lam -> t = 1/(1+lam)) this is its
-    projection; Stage-0 solves t once per state and reuses it for fixed targets. [N, V]"""
+    """The Stage-0 target of Eq. (7) for given exponents: normalised pi_pre^t * pi_cur^(1-t) per row,
+    t = 1/(1+lambda(s)) in [0, 1] ([N]; 0 is pi_cur, 1 is pi_pre). Stage-0 solves t once per state
+    (``geometric_mixture_projection``) and reuses it for fixed targets. [N, V]"""
     if t.dim() != 1 or t.shape[0] != logp_pre.shape[0]:
         raise ValueError(f"t must be [N] with N = {logp_pre.shape[0]} rows, got {tuple(t.shape)}")
     dtype = _compute_dtype(logp_pre)
@@ -465,36 +363,19 @@ def geometric_mixture_at(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torc
     return _geometric_mixture(pre, cur, t.to(dtype)[:, None])
 
 
-def exponential_tilt_step(
-    logp_cur: torch.Tensor,
-    advantages: torch.Tensor,
-    delta: float,
-    iters: int = 60,
-) -> torch.Tensor:
+def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delta: float,
+                          iters: int = 60) -> torch.Tensor:
     """Exact KL-constrained policy improvement per state (the ideal step of the paper's Section 4.4).
 
-    Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.
-    The Lagrangian solution is the exponential tilt
-
-        pi_eta ∝ pi_cur * exp(eta_s * A(s, .)),   eta_s >= 0,
-
-    and d/deta KL(pi_eta || pi_cur) = eta * Var_{pi_eta}(A) >= 0, so a batched bisection
-    finds the eta_s with KL = delta (we keep the feasible end, so KL <= delta). As
-    eta -> inf the tilt tends to pi_cur restricted to argmax_a A(s, a), with KL
-    -log pi_cur(argmax set); when that is <= delta the constraint never binds and this
-    limit is returned exactly: it reaches max_a A, the best any policy can do. A row with
-    constant advantages is the special case argmax set = everything: no change.
-
-    Args:
-        logp_cur: [S, A] normalised log-probs of the current policy.
-        advantages: [S, A] advantages A(s, a) (any per-row offset is irrelevant).
-        delta: radius >= 0.
-        iters: bisection steps after bracketing.
-    Returns:
-        logp_new: [S, A] normalised log-probs.
-    """
+    Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.  The Lagrangian
+    solution is the exponential tilt pi_eta ∝ pi_cur * exp(eta_s * A(s, .)), eta_s >= 0, and
+    d/deta KL(pi_eta || pi_cur) = eta * Var_{pi_eta}(A) >= 0, so a batched bisection finds the eta_s
+    with KL = delta (the feasible end). As eta -> inf the tilt tends to pi_cur restricted to
+    argmax_a A(s, a), with KL -log pi_cur(argmax set); when that is <= delta this limit is returned
+    exactly (constant advantages: no change). [S, A] log-probs and advantages -> [S, A] log-probs."""
     if logp_cur.shape != advantages.shape or logp_cur.dim() != 2:
-        raise ValueError(f"expected two [S, A] tensors of equal shape, got {tuple(logp_cur.shape)}, {tuple(advantages.shape)}")
+        raise ValueError(f"expected two [S, A] tensors of equal shape, got {tuple(logp_cur.shape)}, "
+                         f"{tuple(advantages.shape)}")
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     dtype = _compute_dtype(logp_cur)
@@ -522,8 +403,7 @@ def exponential_tilt_step(
     def kl_at(eta: torch.Tensor) -> torch.Tensor:  # [S, 1] -> [S]
         return _kl_rows(tilt(eta), cur).clamp_min(0.0)
 
-    # Bracket: double hi until it violates (finite for every non-saturated row, since the
-    # KL tends to the limit's KL > delta there).
+    # Bracket: double hi until it violates (finite for every non-saturated row: the KL tends to the limit's > delta).
     lo = torch.zeros_like(spread)  # [S, 1]
     hi = torch.ones_like(spread)  # [S, 1]
     for _ in range(80):

@@ -1,17 +1,20 @@
-"""Paper-scale numerics on CPU: bf16 agents with fp32 master weights, the
-sampler that is the tempered softmax and nothing else, top-p refused for
-training, and the one log-prob path (ratio exactly 1 before the first step,
-log rho exactly 0 for an agent that did not move)."""
+"""Paper-scale numerics on CPU: bf16 agents with fp32 master weights, the sampler that is the tempered
+softmax and nothing else, top-p refused for training, and the one log-prob path (a row's log-probs do
+not depend on the rows sharing its call nor on requires_grad, so the ratio is exactly 1 before the
+first step and log rho exactly 0 for an agent that did not move)."""
 import copy
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_sat import small_config
 
+import logprobs
 import sat
 import update
-from logprobs import batched_response_logprobs, left_pad, measure_kl, right_pad
+from logprobs import batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
 from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -24,11 +27,16 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return 2.0 ** (exp - 7)
 
 
-def synthetic_turn(agent: Agent, n: int = 32, seed: int = 0, max_ctx: int = 8, max_resp: int = 6, budget: int = 1 << 14) -> Turn:
+def synthetic_turn(agent: Agent, n: int = 32, seed: int = 0, max_ctx: int = 8, max_resp: int = 6,
+                   budget: int = 1 << 14) -> Turn:
     """n random contexts and responses of the tiny vocabulary, behaviour log-probs from the agent itself."""
     g = torch.Generator().manual_seed(seed)
-    ctx = [torch.randint(6, 100, (int(torch.randint(3, max_ctx, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    resp = [torch.randint(6, 100, (int(torch.randint(1, max_resp, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+    def draw(lo: int, hi: int) -> list[int]:
+        return torch.randint(6, 100, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    ctx = [draw(3, max_ctx) for _ in range(n)]
+    resp = [draw(1, max_resp) for _ in range(n)]
     c, cm = left_pad(ctx, agent.tokenizer.pad_token_id)
     r, rm = right_pad(resp, agent.tokenizer.pad_token_id)
     logp = batched_response_logprobs(agent.model, (c, cm, r, rm), 1.0, budget)
@@ -65,7 +73,7 @@ def test_bf16_agent_learns_at_lr_1e5_like_the_fp32_reference():
     start = [p.detach().clone() for p in ref.model.parameters()]
     stats = sixteen_steps(low, train_cfg())
     sixteen_steps(ref, train_cfg())
-    assert stats["inner_steps"] == 16
+    assert stats.inner_steps == 16
     after = list(low.model.parameters())
     moved = sum(int((a != b).sum()) for a, b in zip(after, before)) / sum(p.numel() for p in before)
     assert moved >= 0.9, f"only {moved:.1%} of the bf16 weights moved"
@@ -178,21 +186,20 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
     team = Team([Agent.load("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], TeamConfig())
     cfg = sat.Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
                      token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
-    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, token_budget=cfg.token_budget)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              token_budget=cfg.token_budget)
     problems = arithmetic_problems(12, seed=1)
     # an agent that did not move: exact KL 0 and log rho 0 at every token, new log-probs = behaviour, bit for bit
     batch = rollout(team, problems, cfg.group_size, sampling)
     for j, agent in enumerate(team.agents):
         kl, new_logp, log_rho = measure_kl(agent, copy.deepcopy(agent.model), batch.turns[j], cfg.temperature,
-                                           cfg.token_budget, return_log_rho=True)
+                                           cfg.token_budget)
         assert kl.numel() == batch.turns[j].num_tokens and torch.equal(kl, torch.zeros_like(kl))
         assert torch.equal(log_rho, torch.zeros_like(log_rho))
         assert torch.equal(new_logp, batch.turns[j].behaviour_logprobs)
     # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    import random
-
     record = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(0))
     for rec in record["agents"]:
         assert rec["step0_log_ratio_max"] < 1e-3
@@ -200,17 +207,18 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
 
 
 def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
-    """Contexts of 3-19 and responses of 1-11 tokens; behaviour in chunks of
-    8 rows, training in shuffled micro-batches of 16: the old per-chunk
-    trimming gave max |log r| = 4e-3 here; one layout gives < 1e-3 (0 on CPU)."""
+    """Contexts of 3-19 and responses of 1-11 tokens; behaviour in chunks of 8 rows, training in
+    shuffled micro-batches of 16: trimming each chunk's padding would give max |log r| = 4e-3 here;
+    the turn's one layout gives < 1e-3 (0 on CPU)."""
     agent = Agent.load("tiny", dtype=torch.bfloat16, seed=0)
     turn = synthetic_turn(agent, n=48, max_ctx=20, max_resp=12, budget=256)
     adv = torch.tensor([1.0, -1.0] * 24)
     zeros = torch.zeros(48)
     cfg = train_cfg(epochs=1, minibatch_size=16, lr=1e-3)
+    controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
     stats = update.train_agents(Team([agent]), [0], {0: update.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
-                                {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}, {}, {0: copy.deepcopy(agent.model)})[0]
-    assert stats["inner_steps"] == 3 and stats["step0_log_ratio_max"] < 1e-3
+                                controllers, {}, {0: copy.deepcopy(agent.model)})[0]
+    assert stats.inner_steps == 3 and stats.step0_log_ratio_max < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -218,14 +226,13 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
     """A chunk's logits are recomputed in the backward pass only above
     HEAD_CHECKPOINT_BYTES (a real vocabulary); kept or recomputed, the
     log-probs and every gradient are the same bit for bit."""
-    import logprobs
-
     agent = Agent.load("tiny", seed=0, dtype=dtype)
     turn = synthetic_turn(agent, n=16, seed=5)
     turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
     recomputed, results = [], []
     real_checkpoint = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: recomputed.append(1) or real_checkpoint(*a, **kw))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **kw: recomputed.append(1) or real_checkpoint(*a, **kw))
     for limit in (logprobs.HEAD_CHECKPOINT_BYTES, 0):  # the tiny head's logits kept, then forced through the checkpoint
         monkeypatch.setattr(logprobs, "HEAD_CHECKPOINT_BYTES", limit)
         model = copy.deepcopy(agent.model).requires_grad_(True)
@@ -237,3 +244,69 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
     assert torch.equal(lp_kept, lp_ckpt)
     assert all(torch.equal(a, b) for a, b in zip(g_kept, g_ckpt, strict=True))
     assert any(float(g.abs().max()) > 0 for g in g_kept)
+
+
+# -- 5. the plain forward: a row's result depends on nothing but the row ---------------------------
+def grouped_turn(vocab: int, groups: list[tuple[int, int]], resp_lens: list[int], seed: int):
+    """Rows of (context length, rows sharing it) groups; left-padded contexts, right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    contexts, responses = [], []
+    for length, rows in groups:
+        ctx = torch.randint(5, vocab, (length,), generator=g).tolist()
+        contexts += [ctx] * rows
+    for n in resp_lens[: len(contexts)]:
+        responses.append(torch.randint(5, vocab, (n,), generator=g).tolist())
+    return (*left_pad(contexts, 0), *right_pad(responses, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(dtype):
+    """Different groupings of the same rows of a turn (subsets, orders, a context's rows split
+    between calls, every row alone) give bit-identical log-probs and hidden states, with one
+    base-model call per forward whatever its rows (a sharded agent's ranks must match)."""
+    model = copy.deepcopy(Agent.load("tiny", seed=0).model).to(dtype)
+    groups = [(6, 4), (2, 4), (7, 4), (4, 4), (6, 2), (1, 3)]
+    turn_like = grouped_turn(model.config.vocab_size, groups, [1, 4, 2, 3, 4] * 5, 3)
+    calls = []
+    model.base_model.register_forward_pre_hook(lambda *_: calls.append(1))
+    n = turn_like[0].shape[0]
+    with torch.no_grad():
+        whole, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [N, Lr], [N, Lr, H]
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        parts = [perm[:5], perm[5:12], perm[12:], torch.arange(n - 1, -1, -1), torch.tensor([3, 4])]
+        for part in parts + [torch.tensor([i]) for i in range(n)]:
+            lp, h = turn_forward(model, turn_like, part, 1.0)
+            assert torch.equal(lp, whole[part]) and torch.equal(h, hidden[part])
+    assert len(calls) == 1 + len(parts) + n
+    assert float(whole.abs().max()) > 0
+
+
+def test_log_probs_do_not_depend_on_whether_the_weights_require_grad():
+    """The forward's positions are a strided slice of the hidden states: the LM head must not let
+    torch pick its matmul kernel by the weight's requires_grad (the agent being trained) against the
+    frozen agent that scored the rollout. Bit for bit, under no_grad and with gradients."""
+    model = copy.deepcopy(Agent.load("tiny", seed=0).model)
+    turn_like = grouped_turn(model.config.vocab_size, [(7, 4), (5, 4), (6, 4), (3, 4)] * 2, [4, 3, 2, 4] * 8, 1)
+    with torch.no_grad():
+        frozen = turn_forward(model.requires_grad_(False), turn_like, slice(None), 1.0)[0]  # [32, Lr]
+        trained = turn_forward(model.requires_grad_(True), turn_like, slice(None), 1.0)[0]
+    assert torch.equal(frozen, trained)
+    assert torch.equal(turn_forward(model, turn_like, slice(None), 1.0)[0].detach(), frozen)
+    assert float(frozen.abs().max()) > 0
+    empty = logprobs.head_logits(model, torch.zeros(0, 3, model.config.hidden_size))
+    assert empty.shape == (0, 3, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, protocol):
+    """A whole fp32 stage: behaviour log-probs of the frozen agents over the rollout, training
+    log-probs in shuffled micro-batches (12 rows, another chunking than the rollout's) of the agent
+    whose weights now require grad: log r = 0 exactly at every agent's first step."""
+    torch.manual_seed(0)
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
+    sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              token_budget=cfg.token_budget)
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
+    record = sat.sat_stage(team, arithmetic_problems(8, seed=1), cfg, sampling, controllers, {}, random.Random(0))
+    assert [rec["step0_log_ratio_max"] for rec in record["agents"]] == [0.0, 0.0]

@@ -10,12 +10,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, event, given, strategies as st
+import toy_mdp as tm
+from hypothesis import assume, event, given
+from hypothesis import strategies as st
 from scipy.optimize import brentq
 
 import bounds
 import trust_region as tr
-import toy_mdp as tm
 
 TOL = 1e-9  # bound slack for float64 rounding (J is at most 1 / (1 - gamma) = 10)
 
@@ -228,13 +229,16 @@ def test_plug_in_that_improves_keeps_its_improvement_after_projection(case, data
 def coordination_game(p0, p1, gamma=0.5):
     """2 agents, 1 state, 2 actions each; team reward 1 iff both pick the same action."""
     D = tm.DTYPE
-    mdp = tm.ToyMDP(P=torch.ones(1, 2, 2, 1, dtype=D), R=torch.eye(2, dtype=D)[None], mu=torch.ones(1, dtype=D), gamma=gamma)
+    mdp = tm.ToyMDP(P=torch.ones(1, 2, 2, 1, dtype=D), R=torch.eye(2, dtype=D)[None], mu=torch.ones(1, dtype=D),
+                    gamma=gamma)
     return mdp, [torch.tensor([p0], dtype=D).log(), torch.tensor([p1], dtype=D).log()]
 
 
 def bernoulli_tilt(p, delta, toward_zero):
     """The q with KL(Bern(q) || Bern(p)) = delta on the given side of p (closed form check)."""
-    kl = lambda q: q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p)) - delta
+    def kl(q):
+        return q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p)) - delta
+
     return brentq(kl, 1e-15, p, xtol=1e-15) if toward_zero else brentq(kl, p, 1 - 1e-15, xtol=1e-15)
 
 
@@ -286,5 +290,6 @@ def test_joint_updates_can_fall_sat_never_does():
         assert sat_fell == 0, stage["J"]
 
     run()
-    print(f"\nmonotonicity violations over {counts['examples']} random MDPs: joint {counts['joint_fell']}, SAT {counts['sat_fell']}")
+    print(f"\nmonotonicity violations over {counts['examples']} random MDPs: joint {counts['joint_fell']}, "
+          f"SAT {counts['sat_fell']}")
     assert counts["sat_fell"] == 0

@@ -5,11 +5,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from toy_mdp import random_feasible
 
 import bounds
 import trust_region as tr
-from toy_mdp import random_feasible
 
 D = torch.float64
 
@@ -37,7 +38,8 @@ def log_probs(gen, rows, cols, scale=2.0):
 # ---------------------------------------------------------------------------
 
 
-@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), cols=st.integers(2, 7), temp=st.sampled_from([0.5, 0.8, 1.0, 2.0]))
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), cols=st.integers(2, 7),
+       temp=st.sampled_from([0.5, 0.8, 1.0, 2.0]))
 def test_per_state_kl_matches_double_loop(seed, rows, cols, temp):
     gen = torch.Generator().manual_seed(seed)
     new = 3 * torch.randn(rows, cols, generator=gen, dtype=D)
@@ -229,7 +231,8 @@ def test_controller_state_roundtrip_and_validation():
     assert d == c
     with pytest.raises(KeyError):
         d.load_state_dict({"nonsense": 1.0})
-    for bad in ({"delta": 0.0}, {"beta_up": 1.0}, {"beta_down": 1.0}, {"quantile": 0.0}, {"beta_min": 2.0, "beta_max": 1.0}):
+    for bad in ({"delta": 0.0}, {"beta_up": 1.0}, {"beta_down": 1.0}, {"quantile": 0.0},
+                {"beta_min": 2.0, "beta_max": 1.0}):
         with pytest.raises(ValueError):
             tr.QuantileController(**bad)
 
@@ -448,13 +451,15 @@ def test_tilt_row_offsets_do_not_matter():
 
 
 def test_certificate_terms_by_hand():
-    c = bounds.certificate(surrogate_advantage=0.03, kl_max=0.02, adv_max=0.8, gamma=0.9, zeta=0.001, n_samples=500, n_agents=3, delta_conf=0.1)
+    c = bounds.certificate(surrogate_advantage=0.03, kl_max=0.02, adv_max=0.8, gamma=0.9, zeta=0.001, n_samples=500,
+                           n_agents=3, delta_conf=0.1)
     h = 1 / (1 - 0.9)
     assert c["gain"] == pytest.approx(0.03 * h)
     assert c["occupancy_penalty"] == pytest.approx(2 * 0.9 * h * h * 0.8 * math.sqrt(0.01))
     assert c["bias_penalty"] == pytest.approx(0.001 * h)
     assert c["sample_penalty"] == pytest.approx(0.8 * h * math.sqrt(math.log(60) / 1000))
-    assert c["lower_bound"] == pytest.approx(c["gain"] - c["occupancy_penalty"] - c["bias_penalty"] - c["sample_penalty"])
+    penalties = c["occupancy_penalty"] + c["bias_penalty"] + c["sample_penalty"]
+    assert c["lower_bound"] == pytest.approx(c["gain"] - penalties)
     assert c["lower_bound"] < 0
     c0 = bounds.certificate(0.5, 0.0, 1.0, 0.0)
     assert c0 == {"gain": 0.5, "occupancy_penalty": 0.0, "bias_penalty": 0.0, "sample_penalty": 0.0, "lower_bound": 0.5}
@@ -485,7 +490,8 @@ def test_certificate_validates_inputs(kwargs):
 
 
 def test_stage_certificate_sums_terms():
-    steps = [bounds.certificate(0.1, 0.01, 1.0, 0.5), bounds.certificate(-0.05, 0.04, 2.0, 0.5, zeta=0.01, n_samples=100)]
+    steps = [bounds.certificate(0.1, 0.01, 1.0, 0.5),
+             bounds.certificate(-0.05, 0.04, 2.0, 0.5, zeta=0.01, n_samples=100)]
     total = bounds.stage_certificate(steps)
     for key in bounds.CERTIFICATE_TERMS:
         assert total[key] == pytest.approx(steps[0][key] + steps[1][key])
