@@ -1,66 +1,54 @@
-"""Accelerator memory for a SAT run, estimated before anything is loaded.
+"""Accelerator memory of a SAT run, estimated from the model config before anything is loaded.
 
-SAT's memory claim (paper, Section 5: agents are updated one at a time) is concrete: only the agent being
-updated holds gradients, optimizer state and a frozen reference copy; the
-others are frozen weights. ``estimate_memory`` turns a model config into bytes
-per component so that a run can say at start whether it fits, and why not:
+SAT's memory claim (paper, Section 5: agents are updated one at a time) is concrete: only the agent being updated
+holds gradients, optimizer state and a frozen reference copy. ``estimate_memory`` gives bytes per component (per rank
+under torchrun), so a run says at start whether it fits, and why not:
 
-    weights              every agent's weights (the bf16 weights the forward uses, dtype_bytes each)
-    master_weights       fp32 master weights of the agents trained at once (bf16 runs; 0 in fp32):
-                         team.MasterWeightAdamW steps them, so lr 1e-5 updates are not rounded away
-    grads_optimizer      fp32 gradients (on the master) + fp32 AdamW m, v of the agents trained
-                         at once (sequential: one agent; joint: all of them), + one transient
-                         bf16 gradient of the largest tensor before it is added into fp32
-    reference            the frozen pi_j,cur copy (copy.deepcopy per update) for the exact per-state KL
-    trust_region_copies  parameter snapshots of the line search (theta_cur, theta_new)
-    activations          one micro-batch's saved activations + the LM-head logits chunk
-    kv_cache             KV cache of the rollout (HF generate, or the vLLM engines)
-    engine_weights       the vLLM engines' own copy of the weights (0 with --backend hf)
-    frozen_offload       minus the frozen agents' weights when they wait in host memory during
-                         another agent's turn (--offload-frozen; on under torchrun on CUDA), else 0
-    gathered             --shard-frozen under torchrun (weights, reference and line-search snapshots
-                         held as FSDP2 shards, 1/N each): what the all-gathers hold whole at once,
-                         for two models (the agent and its reference): the root (embeddings, final
-                         norm, an untied head) and two decoder layers (the current one, the
-                         prefetched next), plus two layers' unsharded fp32 gradients; else 0
-    gathered_rollout     --shard-frozen: what the rollout holds whole at once; HF generate: taken as
-                         ``gathered``; --backend vllm: one model's root and two decoder layers (the
-                         behaviour log-prob forward, or the weight push into the engines, which
-                         gathers one FSDP2 unit at a time: ``vllm_ranks.push_layers``); else 0
+    weights              every agent's weights
+    master_weights       fp32 masters of the agents trained at once (bf16, one process: team.MasterWeightAdamW)
+    grads_optimizer      fp32 gradients + AdamW m, v of the agents trained at once (+ one transient bf16 gradient);
+                         under torchrun the FSDP2 fp32 copy (master, gradients, m, v: 16 B a parameter) / N
+    reference            the frozen pi_j,cur copy for the exact per-state KL
+    trust_region_copies  the line search's snapshots (theta_cur, theta_new)
+    activations          one micro-batch's saved activations + the LM-head logits chunk + the fp32 head weight
+    kv_cache             the rollout's KV cache (HF generate, or the vLLM engines)
+    engine_weights       the vLLM engines' copy of the weights (0 with --backend hf)
+    gathered             --shard-frozen (weights, reference, snapshots as FSDP2 shards, 1/N each): units held whole
+                         at once in training: two models' root and two decoder layers, two layers' fp32 gradients
+    gathered_rollout     --shard-frozen, in the rollout: HF generate as ``gathered``; vLLM one model's root and two
+                         layers (the behaviour log-prob forward, or the weight push, one FSDP2 unit at a time)
 
-Two peaks are what must fit, because vLLM sleeps during training and the
-optimizer is gone during rollouts:
+vLLM sleeps during training and the optimizer is gone during rollouts, so two peaks must fit:
 
     peak_training = weights + master_weights + grads_optimizer + reference + trust_region_copies + activations
-                    + frozen_offload + gathered
+                    + gathered
     peak_rollout  = weights + engine_weights + kv_cache + gathered_rollout
 
-Parameters are counted exactly from the config (Qwen3 layout: embeddings,
-q/k/v/o projections with per-head q_norm/k_norm, gate/up/down MLP, two RMSNorms
-per layer, the final norm, lm_head unless tied); tests check the count against
-``sum(p.numel())`` of a real ``Qwen3ForCausalLM``. Activations are an estimate
-(see ``activation_bytes_per_token``), good to tens of percent.
+Parameters are counted exactly (Qwen3 layout; tested against ``Qwen3ForCausalLM``); activations are an estimate,
+good to tens of percent.
 
-    python memory.py --agents "Qwen3-4B x3"      # prints the table for a preset
-    python memory.py --model qwen3-4b --n-agents 3 --stage0 qwen3-8b --gpus 1,2,4,8
-                                                 # Stage-0 of --upgrade, per rank (stage0_rank_bytes)
+    python -m scale.memory --model qwen3-4b --n-agents 3                 # one GPU: the table per component
+    python -m scale.memory --model qwen3-8b --rows 2 --gpus 1,2,4,8      # per-rank plan under torchrun
+    python -m scale.memory --model qwen3-4b --stage0 qwen3-8b --gpus 1,2,4,8   # Stage-0 of --upgrade, per rank
 """
 from __future__ import annotations
 
 import os
 
+from logprobs import LOGITS_CHUNK_TOKENS, head_chunk_positions
+
 GiB = 1024 ** 3
 
-PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations", "kv_cache", "engine_weights",
-          "frozen_offload", "gathered", "gathered_rollout")
+PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
+          "kv_cache", "engine_weights", "gathered", "gathered_rollout")
 PEAKS = {
-    "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
-                      "frozen_offload", "gathered"),
+    "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies",
+                      "activations", "gathered"),
     "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered_rollout"),
 }
-# One-line fixes, per component, for check_fits.
-FIXES = {
-    "weights": "put fewer or smaller agents on this GPU, or --offload-frozen (frozen agents in host memory during a turn)",
+FIXES = {  # one-line fixes per component, for check_fits
+    "weights": "put fewer or smaller agents on this GPU, or run under torchrun with --shard-frozen "
+               "(every agent as FSDP2 shards over the GPUs)",
     "master_weights": "use --update sequential (joint keeps fp32 master weights of every agent) or a smaller model",
     "grads_optimizer": "use --update sequential (joint keeps optimizer state for every agent) or a smaller model",
     "reference": "use --update sequential (joint keeps a reference copy of every agent) or a smaller model",
@@ -68,6 +56,8 @@ FIXES = {
     "activations": "use a smaller --minibatch-size or --token-budget (fewer tokens per micro-batch)",
     "kv_cache": "use a smaller --token-budget or --max-new-tokens, or --backend hf",
     "engine_weights": "use --backend hf (no second copy of the weights in vLLM engines)",
+    "gathered": "use more GPUs or a smaller model (FSDP2 gathers whole layers)",
+    "gathered_rollout": "use more GPUs or a smaller model (FSDP2 gathers whole layers)",
 }
 PHASE_NOTES = {
     "weights": "all agents, training copies",
@@ -78,23 +68,19 @@ PHASE_NOTES = {
     "activations": "one micro-batch + LM-head logits chunk",
     "kv_cache": "rollout KV cache",
     "engine_weights": "vLLM engines' copy (asleep in training)",
-    "frozen_offload": "frozen agents in host memory during a turn",
     "gathered": "--shard-frozen: units gathered whole at once",
     "gathered_rollout": "--shard-frozen: units gathered whole in the rollout",
 }
 
 
-# ---------------------------------------------------------------------------
-# Model dimensions and exact parameter count
-# ---------------------------------------------------------------------------
+# -- model dimensions and exact parameter count ------------------------------------------------------------------
 def model_dims(config) -> dict:
-    """The dimensions this module needs, from a HF config object or a dict.
+    """The dimensions used here, from a HF config or a dict (head_dim defaults to hidden / heads and the KV heads
+    to the heads, as in the HF configs)."""
+    def get(key, default=None):
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
-    head_dim defaults to hidden_size // num_attention_heads and
-    num_key_value_heads to num_attention_heads, as in the HF configs."""
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    head_dim = get("head_dim") or hidden // heads
     return {
         "hidden": hidden,
         "layers": int(get("num_hidden_layers")),
@@ -102,7 +88,7 @@ def model_dims(config) -> dict:
         "vocab": int(get("vocab_size")),
         "heads": heads,
         "kv_heads": int(get("num_key_value_heads") or heads),
-        "head_dim": int(head_dim),
+        "head_dim": int(get("head_dim") or hidden // heads),
         "tied": bool(get("tie_word_embeddings", False)),
         "attention_bias": bool(get("attention_bias", False)),
     }
@@ -118,10 +104,15 @@ def count_parameters(config) -> int:
     attention += 2 * d["head_dim"]  # q_norm, k_norm: one weight per head dimension, shared by heads
     mlp = 3 * h * d["intermediate"]  # gate, up, down
     norms = 2 * h  # input_layernorm, post_attention_layernorm
-    per_layer = attention + mlp + norms
-    embeddings = d["vocab"] * h
     head = 0 if d["tied"] else d["vocab"] * h
-    return embeddings + d["layers"] * per_layer + h + head  # + final norm
+    return d["vocab"] * h + d["layers"] * (attention + mlp + norms) + h + head  # embeddings, layers, final norm, head
+
+
+def root_and_layer(config) -> tuple[int, int]:
+    """Parameters of FSDP2's root unit (embeddings, final norm, an untied head) and of one decoder layer."""
+    d = model_dims(config)
+    root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
+    return root, (count_parameters(config) - root) // d["layers"]
 
 
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
@@ -132,10 +123,8 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 
 def cpu_kv_cache_bytes(config, dtype_bytes: int, max_model_len: int, sequences: int = 16,
                        floor: int = 64 << 20, cap: int = 4 << 30) -> int:
-    """A CPU vLLM engine's KV cache (``kv_cache_memory_bytes``): room for
-    ``sequences`` sequences of ``max_model_len`` tokens (vLLM needs at least
-    one), within [floor, cap]. Tiny agents (4 layers, 2 KV heads of 32, fp32,
-    2,048 positions): 64 MiB."""
+    """A CPU vLLM engine's KV cache (``kv_cache_memory_bytes``): room for ``sequences`` sequences of
+    ``max_model_len`` tokens (vLLM needs at least one), within [floor, cap]."""
     want = kv_bytes_per_token(config, dtype_bytes) * int(max_model_len) * int(sequences)
     return int(min(max(want, floor), cap))
 
@@ -143,13 +132,10 @@ def cpu_kv_cache_bytes(config, dtype_bytes: int, max_model_len: int, sequences: 
 def activation_bytes_per_token(config, dtype_bytes: int = 2, gradient_checkpointing: bool = True) -> int:
     """Saved-for-backward bytes of the decoder stack for one token.
 
-    Per layer of the HF Qwen3 forward, what autograd keeps: each RMSNorm keeps
-    an fp32 copy of its input and its low-precision output ((4 + b) per
-    element; two of width H, plus q_norm/k_norm over q and k); attention keeps
-    q, k (after RoPE), v and its output (b per element); the MLP keeps gate,
-    up, act(gate) and their product (4 b I). With gradient checkpointing only
-    each layer's input (b H) is kept, plus one layer recomputed in backward.
-    """
+    Per layer of the HF Qwen3 forward: each RMSNorm keeps an fp32 copy of its input and its output ((4 + b) per
+    element; two of width H, plus q_norm / k_norm over q and k); attention keeps q, k (after RoPE), v and its output
+    (b each); the MLP keeps gate, up, act(gate) and their product (4 b I). With gradient checkpointing only each
+    layer's input (b H) is kept, plus one layer recomputed in backward."""
     d = model_dims(config)
     b = dtype_bytes
     h, q_dim, kv_dim, inter = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"], d["intermediate"]
@@ -159,25 +145,13 @@ def activation_bytes_per_token(config, dtype_bytes: int = 2, gradient_checkpoint
     return d["layers"] * full_layer
 
 
-def logits_bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """LM head on one position, in fp32 (logprobs.head_logits): the fp32
-    logits, the tempered logits and the log-softmax (and as much again in
-    backward, which the chunk recomputes one at a time). ``dtype_bytes`` is
-    kept for callers; the head no longer produces low-precision logits."""
+def logits_bytes_per_token(config) -> int:
+    """The fp32 LM head on one position (``logprobs.head_logits``): logits, tempered logits, log-softmax."""
     return model_dims(config)["vocab"] * 3 * 4
 
 
-# Positions (rows x columns) through the LM head at once: logprobs.token_logprobs_from_hidden's chunks
-LOGITS_CHUNK_TOKENS = 4096
-
-
-def head_chunk_positions(rows: int, chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> int:
-    """Positions of every row in one LM-head chunk (``logprobs._head_chunks``): at least one."""
-    return max(1, chunk_tokens // max(rows, 1))
-
-
 def head_chunk_tokens(rows: int, length: int, chunk_tokens: int = LOGITS_CHUNK_TOKENS) -> int:
-    """The largest LM-head chunk of a [rows, length] forward (``head_chunk_positions`` of every row)."""
+    """The largest LM-head chunk of a [rows, length] forward (``logprobs.head_chunk_positions`` of every row)."""
     return rows * min(length, head_chunk_positions(rows, chunk_tokens))
 
 
@@ -187,54 +161,31 @@ def head_fp32_bytes(config) -> int:
     return d["vocab"] * d["hidden"] * 4
 
 
-# ---------------------------------------------------------------------------
-# The estimate
-# ---------------------------------------------------------------------------
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- the estimate ------------------------------------------------------------------------------------------------
 def estimate_memory(model_config, n_agents: int, update: str = "sequential", dtype_bytes: int = 2,
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
                     optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
-                    offload_frozen: bool = False, engine_tensor_parallel: int = 1,
-                    shard_frozen: bool = False) -> dict[str, int]:
-    """Bytes per component and the two peaks (module docstring).
+                    engine_tensor_parallel: int = 1, shard_frozen: bool = False) -> dict[str, int]:
+    """Bytes per component and the two peaks (module docstring), per rank.
 
-    micro_batch_tokens: (context + response) tokens in one gradient micro-batch.
-    max_seq_len: the longest context + response; vLLM needs KV for at least one.
-    rollout_tokens: tokens held in the KV cache at once (HF: a generate chunk,
-        i.e. --token-budget; vLLM: the concurrent batch). Default: max(micro_batch_tokens, max_seq_len).
-    logits_chunk_tokens: positions through the LM head at once (``head_chunk_tokens``:
-        about LOGITS_CHUNK_TOKENS rows x columns, at least one position of every
-        row). Default min(micro_batch_tokens, LOGITS_CHUNK_TOKENS).
-    optimizer_bytes_per_param: AdamW m and v in fp32 (they live on the fp32
-        master weights of a bf16 agent, on the fp32 parameters otherwise).
-    dtype_bytes < 4 adds the fp32 master weights (4 B per trained parameter);
-    gradients are fp32 either way (4 B).
-    gpus: processes under torchrun (one GPU each); the figures are per rank.
-        With gpus > 1 the agent being trained is an fp32 copy sharded by FSDP2
-        (``distributed.shard_model``): fp32 master weights, fp32 gradients and
-        AdamW m, v, 16 bytes a parameter, divided by gpus (counted in
-        grads_optimizer; master_weights is then 0). Everything else is
-        held whole on every rank (frozen agents and the reference generate or
-        measure the KL locally), so it does not shrink with gpus.
-    offload_frozen: the agents not being trained wait in host memory during
-        another agent's turn (``distributed.frozen_on_host``), so the training
-        peak holds only the trained agents' weights; they come back for rollouts.
-    engine_tensor_parallel: K of ``--vllm-tensor-parallel``: each vLLM engine
-        spans K ranks, so a rank holds 1/K of every engine's weights.
-    shard_frozen: (gpus > 1) every agent, the reference and the line-search
-        snapshots are FSDP2 shards (``--shard-frozen``): weights, reference and
-        trust_region_copies divided by gpus, no offload, plus ``gathered``.
-    """
+    micro_batch_tokens: tokens of one gradient micro-batch. max_seq_len: the longest context + response.
+    rollout_tokens: tokens in the KV cache at once (default max(micro_batch_tokens, max_seq_len)).
+    logits_chunk_tokens: positions through the LM head at once (``head_chunk_tokens``). dtype_bytes < 4 adds the
+    fp32 masters. gpus: torchrun ranks (the trained agent's fp32 state / gpus; the rest whole on every rank unless
+    ``shard_frozen``: weights, reference and snapshots / gpus, plus ``gathered``). engine_tensor_parallel: K of
+    ``--vllm-tensor-parallel`` (a rank holds 1/K of every engine)."""
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
     if backend not in ("hf", "vllm"):
         raise ValueError(f"backend must be 'hf' or 'vllm' (got {backend!r})")
-    if n_agents < 1:
-        raise ValueError(f"n_agents must be >= 1 (got {n_agents})")
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1 (got {gpus})")
-    if engine_tensor_parallel < 1:
-        raise ValueError(f"engine_tensor_parallel must be >= 1 (got {engine_tensor_parallel})")
+    for name, value in (("n_agents", n_agents), ("gpus", gpus), ("engine_tensor_parallel", engine_tensor_parallel)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1 (got {value})")
     params = count_parameters(model_config)
     trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
     weight_bytes = params * dtype_bytes
@@ -244,112 +195,80 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
     chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, LOGITS_CHUNK_TOKENS)
     train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
-    # the exact-KL check runs 1024 positions of two models through the head (no grad)
-    kl_check = 1024 * 2 * logits_bytes_per_token(model_config, dtype_bytes)
+    kl_check = 1024 * 2 * logits_bytes_per_token(model_config)  # the exact KL: 1024 positions of two models (no grad)
     estimate = {
         "weights": n_agents * weight_bytes,
         "master_weights": trained * params * 4 if dtype_bytes < 4 and gpus == 1 else 0,
         "grads_optimizer": (trained * params * (4 + optimizer_bytes_per_param) + transient_grad if gpus == 1
-                            else -(-trained * params * (4 + 4 + optimizer_bytes_per_param) // gpus)),  # FSDP2 shard
+                            else _ceil_div(trained * params * (4 + 4 + optimizer_bytes_per_param), gpus)),
         "reference": trained * weight_bytes,
         "trust_region_copies": trained * trust_region_copies * weight_bytes,
-        "activations": max(train_act + chunk * logits_bytes_per_token(model_config, dtype_bytes), kl_check)
+        "activations": max(train_act + chunk * logits_bytes_per_token(model_config), kl_check)
         + head_fp32_bytes(model_config),
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
-        "engine_weights": -(-n_agents * weight_bytes // engine_tensor_parallel) if backend == "vllm" else 0,
-        "frozen_offload": -(n_agents - trained) * weight_bytes if offload_frozen else 0,
+        "engine_weights": _ceil_div(n_agents * weight_bytes, engine_tensor_parallel) if backend == "vllm" else 0,
         "gathered": 0,
         "gathered_rollout": 0,
     }
-    if shard_frozen and gpus > 1:  # --shard-frozen: each rank holds 1/gpus of every whole-model term
+    if shard_frozen and gpus > 1:
         for part in ("weights", "reference", "trust_region_copies"):
-            estimate[part] = -(-estimate[part] // gpus)
-        root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
-        layer = (params - root) // d["layers"]
-        estimate["frozen_offload"] = 0
-        estimate["gathered"] = 2 * (root + 2 * layer) * dtype_bytes + 2 * layer * 4
-        estimate["gathered_rollout"] = rollout_gathered_bytes(model_config, backend, dtype_bytes, estimate["gathered"])
+            estimate[part] = _ceil_div(estimate[part], gpus)
+        root, layer = root_and_layer(model_config)
+        one_model = (root + 2 * layer) * dtype_bytes
+        estimate["gathered"] = 2 * one_model + 2 * layer * 4
+        estimate["gathered_rollout"] = one_model if backend == "vllm" else estimate["gathered"]
     for peak, parts in PEAKS.items():
         estimate[peak] = sum(estimate[p] for p in parts)
     return estimate
-
-
-def rollout_gathered_bytes(model_config, backend: str, dtype_bytes: int, training_gathered: int) -> int:
-    """--shard-frozen: bytes a rank holds whole at once during the rollout.
-    vLLM: the engines sample from their own weights, so only the behaviour
-    log-prob forward (one model: its root and two decoder layers, the current
-    and the prefetched next) and the weight push after a promotion (one FSDP2
-    unit at a time, the previous one not yet freed) gather: one model's root
-    and two layers. HF generate: taken as in training (``training_gathered``)."""
-    if backend != "vllm":
-        return training_gathered
-    d = model_dims(model_config)
-    root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
-    layer = (count_parameters(model_config) - root) // d["layers"]
-    return (root + 2 * layer) * dtype_bytes
 
 
 STAGE0_RANK_NOTES = {
     "stage0_team": "the team's agents, the incumbent among them (whole on every rank)",
     "stage0_pi_pre": "the replacement as loaded, frozen (whole)",
     "stage0_replacement": "the replacement's weights that measure the KL (whole; each pass's result written in)",
-    "stage0_train_state": "the trainable copy: N = 1: grads + AdamW (+ fp32 master in bf16); N > 1: fp32 shards, grads, AdamW / N",
-    "stage0_gathered": "N > 1: FSDP2 units gathered at once (root + 2 layers; with --shard-frozen of 3 models; 2 layers' fp32 grads)",
+    "stage0_train_state": "the trainable copy: N = 1: grads + AdamW (+ fp32 master in bf16); "
+                          "N > 1: fp32 shards, grads, AdamW / N",
+    "stage0_gathered": "N > 1: FSDP2 units gathered at once (root + 2 layers; with --shard-frozen of 3 models; "
+                       "2 layers' fp32 grads)",
     "stage0_activations": "this rank's rows of a micro-batch: trunk activations + pi_pre's and pi_cur's hidden states",
     "stage0_logits_blocks": "LM-head blocks of STAGE0_LOGITS_BUDGET fp32 elements, 8 live",
-    "stage0_sharding": "N > 1, while the trainable copy is made: a whole copy + one fp32 layer (before the optimizer exists)",
+    "stage0_sharding": "N > 1, while the trainable copy is made: a whole copy + one fp32 layer "
+                       "(before the optimizer exists)",
 }
 
 
 def stage0_rank_bytes(team_config, replacement_config, n_agents: int, gpus: int = 1, dtype_bytes: int = 2,
                       micro_batch_tokens: int = 8192, logits_budget: int = 1 << 22, optimizer_bytes_per_param: int = 8,
-                      gradient_checkpointing: bool = True, live_blocks: int = 8, shard_frozen: bool = False) -> dict[str, int]:
-    """Stage-0 of ``--upgrade`` (Eqs. (6)-(7), ``plug_and_play.fit_stage0``) per rank under
-    torchrun with ``gpus`` processes, bytes; what each rank holds, as the code does today:
+                      gradient_checkpointing: bool = True, live_blocks: int = 8,
+                      shard_frozen: bool = False) -> dict[str, int]:
+    """Per-rank bytes of Stage-0 of ``--upgrade`` (Eqs. (6)-(7), ``plug_and_play.fit_stage0``) with ``gpus`` ranks
+    (STAGE0_RANK_NOTES). The trainable copy is made from a deep copy (``stage0_sharding``) before the optimizer
+    state exists, so the peak takes the larger. ``shard_frozen`` (gpus > 1): team, pi_pre and replacement are
+    shards (1/N each), the copy is built shard by shard, and three models' roots and two layers each are gathered.
 
-    - the team (the incumbent pi_j,cur among its ``n_agents``), pi_pre (a frozen copy of the
-      replacement) and the replacement's own weights, all whole on every rank (Stage-0 runs
-      before ``--shard-frozen`` shards the team; pi_pre is a ``copy.deepcopy``);
-    - the trainable copy: with one process the replacement itself trains (fp32 gradients and
-      AdamW m, v; a bf16 one also its fp32 master, ``team.MasterWeightAdamW``); with N > 1 an
-      fp32 FSDP2 copy (``distributed.shard_model``: shards, gradients, m, v, 16 B a parameter
-      / N) plus the units gathered at once; making it deep-copies the replacement first
-      (``stage0_sharding``, before the optimizer state exists, so the peak takes the larger);
-    - activations of this rank's rows of a micro-batch of ``micro_batch_tokens`` (--token-budget;
-      each rank fits 1/N of the rows) and the LM-head blocks (the same on every rank).
-
-        peak_stage0 = team + pi_pre + replacement + logits blocks
-                      + max(train_state + gathered + activations, sharding)
-
-    ``shard_frozen`` (``--shard-frozen``, gpus > 1): the team, pi_pre and the replacement are
-    FSDP2 shards too (1/N each), the trainable copy is built shard by shard (no sharding
-    transient), and ``stage0_gathered`` holds three models' roots (pi_new, pi_pre, pi_cur:
-    a root stays gathered after its no-grad forward) and two decoder layers of each.
-
-    The per-state targets (one t(s) per state) and the states' token ids are negligible."""
+        peak_stage0 = team + pi_pre + replacement + logits blocks + max(train_state + gathered + activations, sharding)
+    """
     p_team, p_new = count_parameters(team_config), count_parameters(replacement_config)
-    d = model_dims(replacement_config)
-    root = d["vocab"] * d["hidden"] * (1 if d["tied"] else 2) + d["hidden"]
-    layer = (p_new - root) // d["layers"]
-    tokens = -(-micro_batch_tokens // gpus)  # this rank's rows of a micro-batch
+    root, layer = root_and_layer(replacement_config)
     if gpus == 1:
         state = p_new * (4 + optimizer_bytes_per_param + (4 if dtype_bytes < 4 else 0))
     else:
-        state = -(-p_new * (4 + 4 + optimizer_bytes_per_param) // gpus)
+        state = _ceil_div(p_new * (4 + 4 + optimizer_bytes_per_param), gpus)
+    per_token = (activation_bytes_per_token(replacement_config, dtype_bytes, gradient_checkpointing)
+                 + 2 * model_dims(replacement_config)["hidden"] * dtype_bytes)
     parts = {
         "stage0_team": n_agents * p_team * dtype_bytes,
         "stage0_pi_pre": p_new * dtype_bytes,
         "stage0_replacement": p_new * dtype_bytes,
         "stage0_train_state": state,
         "stage0_gathered": (root + 2 * layer) * dtype_bytes + 2 * layer * 4 if gpus > 1 else 0,
-        "stage0_activations": tokens * (activation_bytes_per_token(replacement_config, dtype_bytes, gradient_checkpointing)
-                                        + 2 * d["hidden"] * dtype_bytes),
+        "stage0_activations": _ceil_div(micro_batch_tokens, gpus) * per_token,
         "stage0_logits_blocks": live_blocks * logits_budget * 4,
         "stage0_sharding": p_new * dtype_bytes + 4 * layer if gpus > 1 else 0,
     }
     if shard_frozen and gpus > 1:
         for key in ("stage0_team", "stage0_pi_pre", "stage0_replacement"):
-            parts[key] = -(-parts[key] // gpus)
+            parts[key] = _ceil_div(parts[key], gpus)
         parts["stage0_gathered"] = 3 * (root + 2 * layer) * dtype_bytes + 2 * layer * 4
         parts["stage0_sharding"] = 0
     fit = parts["stage0_train_state"] + parts["stage0_gathered"] + parts["stage0_activations"]
@@ -358,33 +277,14 @@ def stage0_rank_bytes(team_config, replacement_config, n_agents: int, gpus: int 
     return parts
 
 
-def stage0_plan_table(model: str, replacement: str, n_agents: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
-    """Per-rank Stage-0 peaks (estimates) of ``--upgrade SLOT=replacement`` in a team of
-    ``n_agents`` x ``model``, for each number of GPUs, and whether they fit (``stage0_rank_bytes``)."""
-    keys = ("stage0_team", "stage0_pi_pre", "stage0_replacement", "stage0_train_state", "stage0_gathered",
-            "stage0_activations", "stage0_logits_blocks", "stage0_sharding")
-    short = ("team", "pi_pre", "repl.", "train", "gather", "activ.", "logits", "sharding")
-    how = ", --shard-frozen (team, pi_pre, replacement as FSDP2 shards)" if kw.get("shard_frozen") else ""
-    rows = [f"ESTIMATES (not measured): Stage-0 of --upgrade to {replacement} in a team of {model} x{n_agents}{how}, GiB per rank",
-            f"{'gpus':>4} " + " ".join(f"{s:>8}" for s in short) + f" {'peak':>8}  " + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
-    for n in gpus_list:
-        est = stage0_rank_bytes(QWEN3_DIMS[model], QWEN3_DIMS[replacement], n_agents, gpus=n, **kw)
-        fits = "  ".join(f"{'fits' if est['peak_stage0'] <= g * GiB else 'NO':>10}" for g in gib_list)
-        rows.append(f"{n:>4} " + " ".join(f"{est[k] / GiB:>8.1f}" for k in keys) + f" {est['peak_stage0'] / GiB:>8.1f}  {fits}")
-    rows += [f"  {s}: {STAGE0_RANK_NOTES[k]}" for s, k in zip(short, keys)]
-    rows.append("  peak = team + pi_pre + repl. + logits + max(train + gather + activ., sharding)")
-    return "\n".join(rows)
-
-
+# -- verdicts and tables -----------------------------------------------------------------------------------------
 def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
-    """Raise a one-line ValueError naming the peak that does not fit, its
-    largest component and the fix; return None when everything fits."""
+    """A one-line ValueError naming the peak that does not fit, its largest component and the fix; None if it fits.
+    The component blamed is the largest one a flag can shrink (the weights only when they alone do not fit)."""
     for peak, parts in PEAKS.items():
         need = estimate[peak]
         if need <= available_bytes:
             continue
-        # The component to blame: the largest one that a flag can shrink
-        # (weights only when they alone do not fit).
         movable = [p for p in parts if p != "weights" and estimate[p] > 0]
         worst = "weights" if estimate["weights"] > available_bytes or not movable else max(movable, key=estimate.get)
         raise ValueError(
@@ -395,40 +295,58 @@ def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
 
 
 def format_table(estimate: dict[str, int], available: int | None = None) -> str:
-    """A small table for the start of a run: GiB per component and peak."""
+    """GiB per component and peak, for the start of a run."""
     rows = [f"{'memory phase':<20} {'GiB':>9}  note"]
-    for phase in PHASES:
-        rows.append(f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}")
-    for peak, parts in PEAKS.items():
-        rows.append(f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}")
-    if "peak_stage0" in estimate:  # a plug-and-play upgrade: Stage-0 (stage0_rank_bytes)
-        rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_pre + replacement + LM-head blocks "
-                    f"+ max(train state + gathered + activations, sharding) (Stage-0 of --upgrade)")
+    rows += [f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}" for phase in PHASES]
+    rows += [f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}" for peak, parts in PEAKS.items()]
+    if "peak_stage0" in estimate:  # a plug-and-play upgrade (stage0_rank_bytes)
+        rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_pre + replacement + "
+                    f"LM-head blocks + max(train state + gathered + activations, sharding) (Stage-0 of --upgrade)")
     if available is not None:
-        worst = max(estimate[p] for p in PEAKS)
-        verdict = "fits" if worst <= available else "does NOT fit"
+        verdict = "fits" if max(estimate[p] for p in PEAKS) <= available else "does NOT fit"
         rows.append(f"{'available':<20} {available / GiB:>9.2f}  {verdict}")
     return "\n".join(rows)
 
 
-def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], shard_frozen: bool = False, **kw) -> str:
-    """Per-rank peaks (estimates) for each number of GPUs, and whether they fit
-    GPUs of each size (GiB of memory per GPU, as the driver reports it: the
-    cards sold as "80 GB" and "141 GB" report about 79.6 and 140.4 GiB).
-    ``shard_frozen``: the agents, the reference and the line-search snapshots
-    as FSDP2 shards for gpus > 1 (``--shard-frozen``) instead of the frozen
-    agents in host memory during a turn."""
-    head = f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  " + "  ".join(f"{g:>6g} GiB" for g in gib_list)
+def _fit_columns(need: int, gib_list: list[float]) -> str:
+    return "  ".join(f"{'fits' if need <= g * GiB else 'NO':>10}" for g in gib_list)
+
+
+def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[float], shard_frozen: bool = True,
+               **kw) -> str:
+    """Per-rank peaks (estimates) for each number of GPUs and whether they fit GPUs of each size (GiB as the driver
+    reports it: cards sold as "80 GB" and "141 GB" report about 79.6 and 140.4 GiB). ``shard_frozen``: agents,
+    reference and snapshots as FSDP2 shards for gpus > 1 (the run's default on CUDA), else whole on every rank."""
     how = ("agents, reference and line-search snapshots as FSDP2 shards (--shard-frozen)" if shard_frozen
-           else "frozen agents in host memory during a turn (--offload-frozen)")
-    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: {how})", head]
+           else "agents, reference and line-search snapshots whole on every rank (--no-shard-frozen)")
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents}, per-rank plan (gpus > 1: {how})",
+            f"{'gpus':>4} {'train/rank GiB':>15} {'rollout/rank GiB':>17} {'grads+AdamW/rank':>17}  "
+            + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
     for n in gpus_list:
-        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, offload_frozen=n > 1 and not shard_frozen,
-                              shard_frozen=shard_frozen, **kw)
-        worst = max(est[p] for p in PEAKS)
-        fits = "  ".join(f"{'fits' if worst <= g * GiB else 'NO':>10}" for g in gib_list)
+        est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=n, shard_frozen=shard_frozen, **kw)
         rows.append(f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
-                    f"{est['grads_optimizer'] / GiB:>17.1f}  {fits}")
+                    f"{est['grads_optimizer'] / GiB:>17.1f}  {_fit_columns(max(est[p] for p in PEAKS), gib_list)}")
+    return "\n".join(rows)
+
+
+def stage0_plan_table(model: str, replacement: str, n_agents: int, gpus_list: list[int], gib_list: list[float],
+                      **kw) -> str:
+    """Per-rank Stage-0 peaks (estimates) of ``--upgrade SLOT=replacement`` in a team of ``n_agents`` x ``model``
+    for each number of GPUs, and whether they fit (``stage0_rank_bytes``)."""
+    keys = ("stage0_team", "stage0_pi_pre", "stage0_replacement", "stage0_train_state", "stage0_gathered",
+            "stage0_activations", "stage0_logits_blocks", "stage0_sharding")
+    short = ("team", "pi_pre", "repl.", "train", "gather", "activ.", "logits", "sharding")
+    how = ", --shard-frozen (team, pi_pre, replacement as FSDP2 shards)" if kw.get("shard_frozen") else ""
+    rows = [f"ESTIMATES (not measured): Stage-0 of --upgrade to {replacement} in a team of {model} x{n_agents}{how}, "
+            "GiB per rank",
+            f"{'gpus':>4} " + " ".join(f"{s:>8}" for s in short) + f" {'peak':>8}  "
+            + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
+    for n in gpus_list:
+        est = stage0_rank_bytes(QWEN3_DIMS[model], QWEN3_DIMS[replacement], n_agents, gpus=n, **kw)
+        rows.append(f"{n:>4} " + " ".join(f"{est[k] / GiB:>8.1f}" for k in keys)
+                    + f" {est['peak_stage0'] / GiB:>8.1f}  {_fit_columns(est['peak_stage0'], gib_list)}")
+    rows += [f"  {s}: {STAGE0_RANK_NOTES[k]}" for s, k in zip(short, keys)]
+    rows.append("  peak = team + pi_pre + repl. + logits + max(train + gather + activ., sharding)")
     return "\n".join(rows)
 
 
@@ -439,12 +357,10 @@ def available_bytes(device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
-# Published dimensions of the Qwen3 dense models (their config.json files), so
-# a table can be printed without downloading anything.
+# The published Qwen3 dense models' dimensions (their config.json), so a table needs no download.
 QWEN3_DIMS = {
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
@@ -458,90 +374,88 @@ QWEN3_DIMS = {
 
 
 def check_run(cfg, team, log) -> float | None:
-    """For a run (``config.Config`` and its team) on CUDA: print what each phase
-    needs against what the GPU has and refuse with a clear message if it
-    cannot fit. Returns the fraction of the GPU that training keeps during
-    rollouts (what the vLLM engines are sized from), or None off CUDA."""
+    """For a run on CUDA (``config.Config`` and its team): log what each phase needs against what the GPU has, and
+    refuse in one line if it cannot fit. Returns the fraction of the GPU that training keeps during rollouts (what
+    the vLLM engines are sized from), or None off CUDA."""
     if not cfg.device.startswith("cuda"):
         return None
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
-    gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if getattr(cfg, "dtype", "bfloat16") == "float32" else 2
-    shard_frozen = bool(getattr(cfg, "shard_frozen", False))
+    gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if cfg.dtype == "float32" else 2
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
     rows = max(1, min(cfg.minibatch_size, cfg.token_budget // seq))  # rows of a training micro-batch
-    est = estimate_memory(biggest.model.config, len(team), cfg.update,
-                          micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq),
-                          max_seq_len=seq, gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
+    est = estimate_memory(biggest.model.config, len(team), cfg.update, dtype_bytes=dtype_bytes,
+                          micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq), max_seq_len=seq,
+                          gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=head_chunk_tokens(rows, seq),
-                          dtype_bytes=dtype_bytes,
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
-                          gpus=gpus, offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
-                          engine_tensor_parallel=int(getattr(cfg, "vllm_tensor_parallel", 1) or 1),
-                          shard_frozen=shard_frozen)
+                          gpus=gpus, engine_tensor_parallel=cfg.vllm_tensor_parallel,
+                          shard_frozen=bool(cfg.shard_frozen))
     available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
-        est.update(stage0_rank_bytes(biggest.model.config, biggest.model.config, len(team), gpus=gpus, dtype_bytes=dtype_bytes,
-                                     micro_batch_tokens=cfg.token_budget, gradient_checkpointing=cfg.gradient_checkpointing,
-                                     shard_frozen=shard_frozen))
+        est.update(stage0_rank_bytes(biggest.model.config, biggest.model.config, len(team), gpus=gpus,
+                                     dtype_bytes=dtype_bytes, micro_batch_tokens=cfg.token_budget,
+                                     gradient_checkpointing=cfg.gradient_checkpointing,
+                                     shard_frozen=bool(cfg.shard_frozen)))
     log(format_table(est, available))
     if available is not None:
         check_fits(est, available)
         if est.get("peak_stage0", 0) > available:
-            raise ValueError(f"not enough accelerator memory for Stage-0 of --upgrade: about {est['peak_stage0'] / GiB:.1f} GiB "
-                             f"but {available / GiB:.1f} GiB are available; fix: use a smaller --token-budget or a smaller replacement")
+            raise ValueError(f"not enough accelerator memory for Stage-0 of --upgrade: about "
+                             f"{est['peak_stage0'] / GiB:.1f} GiB but {available / GiB:.1f} GiB are available; "
+                             "fix: use a smaller --token-budget or a smaller replacement")
     return min(0.9, est["peak_training"] / max(available or 1, 1))
 
 
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="memory.py", description="Print the memory estimate of a SAT run (no download).")
+    p = argparse.ArgumentParser(prog="python -m scale.memory",
+                                description="Print the memory estimate of a SAT run (no download).")
     p.add_argument("--model", default="qwen3-4b", choices=sorted(QWEN3_DIMS))
     p.add_argument("--n-agents", type=int, default=3)
     p.add_argument("--update", default="sequential", choices=["sequential", "joint"])
     p.add_argument("--backend", default="vllm", choices=["hf", "vllm"])
     p.add_argument("--rows", type=int, default=32, help="sequences per gradient micro-batch (--minibatch-size)")
     p.add_argument("--max-seq-len", type=int, default=33792, help="prompt + max new tokens")
-    p.add_argument("--rollout-tokens", type=int, default=1 << 17, help="tokens in the KV cache at once (--token-budget)")
+    p.add_argument("--rollout-tokens", type=int, default=1 << 17,
+                   help="tokens in the KV cache at once (--token-budget)")
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--available-gib", type=float, default=None)
     p.add_argument("--gpus", default="1", help="processes / GPUs under torchrun, e.g. 4 or 1,2,4,8 (per-rank plan)")
-    p.add_argument("--vllm-tensor-parallel", type=int, default=1, help="ranks per vLLM engine (each rank holds 1/K of it)")
+    p.add_argument("--vllm-tensor-parallel", type=int, default=1, help="ranks per vLLM engine (each holds 1/K of it)")
     p.add_argument("--gpu-gib", default="79.6,140.4",
                    help="memory per GPU in GiB as the driver reports it, for the fit columns of the per-rank plan "
                         "(an H100 80GB reports 79.6, an H200 140.4)")
     p.add_argument("--stage0", default=None, choices=sorted(QWEN3_DIMS), metavar="MODEL",
-                   help="per-rank plan of Stage-0 of --upgrade SLOT=MODEL in a team of --n-agents x --model, for --gpus")
-    p.add_argument("--shard-frozen", action="store_true",
-                   help="per-rank plan with the agents, the reference and the line-search snapshots as FSDP2 shards")
+                   help="per-rank plan of Stage-0 of --upgrade SLOT=MODEL in a team of --n-agents x --model, "
+                        "for --gpus")
+    p.add_argument("--shard-frozen", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-rank plan (gpus > 1) with the agents, the reference and the line-search snapshots as "
+                        "FSDP2 shards, as a torchrun run on CUDA holds them (--no-shard-frozen: whole on every rank)")
     args = p.parse_args(argv)
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
-            p.exit(2, f"memory.py: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
+            p.exit(2, f"{p.prog}: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
     if args.available_gib is not None and args.available_gib <= 0:
-        p.exit(2, f"memory.py: error: --available-gib must be > 0 (got {args.available_gib})\n")
-    gpus = [int(g) for g in str(args.gpus).split(",")]
-    if args.stage0:  # Stage-0 of --upgrade, per rank (micro-batches of --rollout-tokens = --token-budget)
-        print(stage0_plan_table(args.model, args.stage0, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")],
-                                micro_batch_tokens=args.rollout_tokens, gradient_checkpointing=not args.no_checkpointing,
+        p.exit(2, f"{p.prog}: error: --available-gib must be > 0 (got {args.available_gib})\n")
+    gpus, gib = [int(g) for g in str(args.gpus).split(",")], [float(g) for g in args.gpu_gib.split(",")]
+    checkpointing = not args.no_checkpointing
+    if args.stage0:  # micro-batches of --rollout-tokens (= --token-budget)
+        print(stage0_plan_table(args.model, args.stage0, args.n_agents, gpus, gib,
+                                micro_batch_tokens=args.rollout_tokens, gradient_checkpointing=checkpointing,
                                 shard_frozen=args.shard_frozen))
         return
-    if len(gpus) > 1 or gpus[0] > 1:  # per-rank plan for several GPU counts
-        print(plan_table(args.model, args.n_agents, gpus, [float(g) for g in args.gpu_gib.split(",")], update=args.update,
-                         shard_frozen=args.shard_frozen,
-                         micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
-                         gradient_checkpointing=not args.no_checkpointing, backend=args.backend,
-                         rollout_tokens=args.rollout_tokens, logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
-                         engine_tensor_parallel=args.vllm_tensor_parallel))
+    kw = dict(update=args.update, micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
+              gradient_checkpointing=checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
+              logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
+              engine_tensor_parallel=args.vllm_tensor_parallel)
+    if len(gpus) > 1 or gpus[0] > 1:
+        print(plan_table(args.model, args.n_agents, gpus, gib, shard_frozen=args.shard_frozen, **kw))
         return
-    est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, args.update, micro_batch_tokens=args.rows * args.max_seq_len,
-                          max_seq_len=args.max_seq_len, gradient_checkpointing=not args.no_checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
-                          logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
-                          engine_tensor_parallel=args.vllm_tensor_parallel)
-    available = int(args.available_gib * GiB) if args.available_gib else None
+    est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, **kw)
     print(f"{args.model} x{args.n_agents}, {args.update} update, backend {args.backend}: "
           f"{count_parameters(QWEN3_DIMS[args.model]) / 1e9:.3f} B parameters per agent")
-    print(format_table(est, available))
+    print(format_table(est, int(args.available_gib * GiB) if args.available_gib else None))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,17 @@
-"""Loading an agent straight into FSDP2 shards: no rank ever holds it whole.
+"""Loading an agent straight into FSDP2 shards, so no rank ever holds it whole (``--shard-frozen``).
 
-Paper, Section 6.1 (four 80 GB GPUs per run; Table 3's Qwen3-8B agents):
-under ``torchrun ... --shard-frozen`` every agent is held as FSDP2 shards
-(``distributed.shard_in_place``). Loading each agent whole first and sharding
-it afterwards would cost every rank the whole team at load time (3 x Qwen3-8B
-in bf16: 48 GB of host memory per rank). Here instead:
+Loading whole and sharding afterwards would cost every rank the whole team at load time (3 x Qwen3-8B in bf16:
+48 GB of host memory per rank). Instead (``load_into_shards``):
 
-1. the model is built on the meta device from its ``config.json`` (no memory);
-2. it is sharded with the layout of ``shard_in_place`` (``fully_shard`` on each
-   decoder layer, then on the whole), so its shards line up with every other
-   sharded copy in the run (``sharded_copy``, ``training_copy``);
-3. each rank allocates only its local shards (``to_empty``) and reads, from
-   the checkpoint's safetensors files, only the rows of each parameter that
-   its shard holds (``safe_open(...).get_slice(name)[lo:hi]``), cast to the
-   agent's dtype. The rows come from the DTensor itself
-   (``compute_local_shape_and_global_offset``: FSDP2's Shard(0), torch.chunk
-   sizes, ranks past the last chunk hold none);
-4. tied embeddings are one parameter (the checkpoint holds it once), and the
-   non-persistent buffers (the rotary ``inv_freq``) are computed from the
-   config, as ``from_pretrained`` does.
+1. the model is built on the meta device from its ``config.json``;
+2. it is sharded with ``distributed.shard_layers`` (the layout of every other sharded copy in the run);
+3. each rank allocates only its shards (``to_empty``) and reads from the safetensors files only the rows its shard
+   holds (``get_slice(name)[lo:hi]``, the rows FSDP2's Shard(0) assigns: torch.chunk sizes), cast to the dtype;
+4. a tied head is the embedding (stored once); non-persistent buffers (the rotary ``inv_freq``) are computed from
+   the config, as ``from_pretrained`` does.
 
-A hub name resolves to its local snapshot folder through the hub client's
-cache (``snapshot_folder``; downloaded first when the hub can be reached).
-Tiny agents have no files (built from a config and a seed, then warm-started):
-they keep the whole-then-shard path.
+The entry point is ``load_agent_sharded``. A tiny agent has no files: it is built whole and sharded with the team
+(``distributed.shard_team``).
 """
 from __future__ import annotations
 
@@ -34,19 +22,41 @@ from pathlib import Path
 import torch
 
 from scale import distributed
+from team import Agent, AgentSpec, hub_offline, prepare_tokenizer, resolve_agent_spec
 
 WEIGHT_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # config, weights, tokenizer
 
 
+def load_agent_sharded(spec: AgentSpec | str | Path, device: str, dtype: torch.dtype, seed: int = 0) -> Agent:
+    """An ``Agent`` whose model is read straight into FSDP2 shards in ``dtype`` (a collective: every rank calls it).
+
+    ``spec``: an ``AgentSpec`` or a name (``team.resolve_agent_spec``: a hub id, a short name, a folder), or a folder
+    written by ``Agent.save`` (a checkpoint's ``agent_k``: its ``agent.json`` names the agent). A tiny spec is built
+    whole by ``Agent.load(spec, device, dtype, seed)``; ``distributed.shard_team`` shards it later."""
+    spec = spec if isinstance(spec, AgentSpec) else _spec_of(str(spec))
+    if spec.kind == "tiny":
+        return Agent.load(spec, device=device, dtype=dtype, seed=seed)
+    from transformers import AutoTokenizer
+
+    folder = snapshot_folder(spec.source)
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(folder), spec.name, spec.source)
+    return Agent(spec, load_into_shards(folder, dtype, device), tokenizer)
+
+
+def _spec_of(name: str) -> AgentSpec:
+    """The spec of a folder saved by ``Agent.save`` (its original name kept), else of an agent name."""
+    meta = Path(name) / "agent.json"
+    if meta.exists():
+        return AgentSpec(name=json.loads(meta.read_text())["name"], kind="local", source=name)
+    return resolve_agent_spec(name)
+
+
 def snapshot_folder(source: str) -> Path:
-    """The local folder of a checkpoint: a folder as it is; a hub name its
-    snapshot in the hub cache (only the config, safetensors and tokenizer
-    files; downloaded when the hub can be reached, else the cache or one line)."""
+    """The local folder of a checkpoint: a folder as it is; a hub name its snapshot in the hub cache (config,
+    safetensors and tokenizer files only; downloaded when the hub can be reached, else the cache or one line)."""
     if os.path.isdir(source):
         return Path(source)
     from huggingface_hub import snapshot_download
-
-    from team import hub_offline
 
     try:
         return Path(snapshot_download(source, allow_patterns=list(WEIGHT_FILES), local_files_only=hub_offline()))
@@ -56,8 +66,7 @@ def snapshot_folder(source: str) -> Path:
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
-    """Parameter name -> the safetensors file that holds it (one file, or the
-    index of a checkpoint split over several)."""
+    """Parameter name -> the safetensors file that holds it (one file, or a split checkpoint's index)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         return {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
@@ -72,27 +81,17 @@ def tensor_files(folder: Path) -> dict[str, Path]:
 
 
 def local_slice(param) -> tuple[int, int]:
-    """Rows [lo, hi) of a sharded parameter's whole tensor that this rank's
-    shard holds (FSDP2's Shard(0), as the DTensor reports it)."""
+    """Rows [lo, hi) of a sharded parameter's whole tensor that this rank's shard holds (as the DTensor reports)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return offset[0], offset[0] + shape[0]
 
 
-def meta_model(folder: Path, dtype: torch.dtype):
-    """The causal LM of ``folder``'s config, built on the meta device (no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
 @torch.no_grad()
 def init_nonpersistent_buffers(model: torch.nn.Module, device) -> None:
-    """Buffers that are not in a checkpoint (the rotary ``inv_freq``) computed
-    from the config, as a freshly built module has them."""
+    """Buffers that are not in a checkpoint (the rotary ``inv_freq``), computed from the config as a freshly built
+    module has them."""
     for module in model.modules():
         names = [n for n in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, n, None) is not None]
         if not names:
@@ -108,21 +107,16 @@ def init_nonpersistent_buffers(model: torch.nn.Module, device) -> None:
 
 @torch.no_grad()
 def load_into_shards(folder: str | Path, dtype: torch.dtype, device: str = "cpu", reads: list | None = None):
-    """A frozen agent of ``folder`` held as FSDP2 shards in ``dtype``
-    (``distributed.ShardedLM``), each rank reading only its own rows of each
-    parameter. ``reads`` (a list) receives (name, shape read) for every read,
-    so a test can check that no rank read a whole sharded tensor. A collective
-    (``fully_shard`` builds the mesh): every rank calls it."""
+    """The model of ``folder`` as a frozen ``distributed.ShardedLM`` in ``dtype``, each rank reading only its rows of
+    each parameter. ``reads`` (a list) receives (name, shape read) per read, so a test can check that no rank read a
+    whole sharded tensor. A collective."""
     from safetensors import safe_open
-    from torch.distributed.fsdp import fully_shard
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     folder = Path(folder)
-    lm = meta_model(folder, dtype)
-    wrapped = distributed.ShardedLM(lm)
-    for layer in lm.base_model.layers:  # distributed.shard_in_place's layout
-        fully_shard(layer)
-    fully_shard(wrapped)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    wrapped = distributed.shard_layers(distributed.ShardedLM(lm))
     wrapped.to_empty(device=device)
     files = tensor_files(folder)
     handles = {}
@@ -143,17 +137,4 @@ def load_into_shards(folder: str | Path, dtype: torch.dtype, device: str = "cpu"
     init_nonpersistent_buffers(lm, device)
     if (folder / "generation_config.json").exists():
         lm.generation_config = GenerationConfig.from_pretrained(folder)
-    return distributed._finish_sharding(wrapped)
-
-
-def load_agent_sharded(spec, source: str, device: str, dtype: torch.dtype):
-    """An ``team.Agent`` of ``source`` (a folder or a hub name) whose model is
-    loaded straight into shards (``load_into_shards``); its tokenizer
-    prepared as every agent's (``team.prepare_tokenizer``)."""
-    from transformers import AutoTokenizer
-
-    from team import Agent, prepare_tokenizer
-
-    folder = snapshot_folder(source)
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(folder), spec.name, source)
-    return Agent(spec, load_into_shards(folder, dtype, device), tokenizer)
+    return distributed.finish_sharding(wrapped)

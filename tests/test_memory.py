@@ -1,4 +1,8 @@
-"""memory.py: exact parameter counts, the sequential-vs-joint accounting, check_fits."""
+"""scale/memory.py: exact parameter counts, the sequential-vs-joint accounting, check_fits, the CLI."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -91,7 +95,7 @@ def test_estimate_is_monotone_and_backend_aware():
     assert estimate(n_agents=4)["weights"] > estimate(n_agents=3)["weights"]
     assert estimate(backend="hf")["engine_weights"] == 0 < estimate(backend="vllm")["engine_weights"]
     whole, split = estimate(backend="vllm"), estimate(backend="vllm", engine_tensor_parallel=2)
-    assert split["engine_weights"] * 2 == whole["engine_weights"]  # --vllm-tensor-parallel 2: half of each engine per rank
+    assert split["engine_weights"] * 2 == whole["engine_weights"]  # --vllm-tensor-parallel 2: half an engine a rank
     assert whole["peak_rollout"] - split["peak_rollout"] == whole["engine_weights"] // 2
     assert split["peak_training"] == whole["peak_training"]
     est = estimate()
@@ -112,6 +116,7 @@ def test_check_fits_one_line_naming_the_phase_and_fix():
     with pytest.raises(ValueError) as err:
         memory.check_fits(huge_kv, available_bytes=huge_kv["peak_training"] + 1)
     assert "rollout" in str(err.value) and "kv_cache" in str(err.value) and "--backend hf" in str(err.value)
+    assert set(memory.FIXES) == set(memory.PHASES)  # whichever component is blamed has its fix
     with pytest.raises(ValueError) as err:  # not even the weights fit
         memory.check_fits(est, available_bytes=est["weights"] // 2)
     assert "weights" in str(err.value) and "fewer or smaller agents" in str(err.value)
@@ -144,25 +149,20 @@ def test_stage0_peak_is_bounded_by_budgets_not_the_response_length():
     assert "peak_stage0" in table and "Stage-0" in table
 
 
-def test_offloaded_frozen_agents_leave_the_training_peak_only():
-    """--offload-frozen (the torchrun default on CUDA): the n - 1 frozen agents'
-    weights leave the training peak, never the rollout peak; joint trains all, so nothing moves."""
+def test_torchrun_shards_the_trained_agents_fp32_state():
+    """Under torchrun the trained agent is an fp32 FSDP2 copy: its master, gradients and AdamW m, v (16 B a
+    parameter) are divided by the ranks, and there is no separate master."""
     params = memory.count_parameters(memory.QWEN3_DIMS["qwen3-4b"])
-    plain, off = estimate(), estimate(offload_frozen=True)
-    assert off["frozen_offload"] == -2 * params * 2 and plain["frozen_offload"] == 0
-    assert plain["peak_training"] - off["peak_training"] == 2 * params * 2
-    assert off["peak_rollout"] == plain["peak_rollout"]
-    assert estimate(update="joint", offload_frozen=True)["frozen_offload"] == 0
-    for peak, parts in memory.PEAKS.items():
-        assert off[peak] == sum(off[p] for p in parts)
-    sharded = estimate(gpus=4, offload_frozen=True)  # per rank under torchrun
+    sharded = estimate(gpus=4)  # per rank
     assert sharded["grads_optimizer"] == -(-params * 16 // 4) and sharded["master_weights"] == 0
+    for peak, parts in memory.PEAKS.items():
+        assert sharded[peak] == sum(sharded[p] for p in parts)
 
 
 def test_plan_table_fit_columns_compare_gib_at_the_boundary():
     """The fit columns read GPU sizes in GiB (as drivers report them): a size
     just above the per-rank peak fits, just below does not."""
-    est = memory.estimate_memory(memory.QWEN3_DIMS["qwen3-4b"], 3, gpus=2, offload_frozen=True)
+    est = memory.estimate_memory(memory.QWEN3_DIMS["qwen3-4b"], 3, gpus=2, shard_frozen=True)
     worst_gib = max(est[p] for p in memory.PEAKS) / memory.GiB
     table = memory.plan_table("qwen3-4b", 3, [2], [worst_gib - 0.01, worst_gib + 0.01])
     assert table.splitlines()[-1].split()[-2:] == ["NO", "fits"]
@@ -174,10 +174,10 @@ def test_sharded_frozen_agents_divide_the_whole_model_terms_by_the_ranks():
     layers, two layers' fp32 gradients); one process is unchanged."""
     dims = memory.QWEN3_DIMS["qwen3-8b"]  # untied head: the root holds embeddings and head
     params = memory.count_parameters(dims)
-    assert estimate(model_config=dims, shard_frozen=True) == estimate(model_config=dims)  # nothing to shard with one GPU
+    assert estimate(model_config=dims, shard_frozen=True) == estimate(model_config=dims)  # one GPU: nothing to shard
     plain, sharded = estimate(model_config=dims, gpus=4), estimate(model_config=dims, gpus=4, shard_frozen=True)
     assert sharded["weights"] == -(-3 * params * 2 // 4) and sharded["reference"] == -(-params * 2 // 4)
-    assert sharded["trust_region_copies"] == -(-2 * params * 2 // 4) and sharded["frozen_offload"] == 0
+    assert sharded["trust_region_copies"] == -(-2 * params * 2 // 4)
     assert sharded["grads_optimizer"] == plain["grads_optimizer"]
     root = 2 * 151936 * 4096 + 4096
     layer = (params - root) // 36
@@ -216,12 +216,13 @@ def test_stage0_per_rank_plan_counts_what_each_rank_holds():
     assert four["stage0_sharding"] == p_new * 2 + layer * 4
     assert four["stage0_team"] == one["stage0_team"]  # whole on every rank: does not shrink with N
     whole = four["stage0_team"] + four["stage0_pi_pre"] + four["stage0_replacement"] + four["stage0_logits_blocks"]
-    assert four["peak_stage0"] == whole + max(four["stage0_train_state"] + four["stage0_gathered"] + four["stage0_activations"],
-                                              four["stage0_sharding"])
-    sharded = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=4, dtype_bytes=2, micro_batch_tokens=1000, shard_frozen=True)
+    fit = four["stage0_train_state"] + four["stage0_gathered"] + four["stage0_activations"]
+    assert four["peak_stage0"] == whole + max(fit, four["stage0_sharding"])
+    sharded = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=4, dtype_bytes=2, micro_batch_tokens=1000,
+                                       shard_frozen=True)
     assert sharded["stage0_team"] == -(-3 * p_team * 2 // 4) and sharded["stage0_pi_pre"] == -(-p_new * 2 // 4)
     assert sharded["stage0_replacement"] == sharded["stage0_pi_pre"] and sharded["stage0_sharding"] == 0
-    assert sharded["stage0_gathered"] == 3 * (root + 2 * layer) * 2 + 2 * layer * 4  # three models' roots + 2 layers each
+    assert sharded["stage0_gathered"] == 3 * (root + 2 * layer) * 2 + 2 * layer * 4  # 3 models' roots + 2 layers each
     assert sharded["stage0_train_state"] == four["stage0_train_state"] and sharded["peak_stage0"] < four["peak_stage0"]
     fp32 = memory.stage0_rank_bytes(team_cfg, new_cfg, 3, gpus=1, dtype_bytes=4, micro_batch_tokens=1000)
     assert fp32["stage0_train_state"] == p_new * 12  # no separate master in fp32
@@ -234,7 +235,8 @@ def test_stage0_plan_cli_prints_labelled_estimates(capsys):
     rows = [line.split() for line in out.splitlines()[2:6]]
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8]
     peaks = [float(r[9]) for r in rows]
-    assert peaks == sorted(peaks, reverse=True) and rows[0][-2:] == ["NO", "NO"]  # one GPU: 3 x 4B + 8B Stage-0 fits neither
+    assert peaks == sorted(peaks, reverse=True)
+    assert rows[0][-2:] == ["NO", "NO"]  # one GPU: 3 x 4B + 8B Stage-0 fits neither
 
 
 @settings(max_examples=60, deadline=None)
@@ -244,5 +246,19 @@ def test_head_chunk_is_the_largest_chunk_the_forward_sends_through_the_head(rows
     chunks logprobs.token_logprobs_from_hidden makes of a [rows, length] forward."""
     import logprobs
 
-    widths = [sl.indices(length)[1] - sl.indices(length)[0] for sl in logprobs._head_chunks(torch.empty(rows, length, 0), memory.LOGITS_CHUNK_TOKENS)]
+    chunks = logprobs._head_chunks(torch.empty(rows, length, 0), logprobs.LOGITS_CHUNK_TOKENS)
+    widths = [sl.indices(length)[1] - sl.indices(length)[0] for sl in chunks]
     assert memory.head_chunk_tokens(rows, length) == rows * max(widths)
+
+
+def test_cli_runs_as_a_module_and_refuses_in_one_line():
+    """``python -m scale.memory`` from the repository root: a table, and bad counts as ``prog: error: ...``."""
+    root = Path(__file__).resolve().parent.parent
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "scale.memory", *args], cwd=root, capture_output=True, text=True)
+
+    ok = run("--model", "qwen3-0.6b", "--gpus", "1,2")
+    assert ok.returncode == 0 and ok.stdout.startswith("ESTIMATES (not measured): qwen3-0.6b x3"), ok.stderr
+    bad = run("--n-agents", "0")
+    assert bad.returncode == 2 and bad.stderr == "python -m scale.memory: error: --n-agents must be >= 1 (got 0)\n"

@@ -1,8 +1,8 @@
 """Run by tests/test_distributed.py under torchrun: the team held as FSDP2
 shards (``--shard-frozen``) against the same team whole in one process.
 
-- rollouts (Sec. 3, Algorithm 1 line 4) in 3 seeded blocks (2, 2 and 1 problems, G = 2) over 2 ranks, with
-  a token budget that splits each block's generate and scoring into unequal
+- rollouts (Sec. 3, Algorithm 1 line 4) in 3 seeded blocks (2, 2 and 1 problems, G = 2) over 2 ranks,
+  with a token budget that splits each block's generate and scoring into unequal
   numbers of calls: every rank must make as many calls into a sharded model
   (a dummy block, dummy generate / forward calls, ``synced_gpus``);
 - ``regenerate`` run on every rank, as ``--reuse regenerate`` does with sharded agents;
@@ -17,16 +17,17 @@ import sys
 
 import torch
 
-from scale import distributed
 from logprobs import measure_kl
 from rollout import SamplingConfig, regenerate, rollout_in_blocks
+from scale import distributed
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import interpolate_parameters
 
 torch.set_num_threads(1)
 problems = arithmetic_problems(5, seed=1)
-sampling = SamplingConfig(temperature=1.0, max_new_tokens=5, token_budget=60)  # 2 rows per call: 2 calls per block of 4 rows, 1 for the last
+# 2 rows per call: 2 calls per block of 4 rows, 1 for the last
+sampling = SamplingConfig(temperature=1.0, max_new_tokens=5, token_budget=60)
 
 
 def make_team() -> Team:
@@ -47,7 +48,7 @@ def one_process(team: Team):
     reference = copy.deepcopy(team.agents[0].model)
     params = list(team.agents[0].model.parameters())
     interpolate_parameters(params, [p.detach().clone() for p in params], step_of(reference), 0.5)
-    kl, logp = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
+    kl, logp, _ = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
     return batch, again, evaluation, kl, logp
 
 
@@ -70,7 +71,7 @@ params = distributed.local_parameters(team.agents[0].model)
 new = step_of(make_team().agents[0].model)  # the same step, whole on every rank (seeded weights)
 new = [distributed.local_rows(n) for n in new]  # this rank's rows of it
 interpolate_parameters(params, [p.detach().clone() for p in params], new, 0.5)
-kl, logp = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
+kl, logp, _ = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
 exported = distributed.whole_copy_on_main(team.agents[1].model)
 dummy_calls = sum(distributed.gather_objects(sum(extras)))
 distributed.extra_calls = agree  # the next worker in the same torchrun (all_workers.py) sees the plain function
@@ -87,13 +88,15 @@ def max_diff(a, b) -> float:
 
 if distributed.is_main():
     p_batch, p_again, p_eval, p_kl, p_logp = plain
-    json.dump({"world": distributed.STATE.world, "rows": len(batch), "dummy_calls": dummy_calls, "response_tokens": batch.num_tokens,
-               "rollout_same_ids": same_turns(batch, p_batch), "rollout_same_rewards": torch.equal(batch.rewards, p_batch.rewards),
+    json.dump({"world": distributed.STATE.world, "rows": len(batch), "dummy_calls": dummy_calls,
+               "response_tokens": batch.num_tokens, "rollout_same_ids": same_turns(batch, p_batch),
+               "rollout_same_rewards": torch.equal(batch.rewards, p_batch.rewards),
                "rollout_logprob_diff": max_diff(batch, p_batch),
                "regenerate_same_ids": same_turns(again, p_again), "regenerate_logprob_diff": max_diff(again, p_again),
                "regenerate_changed": not torch.equal(again.turns[0].response_ids, batch.turns[0].response_ids),
                "eval_same_ids": same_turns(evaluation, p_eval),
-               "kl_n": [kl.numel(), p_kl.numel()], "kl_max": float(p_kl.max()), "kl_diff": float((kl - p_kl).abs().max()),
+               "kl_n": [kl.numel(), p_kl.numel()], "kl_max": float(p_kl.max()),
+               "kl_diff": float((kl - p_kl).abs().max()),
                "logp_diff": float((logp - p_logp).abs().max()),
                "export_equal": all(torch.equal(a, b) for a, b in zip(exported.parameters(), whole, strict=True)),
                "export_tied": exported.get_output_embeddings().weight is exported.get_input_embeddings().weight},

@@ -22,7 +22,8 @@ ids = torch.tensor([[1, 5, 9, 100, 3, 7], [2, 4, 6, 8, 10, 99]])  # [2, 6]
 out: dict = {"world": distributed.STATE.world}
 root = Path(sys.argv[1]).parent / "checkpoints"  # beside the output, in the test's temporary folder
 for name, tied, saved_dtype in (("tied", True, torch.bfloat16), ("untied", False, torch.float32)):
-    config = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+    config = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=tied)
     folder = root / name
     if distributed.is_main():

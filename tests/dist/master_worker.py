@@ -12,19 +12,21 @@ from pathlib import Path
 
 import torch
 
-from scale import distributed
 import sat
 from records import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
+from scale import distributed
+from scale.sharded_update import train_sharded
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
-from update import build_inputs, train_agents, train_sharded
+from update import build_inputs, train_agents
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
 base = Agent.load("tiny", seed=0, dtype=torch.bfloat16)
-batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
+batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4,
+                SamplingConfig(temperature=1.0, max_new_tokens=4))
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
                  keep_optimizer_state=True).apply_preset()
@@ -42,13 +44,19 @@ def masters(agent: Agent) -> list[torch.Tensor]:
     """The whole fp32 masters (gathered from the ranks' shards under torchrun)."""
     if not distributed.active():
         return [m.clone() for m in agent.master_weights]
-    return [distributed.full(distributed.as_sharded(m, p.shape)).cpu() for m, p in zip(agent.master_shards, agent.model.parameters())]
+    return [distributed.full(distributed.as_sharded(m, p.shape)).cpu()
+            for m, p in zip(agent.master_shards, agent.model.parameters())]
 
 
 def moments(agent: Agent) -> list[torch.Tensor]:
     """The whole AdamW moments kept between turns (--keep-optimizer-state), parameter by parameter."""
     state, shapes = agent.saved_optimizer_state["state"], [p.shape for p in agent.model.parameters()]
-    return [distributed.full(distributed.as_sharded(state[i][k], shapes[i])).cpu() for i in range(len(shapes)) for k in ("exp_avg", "exp_avg_sq")]
+    return [distributed.full(distributed.as_sharded(state[i][k], shapes[i])).cpu()
+            for i in range(len(shapes)) for k in ("exp_avg", "exp_avg_sq")]
+
+
+def adam_steps(agent: Agent) -> set[float]:
+    return {float(st["step"]) for st in agent.saved_optimizer_state["state"].values()}
 
 
 def fresh() -> Team:
@@ -68,7 +76,7 @@ turn(one)
 one_a = masters(one.agents[0])
 turn(one)
 one_b = masters(one.agents[0])
-one_moments, one_steps = moments(one.agents[0]), {float(st["step"]) for st in one.agents[0].saved_optimizer_state["state"].values()}
+one_moments, one_steps = moments(one.agents[0]), adam_steps(one.agents[0])
 restart = fresh()  # the same two turns with the master dropped in between (what keeping it must avoid)
 turn(restart)
 restart.agents[0].master_weights = None
@@ -80,7 +88,7 @@ turn(two)
 two_a = masters(two.agents[0])
 turn(two)
 two_b = masters(two.agents[0])
-two_moments, two_steps = moments(two.agents[0]), {float(st["step"]) for st in two.agents[0].saved_optimizer_state["state"].values()}
+two_moments, two_steps = moments(two.agents[0]), adam_steps(two.agents[0])
 out = Path(sys.argv[1]).parent / "run"
 save_checkpoint(out, 1, two, {}, {}, random.Random(0), {})
 loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
@@ -92,14 +100,17 @@ if distributed.is_main():
                "turn2_max_diff": max_diff(one_b, two_b), "turn2_mean_step": mean_diff(one_b, one_a),
                "restart_mean_diff": mean_diff(one_b, restart_b),
                "steps": [sorted(one_steps), sorted(two_steps)],
-               "moments_mean_diff": mean_diff(one_moments, two_moments), "moments_mean": mean_diff(one_moments, [0 * m for m in one_moments]),
-               "bf16_moved_fraction": sum(int((m.to(torch.bfloat16) != p0).sum()) for m, p0 in zip(one_b, base.model.parameters()))
+               "moments_mean_diff": mean_diff(one_moments, two_moments),
+               "moments_mean": mean_diff(one_moments, [0 * m for m in one_moments]),
+               "bf16_moved_fraction": sum(int((m.to(torch.bfloat16) != p0).sum())
+                                          for m, p0 in zip(one_b, base.model.parameters()))
                / sum(p.numel() for p in base.model.parameters())}, open(sys.argv[1], "w"))
 loaded_equal = all(torch.equal(x, y) for x, y in zip(masters(loaded.agents[0]), two_b))  # a collective: every rank
 loaded_moments_equal = all(torch.equal(x, y) for x, y in zip(moments(loaded.agents[0]), two_moments))
 weights_equal = all(torch.equal(p, q) for p, q in zip(loaded.agents[0].model.parameters(), bf16))
 if distributed.is_main():
     result = json.loads(Path(sys.argv[1]).read_text())
-    result.update(loaded_masters_equal=loaded_equal, loaded_weights_equal=weights_equal, loaded_moments_equal=loaded_moments_equal)
+    result.update(loaded_masters_equal=loaded_equal, loaded_weights_equal=weights_equal,
+                  loaded_moments_equal=loaded_moments_equal)
     Path(sys.argv[1]).write_text(json.dumps(result))
 distributed.teardown()

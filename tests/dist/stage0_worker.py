@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-from scale import distributed
 import sat
 from plug_and_play import stage0_align
 from rollout import SamplingConfig
+from scale import distributed
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
@@ -34,6 +34,15 @@ torch.manual_seed(0)
 team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
 raw = Agent.load("tiny-3L", seed=9)  # another architecture, same vocabulary: outside delta_0 at the start
 problems = arithmetic_problems(8, seed=0)  # 6 fit problems (24 rows), 2 held out
+
+
+KEYS = ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile", "kl_mean", "fit_mean")
+
+
+def same_fit(a, b) -> bool:
+    """The same Stage-0 fit states (contexts, responses and masks of both models)."""
+    fields = ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask")
+    return all(torch.equal(getattr(a, k), getattr(b, k)) for k in fields)
 
 
 def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
@@ -59,26 +68,26 @@ whole3 = distributed.whole_copy_on_main(three[2].model)  # gathered layer by lay
 if distributed.is_main():
     (i3, t3, _), t1 = three, one[1]
     flat3 = torch.cat([p.detach().flatten() for p in whole3.parameters()])
-    sharded = {"held_as_shards": held_as_shards, "same_states": all(torch.equal(getattr(t1["fit"], k), getattr(t3["fit"], k)) for k in
-                                  ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask")),
+    sharded = {"held_as_shards": held_as_shards, "same_states": same_fit(t1["fit"], t3["fit"]),
                "passes": i3["passes"], "retargeted": i3["retargeted"],
                "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t3["t"] < t3["t_exact"])),
-               **{k: i3[k] for k in ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile",
-                                     "kl_mean", "fit_mean")},
-               "max_param_diff": float((flat[1] - flat3).abs().max()), "mean_param_diff": float((flat[1] - flat3).abs().mean())}
+               **{k: i3[k] for k in KEYS},
+               "max_param_diff": float((flat[1] - flat3).abs().max()),
+               "mean_param_diff": float((flat[1] - flat3).abs().mean())}
     (i1, t1, _), (i2, t2, _) = one, two
     fit1, fit2 = t1["fit"], t2["fit"]
-    same_states = all(torch.equal(getattr(fit1, k), getattr(fit2, k)) for k in ("ctx_new", "cmask_new", "ctx_cur", "cmask_cur", "resp", "rmask"))
-    keys = ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile", "heldout_kl_quantile", "kl_mean", "fit_mean")
-    json.dump({"world": distributed.STATE.world, "same_states": same_states, "rows": len(fit1), "states": [i1["states"], i2["states"]],
+    json.dump({"world": distributed.STATE.world, "same_states": same_fit(fit1, fit2), "rows": len(fit1),
+               "states": [i1["states"], i2["states"]],
                "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
                "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),
                "t_max_diff": float((t1["t"] - t2["t"]).abs().max()),
                "t_exact_max_diff": float((t1["t_exact"] - t2["t_exact"]).abs().max()),
-               **{k: [i1[k], i2[k]] for k in keys},
+               **{k: [i1[k], i2[k]] for k in KEYS},
                "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
-               "max_step": float((flat[1] - flat[0]).abs().max()), "max_param_diff": float((flat[1] - flat[2]).abs().max()),
-               "mean_step": float((flat[1] - flat[0]).abs().mean()), "mean_param_diff": float((flat[1] - flat[2]).abs().mean()),
+               "max_step": float((flat[1] - flat[0]).abs().max()),
+               "max_param_diff": float((flat[1] - flat[2]).abs().max()),
+               "mean_step": float((flat[1] - flat[0]).abs().mean()),
+               "mean_param_diff": float((flat[1] - flat[2]).abs().mean()),
                "sharded": sharded},
               open(sys.argv[1], "w"), indent=1)
 distributed.teardown()

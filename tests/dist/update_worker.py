@@ -9,13 +9,14 @@ import weakref
 
 import torch
 
-from scale import distributed
 import sat
 from rollout import SamplingConfig, rollout
+from scale import distributed
+from scale.sharded_update import train_sharded
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
-from update import build_inputs, train_agents, train_sharded
+from update import TrainStats, build_inputs, train_agents
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -27,7 +28,7 @@ inputs = build_inputs(batch, 0, [], cfg)
 before = [p.detach().clone() for p in team.agents[0].model.parameters()]
 
 
-def one_update(t: Team) -> dict:
+def one_update(t: Team) -> TrainStats:
     torch.manual_seed(1)  # the same minibatch permutation
     controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
     ref = copy.deepcopy(t.agents[0].model)
@@ -39,7 +40,8 @@ stats_plain = one_update(plain)  # before setup(): one process, no FSDP
 distributed.setup("cpu")
 sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
 stats_sharded = one_update(sharded)
-diff = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))
+diff = max(float((a - b).abs().max())
+           for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))
 step = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), before))
 # The layer-by-layer gather of a sharded model (what a weight push from FSDP shards uses):
 # the union is the whole state, and each group is gone (weakrefs dead) once the next comes.
@@ -58,6 +60,7 @@ if distributed.is_main():
                "layers_root_bytes": sizes[0], "layer_bytes": layer_bytes,
                "n_layers": len(plain.agents[0].model.base_model.layers),
                "world": distributed.STATE.world, "max_param_diff": diff, "max_step": step,
-               "loss": [stats_plain["loss"], stats_sharded["loss"]], "grad_norm": [stats_plain["grad_norm"], stats_sharded["grad_norm"]],
-               "steps": [stats_plain["inner_steps"], stats_sharded["inner_steps"]]}, open(sys.argv[1], "w"))
+               "loss": [stats_plain.loss, stats_sharded.loss],
+               "grad_norm": [stats_plain.grad_norm, stats_sharded.grad_norm],
+               "steps": [stats_plain.inner_steps, stats_sharded.inner_steps]}, open(sys.argv[1], "w"))
 distributed.teardown()
