@@ -9,15 +9,13 @@ and runs Algorithm 1 with it.
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
+import re
+from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from records import latest_checkpoint
-from rollout import TOP_P_TRAINING_ERROR, default_backend
-from team import check_hub_available, parse_agents, resolve_agent_spec
 
 ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
@@ -26,6 +24,74 @@ UPDATES = ("sequential", "joint")
 DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
 REUSES = ("weights", "regenerate")
 BASELINES = ("counterfactual", "group")
+PROTOCOLS = ("independent", "chain")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
+BACKENDS = ("hf", "vllm")
+TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
+                        "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
+                        "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
+
+
+# Short names users type on the command line -> public Hugging Face ids.
+SHORT_NAMES = {f"qwen3-{size.lower()}": f"Qwen/Qwen3-{size}" for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")}
+TINY_PATTERN = re.compile(r"^tiny(?:-(\d+)L)?$", re.IGNORECASE)
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# ---------------------------------------------------------------------------
+# Agent specs
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentSpec:
+    """What to load for one team slot. ``kind`` is tiny | hub | local."""
+
+    name: str  # as the user wrote it, e.g. "Qwen3-4B"
+    kind: str
+    source: str  # hub id, folder path, or "tiny"
+    tiny_layers: int = 4
+
+
+def resolve_agent_spec(name: str) -> AgentSpec:
+    """Map one agent name to what it loads; a clear error for anything else."""
+    name = name.strip()
+    m = TINY_PATTERN.match(name)
+    if m:
+        return AgentSpec(name=name, kind="tiny", source="tiny", tiny_layers=int(m.group(1) or 4))
+    if os.path.isdir(name):
+        if not (Path(name) / "config.json").exists():
+            raise ValueError(f"agent folder '{name}' has no config.json: pass a folder written by save_pretrained")
+        return AgentSpec(name=name, kind="local", source=str(Path(name).resolve()))
+    if name.lower() in SHORT_NAMES:
+        return AgentSpec(name=name, kind="hub", source=SHORT_NAMES[name.lower()])
+    if HUB_ID_PATTERN.match(name):
+        return AgentSpec(name=name, kind="hub", source=name)
+    known = ", ".join(v.split("/")[1] for v in SHORT_NAMES.values())
+    raise ValueError(f"unknown agent '{name}': use a short name ({known}), a hub id like Qwen/Qwen3-4B, "
+                     "a local checkpoint folder, or tiny / tiny-6L")
+
+
+def parse_agents(spec: str) -> list[AgentSpec]:
+    """Parse "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", "tiny x3" into one spec per slot."""
+    if not spec or not spec.strip():
+        raise ValueError("empty --agents: give e.g. 'tiny x3' or 'Qwen3-4B x2, Qwen3-8B'")
+    specs: list[AgentSpec] = []
+    for item in spec.split(","):
+        item = item.strip()
+        m = re.fullmatch(r"(\S+)(?:\s*[x\*]\s*(\d+))?", item)
+        if not m:
+            raise ValueError(f"cannot parse agent entry '{item}' in '{spec}': write NAME or NAME xK, "
+                             "entries separated by commas")
+        count = int(m.group(2)) if m.group(2) else 1
+        if count < 1:
+            raise ValueError(f"agent entry '{item}': the count must be at least 1")
+        specs.extend([resolve_agent_spec(m.group(1))] * count)
+    return specs
+
+
+def opt(default, help: str, choices: tuple | None = None):
+    """A Config field with its command-line help (and choices): ``sat.parse_args`` builds every option from these."""
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"help": help, "choices": choices})
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 # ---------------------------------------------------------------------------
@@ -36,64 +102,67 @@ class Config:
     """Every knob of a run. ``None`` means "take the preset": the tiny preset
     when every agent is tiny, else the paper preset (paper, Section 6.1)."""
 
-    agents: str = "tiny x3"  # "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", "tiny x3", local folders
-    protocol: str = "independent"  # independent (majority vote) | chain (shared context)
-    task: str | None = None  # arithmetic | dapo-math-17k | aime24 | math500 | ... (dataset by name)
-    data: str | None = None  # a JSONL file of problems; overrides --task
-    eval_data: str | None = None  # held-out JSONL; default: the task's held-out split
-    stages: int | None = None
-    order: str = "static"  # static | random | greedy (weakest agent on this batch first)
-    ratio: str = "seq-mean"  # seq (the paper) | seq-mean (GSPO-style) | token (PPO)
-    adv: str = "grpo"  # grpo (group-relative) | gae (token-level with a value head)
-    baseline: str = "counterfactual"  # counterfactual (independent protocol: R - the vote with the agent's other answers) | group
-    reuse: str | None = None  # weights (the paper: one rollout, truncated weights) | regenerate (redraw what a promotion changed)
-    update: str = "sequential"  # sequential (SAT) | joint (all agents at once, no weights)
-    delta: float | None = None  # trust-region radius on the per-state KL quantile
-    quantile: float = 0.99  # 1 - alpha
-    beta: float | None = None  # initial KL-penalty weight (adapted by the controller)
-    lr: float | None = None
-    group_size: int | None = None  # G joint trajectories per prompt
-    batch_size: int | None = None  # joint trajectories per stage (prompts = batch_size / G)
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float = 1.0
-    seed: int = 0
-    out: str = "runs/sat"
-    resume: str | None = None
-    overwrite: bool = False  # replace a run already in --out (otherwise refused)
-    device: str | None = None  # default: cuda if available else cpu
-    dtype: str | None = None  # float32 | bfloat16 weights of every agent (default: bfloat16 on CUDA, float32 on CPU)
-    backend: str | None = None  # hf | vllm (default: vllm when importable with CUDA, else hf)
-    upgrade: list[str] = field(default_factory=list)  # "SLOT=MODEL", 1-based slots (plug-and-play)
-    stage0_delta: float = 0.01  # Stage-0 radius delta_0 on the per-state KL quantile to the incumbent
-    stage0_max_passes: int = 200  # passes over the Stage-0 states before giving up (a clear error)
-    stage0_fit_tol: float | None = None  # Stage-0 stops once mean KL(target || pi_new) <= this x its start value (default 0.1)
-    upgrade_warmup_steps: int | None = None  # warm start of a tiny replacement (default 2 x warmup_steps)
-    stage0_problems: int | None = None  # Stage-0 prompts, a quarter held out (default batch_size // group_size)
-    # optimisation details
-    epochs: int | None = None  # passes over the batch per agent update
-    minibatch_size: int | None = None  # joint trajectories per gradient step
-    eps_clip: float = 0.2
-    adv_clip: float = 5.0
-    kl_estimator: str = "k3_new"  # k3_new is unbiased for KL(new || cur), the trust-region direction
-    max_backtracks: int = 6
-    gae_lambda: float = 0.95
-    token_budget: int | None = None
-    gradient_checkpointing: bool | None = None  # recompute activations in the backward pass (real models)
-    share_prefix: bool | None = None  # teacher-forced forwards compute each distinct context once, in the turns where a minibatch computes fewer tokens so (default: on without gradient checkpointing; off under torchrun)
-    keep_optimizer_state: bool | None = None  # keep each agent's AdamW moments (on the host) between its turns
-    kl_check_every: int | None = None  # measure the exact KL quantile every k gradient steps and stop at delta (0: only at the end)
-    eval_size: int | None = None
-    # warm start (tiny agents only): stands in for pretraining
-    warmup_steps: int | None = None
-    warmup_p_wrong: float = 0.5
-    # several processes (torchrun): rollouts in seeded blocks, so the batch does not depend on their number
-    shard_rollouts: bool = False  # always on under torchrun; with one process it reproduces a torchrun run's batches
-    rollout_blocks: int = 8  # blocks per rollout (each with its own seed); a multiple of the process count balances them
-    shard_frozen: bool | None = None  # under torchrun: agents and the reference as FSDP2 shards (default: on on CUDA, unless --vllm-tensor-parallel > 1)
-    offload_frozen: bool | None = None  # frozen agents in host memory during another agent's turn (default: on under torchrun on CUDA)
-    vllm_tensor_parallel: int = 1  # --backend vllm: ranks per engine (1: one engine per agent per rank; K > 1: CUDA, external launcher)
-    threads: int | None = None  # torch CPU threads (default: $OMP_NUM_THREADS, else 1; see configure_threads)
+    agents: str = opt("tiny x3", 'the team, e.g. "tiny x3", "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", or local folders')
+    protocol: str = opt("independent", "independent (majority vote) or chain (agents speak in turn)", PROTOCOLS)
+    task: str | None = opt(None, "arithmetic (tiny default) or a dataset: dapo-math-17k, deepscaler, aime24, aime25, math500")
+    data: str | None = opt(None, "a JSONL file of problems (problem/prompt + answer); overrides --task")
+    eval_data: str | None = opt(None, "a held-out JSONL file (default: the task's held-out split)")
+    stages: int | None = opt(None, "SAT stages (Algorithm 1's outer loop)")
+    order: str = opt("static", "update order sigma: static, random, or greedy (weakest agent on the batch first)", ORDERS)
+    ratio: str = opt("seq-mean", "r_j: seq (the paper's sequence ratio), seq-mean (GSPO) or token (PPO)", RATIOS)
+    adv: str = opt("grpo", "grpo (group-relative, Eq. (2)) or gae (token-level, with a value head)", ADVANTAGES)
+    baseline: str = opt("counterfactual", "counterfactual (independent protocol: R minus the vote with the agent's "
+                        "other answers swapped in) or group (the group mean, Eq. (2))", BASELINES)
+    reuse: str | None = opt(None, "weights: one rollout per stage, truncated importance weights (the paper); "
+                            "regenerate: redraw the turns each promotion changed", REUSES)
+    update: str = opt("sequential", "sequential (SAT) or joint (every agent at once: the baseline)", UPDATES)
+    delta: float | None = opt(None, "trust-region radius on the per-state KL quantile")
+    quantile: float = opt(0.99, "1 - alpha: the KL quantile held to delta")
+    beta: float | None = opt(None, "initial KL-penalty weight (adapted per agent)")
+    lr: float | None = opt(None, "learning rate (AdamW)")
+    group_size: int | None = opt(None, "G joint trajectories per prompt")
+    batch_size: int | None = opt(None, "joint trajectories per stage (prompts = batch size / G)")
+    max_new_tokens: int | None = opt(None, "longest response per agent turn")
+    temperature: float | None = opt(None, "sampling temperature (the log-probs use the same)")
+    top_p: float = opt(1.0, "nucleus sampling; training needs 1 (evaluation may use less)")
+    seed: int = opt(0, "random seed")
+    out: str = opt("runs/sat", "the run folder")
+    resume: str | None = opt(None, "a run folder (or a checkpoints/stage_XXXX folder) to continue")
+    overwrite: bool = opt(False, "replace the run already in --out (otherwise refused)")
+    device: str | None = opt(None, "default: cuda if available, else cpu")
+    dtype: str | None = opt(None, "agent weights (default: bfloat16 on CUDA, float32 on CPU); bfloat16 trains the "
+                            "active agent on fp32 master weights", DTYPES)
+    backend: str | None = opt(None, "rollouts: hf or vllm (default: vllm on CUDA when installed, else hf)", BACKENDS)
+    upgrade: list[str] = opt([], "SLOT=MODEL: replace agent SLOT (1-based) by MODEL (Stage-0), then continue SAT")
+    stage0_delta: float = opt(0.01, "Stage-0 radius delta_0 on the per-state KL quantile to the incumbent")
+    stage0_max_passes: int = opt(200, "Stage-0 passes over its states before giving up")
+    stage0_fit_tol: float | None = opt(None, "Stage-0 stops once mean KL(target || new) <= this x its start value "
+                                       "(default 0.1)")
+    upgrade_warmup_steps: int | None = opt(None, "warm start of a tiny replacement (default 2 x --warmup-steps)")
+    stage0_problems: int | None = opt(None, "Stage-0 prompts, a quarter held out (default batch size / G)")
+    epochs: int | None = opt(None, "passes over the batch per agent update")
+    minibatch_size: int | None = opt(None, "joint trajectories per gradient step")
+    eps_clip: float = opt(0.2, "PPO clip epsilon")
+    adv_clip: float = opt(5.0, "advantage clip A_clip")
+    kl_estimator: str = opt("k3_new", "KL-penalty estimator on the sampled tokens (k3_new: unbiased for "
+                            "KL(new || cur), the trust region's direction)", KL_ESTIMATORS)
+    max_backtracks: int = opt(6, "step halvings before an update is rejected")
+    gae_lambda: float = opt(0.95, "GAE lambda (--adv gae)")
+    token_budget: int | None = opt(None, "max tokens per generate chunk and per forward micro-batch")
+    gradient_checkpointing: bool | None = opt(None, "recompute activations in the backward pass (real models)")
+    keep_optimizer_state: bool | None = opt(None, "keep each agent's AdamW moments on the host between its turns")
+    kl_check_every: int | None = opt(None, "exact KL check every k gradient steps, stop at delta (0: only at the end)")
+    eval_size: int | None = opt(None, "held-out problems per evaluation")
+    warmup_steps: int | None = opt(None, "supervised warm start of tiny agents (stands in for pretraining)")
+    warmup_p_wrong: float = opt(0.5, "share of wrong labels in the tiny agents' warm start")
+    shard_rollouts: bool = opt(False, "roll out in seeded blocks (always under torchrun; with one process: "
+                               "reproduce a torchrun run's batches)")
+    rollout_blocks: int = opt(8, "seeded blocks per rollout (a multiple of the process count balances them)")
+    shard_frozen: bool | None = opt(None, "under torchrun hold every agent and the reference as FSDP2 shards "
+                                    "(default: on on CUDA unless --vllm-tensor-parallel > 1)")
+    vllm_tensor_parallel: int = opt(1, "ranks per vLLM engine under torchrun (1: one engine per agent per rank; "
+                                    "> 1 needs CUDA)")
+    threads: int | None = opt(None, "torch CPU threads (default: $OMP_NUM_THREADS, else 1)")
 
     def apply_preset(self) -> "Config":
         tiny = all(s.kind == "tiny" for s in parse_agents(self.agents))
@@ -107,18 +176,14 @@ class Config:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.backend is None:
             self.backend = default_backend(self.device)
-        if self.share_prefix is None:  # from the options only, never the data: every rank makes as many model calls
-            self.share_prefix = not self.gradient_checkpointing
         return self
 
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""
-        choices = {"protocol": ("independent", "chain"), "order": ORDERS, "ratio": RATIOS, "adv": ADVANTAGES,
-                   "update": UPDATES, "reuse": REUSES, "baseline": BASELINES, "kl_estimator": ("k1", "k2", "k3", "k3_new"),
-                   "backend": ("hf", "vllm"), "dtype": DTYPES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of: {', '.join(allowed)}")
+        for f in fields(self):  # a Config built in Python skips argparse's choices
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
                     "minibatch_size", "token_budget", "eval_size", "stage0_delta", "rollout_blocks"]
         for name in positive:
@@ -146,46 +211,21 @@ class Config:
             raise ValueError(f"--kl-check-every must be >= 0 (got {self.kl_check_every})")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1 (got {self.threads})")
-        if self.share_prefix and self.gradient_checkpointing:
-            raise ValueError("--share-prefix needs the key/value cache, which --gradient-checkpointing turns off: "
-                             "add --no-gradient-checkpointing or --no-share-prefix")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
-        validate_run_inputs(self)
 
 
-def validate_run_inputs(cfg: "Config") -> None:
-    """Checks across options, on disk and network, before any model is built (docs/errors.md)."""
-    import importlib.util
-
-    if cfg.group_size == 1 and cfg.adv == "grpo":
-        raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
-                         "trained; use --group-size 2 or more (or --adv gae)")
-    if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
-        from scale.vllm_ranks import check_tensor_parallel
-
-        if cfg.backend != "vllm":
-            raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")
-        check_tensor_parallel(cfg.vllm_tensor_parallel, int(os.environ.get("WORLD_SIZE", "1")), cfg.device,
-                              cfg.rollout_blocks, cfg.reuse)
-    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
-    if cfg.upgrade and not cfg.resume:
-        raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
-    if cfg.upgrade:
-        n_agents = len(json.loads((latest_checkpoint(cfg.resume) / "team" / "team.json").read_text())["agents"])
-        for item in cfg.upgrade:
-            slot, _, model = item.partition("=")
-            if not slot.strip().isdigit() or not model.strip():
-                raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
-            if not 1 <= int(slot) <= n_agents:
-                raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
-            check_hub_available(resolve_agent_spec(model))
-    if not cfg.resume:
-        for spec in parse_agents(cfg.agents):
-            check_hub_available(spec)
+def default_backend(device: str) -> str:
+    """vLLM on CUDA when it is installed; the Hugging Face backend otherwise."""
+    if not device.startswith("cuda"):
+        return "hf"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf"
+    return "vllm"
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores.

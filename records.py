@@ -30,16 +30,15 @@ import os
 import random
 import re
 import shutil
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from scale import distributed
-import parallel
-from team import Agent, Team
+from scale.checkpoint_state import load_sharded, optimizer_skeleton, save_sharded
+from scale.shard_load import load_agent_sharded
+from team import Agent, Team, read_team
 from trust_region import QuantileController
 
 
@@ -97,39 +96,6 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     return final
 
 
-def close_stage(out: Path, records: list[dict], make_row, save, fork: bool | None = None) -> None:
-    """The end of a stage, off the critical path: ``make_row()`` (the held-out
-    evaluation and the stage's metrics row), metrics.jsonl rewritten with
-    ``records`` + that row, then ``save()`` (the stage's checkpoint), so a
-    checkpoint is never on disk before the row it continues from. In a forked
-    child on the second core (a snapshot of the team and RNGs as they are
-    now) while the next stage runs; ``collect_stage`` returns the row. Serial
-    under torchrun, with ``fork=False`` or without a spare core. One at a
-    time, in order."""
-    def job() -> dict:
-        row = make_row()
-        write_metrics(out, records + [row])
-        save()
-        return row
-
-    parallel.background_call(job, f"closing stage {len(records)}", False if distributed.active() else fork)
-
-
-def collect_stage(records: list[dict], log) -> None:
-    """Wait for the stage ``close_stage`` is closing (raise if it failed),
-    append its row to ``records`` and print its console line."""
-    row = parallel.wait_background()
-    if row is None:
-        return
-    records.append(row)
-    if row["stage"] == 0:
-        log(f"stage 0 (before SAT): held-out team accuracy {row['eval_accuracy']:.3f} "
-            f"agents {fmt_list(row['eval_agent_accuracy'])}")
-        log(STAGE_HEADER)
-    else:
-        log(stage_line(row))
-
-
 def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, upgrades: list) -> dict:
     """A stage's metrics row: its record, held-out evaluation, and the change
     from ``prev``; a violation (paper, Section 5) is a fall beyond noise (2 standard errors)."""
@@ -141,112 +107,6 @@ def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, up
     noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
     rec["violation"] = rec["measured_change"] < -noise
     return rec
-
-
-def finish_checkpoints() -> None:
-    """Wait for a checkpoint being written in the background; raise if it failed."""
-    parallel.wait_background()
-
-
-# ---------------------------------------------------------------------------
-# Sharded training state (torch.distributed.checkpoint)
-# ---------------------------------------------------------------------------
-def fp32_state(agent) -> list[torch.Tensor]:
-    """This rank's part of the agent's fp32 training state, one tensor per
-    parameter: the master weights of a bf16 agent where it has them (its shards
-    under torchrun), else its weights in fp32 (the rank's rows under torchrun)."""
-    distributed.reshard(agent.model)  # a sharded agent (--shard-frozen): its parameters are its shards
-    params = [p.detach() for p in agent.model.parameters()]
-    kept = agent.master_shards if distributed.active() else agent.master_weights
-    if kept is None:
-        return [distributed.local_rows(p).float() for p in params]
-    shapes = [distributed.local_rows(p).shape for p in params]
-    if [k.shape for k in kept] != shapes:  # a bug, not a state to save around: the masters belong to other weights
-        raise RuntimeError(f"agent {agent.spec.name}: its fp32 master weights do not match its parameters "
-                           f"({len(kept)} tensors vs {len(shapes)}); the checkpoint would lose them")
-    return list(kept)
-
-
-def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dict:
-    """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process),
-    and {optimizer.IDX.exp_avg(_sq): ...} for the AdamW moments kept by --keep-optimizer-state."""
-    names = [n for n, _ in getattr(agent.model, "lm", agent.model).named_parameters()]  # a ShardedLM's: the plain names
-    out = {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
-    if moments:
-        out.update({key: distributed.as_sharded(t, shape) for key, t, shape in _moments(agent)})
-    return out
-
-
-def _moments(agent) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
-    """(key, this rank's part or None, parameter shape) of each kept AdamW moment of the
-    agent's parameters (state index i is parameter i); a value head's stay in state.pt."""
-    saved, shapes = agent.saved_optimizer_state, [p.shape for p in agent.model.parameters()]
-    if saved is None:
-        return []
-    return [(f"optimizer.{idx}.{k}", v, shapes[int(idx)]) for idx, st in saved["state"].items() for k, v in st.items()
-            if k in distributed.MOMENTS and int(idx) < len(shapes)]
-
-
-def optimizer_skeleton(agent) -> dict:
-    """The kept AdamW state_dict for state.pt: param groups and steps, with the
-    moments (in sharded/) left as None."""
-    saved, moved = agent.saved_optimizer_state, {key for key, _, _ in _moments(agent)}
-    return {**saved, "state": {idx: {k: None if f"optimizer.{idx}.{k}" in moved else v for k, v in st.items()}
-                               for idx, st in saved["state"].items()}}
-
-
-def save_sharded(folder: Path, team: Team) -> None:
-    """sharded/agent_K for every agent with ``torch.distributed.checkpoint``:
-    each rank writes its Shard(0) rows of the fp32 state (one agent at a time,
-    so at most one agent's shards are on the accelerator). Loadable under any
-    number of processes (``load_sharded``: DCP reshards on load)."""
-    import torch.distributed.checkpoint as dcp
-
-    for k, agent in enumerate(team.agents):
-        with _single_process_quiet():
-            dcp.save(_sharded_dict(agent, fp32_state(agent)), checkpoint_id=str(folder / f"agent_{k}"))
-
-
-def load_sharded(folder: Path, team: Team) -> None:
-    """Read sharded/agent_K into this run's layout (any number of processes):
-    a bf16 agent gets its fp32 master weights back (``master_weights``, or this
-    rank's ``master_shards`` under torchrun), an fp32 agent its weights."""
-    import torch.distributed.checkpoint as dcp
-
-    for k, agent in enumerate(team.agents):
-        params = [p.detach() for p in agent.model.parameters()]
-        state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params], moments=False)
-        for key, value, shape in _moments(agent):  # None in state.pt: room for this rank's part
-            if value is None:
-                state[key] = distributed.as_sharded(torch.zeros(distributed.local_rows(torch.empty(shape, device="meta")).shape), shape)
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=str(folder / f"agent_{k}"))
-        moments = {key for key, value, _ in _moments(agent) if value is None}
-        for idx, st in (agent.saved_optimizer_state or {}).get("state", {}).items():
-            for name in st:
-                if f"optimizer.{idx}.{name}" in moments:
-                    part = state.pop(f"optimizer.{idx}.{name}")
-                    st[name] = (part.to_local() if hasattr(part, "to_local") else part).to("cpu", copy=True)
-        values = list(state.values())
-        if agent.dtype == torch.float32:
-            with torch.no_grad():
-                for p, v in zip(params, values):
-                    if hasattr(p, "to_local"):  # loaded into shards (shard_load): the same Shard(0) rows
-                        p.to_local().copy_(v.to_local())
-                    else:
-                        p.copy_(distributed.full(v).to(p.device))
-        elif distributed.active():
-            agent.master_shards = [v.to_local().to("cpu", copy=True) for v in values]
-        else:
-            agent.master_weights = [v.to("cpu", copy=True) for v in values]
-
-
-@contextmanager
-def _single_process_quiet():
-    """DCP warns that it assumes one process when no process group exists: that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
 
 
 def stage_key(folder: Path) -> tuple[int, str]:
@@ -370,7 +230,11 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype, shard: bool =
     ``shard`` (``--shard-frozen``): each agent read straight into FSDP2 shards."""
     verify_checkpoint(folder)
     try:
-        team = Team.load(folder / "team", device=device, dtype=dtype, shard=shard)
+        if shard:  # --shard-frozen: each agent read straight into FSDP2 shards
+            folders, team_config = read_team(folder / "team")
+            team = Team([load_agent_sharded(f, device, dtype) for f in folders], team_config)
+        else:
+            team = Team.load(folder / "team", device=device, dtype=dtype)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # safetensors / json / tokenizer errors of a damaged file
@@ -414,15 +278,6 @@ def read_metrics(out: Path) -> list[dict]:
 
 def write_metrics(out: Path, records: list[dict]) -> None:
     atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-
-
-def prepare_plot() -> None:
-    """Import matplotlib (about a second) while a background child evaluates the last stage."""
-    if distributed.is_main():
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
 
 
 def plot_run(out: Path, records: list[dict]) -> None:

@@ -26,16 +26,3 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def plain_forward_unless_a_run_sets_it():
-    """sat.run sets logprobs.SHARE_PREFIX from its config (a module-scoped
-    fixture's run sets it before any test of its module starts): every test
-    starts from the library default, the plain forward, and leaves it so, so
-    no test's result depends on which tests or fixtures ran before it."""
-    import logprobs
-
-    logprobs.set_share_prefix(False)
-    yield
-    logprobs.set_share_prefix(False)

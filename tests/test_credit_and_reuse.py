@@ -149,13 +149,10 @@ def test_regenerate_chain_redraws_the_promoted_turn_and_the_turns_after_it(tiny3
         assert f"Agent 2: {new.turns[1].answers[i] or '?'}\n" in ctx
 
 
-def test_cli_reuse_replaces_resample(capsys):
+def test_cli_reuse_and_its_preset_defaults():
     assert sat.parse_args(["--reuse", "regenerate"]).reuse == "regenerate"
     assert sat.Config().apply_preset().reuse == "weights"
     assert sat.Config(agents="Qwen3-4B x3").apply_preset().reuse == "regenerate"
-    with pytest.raises(SystemExit):
-        sat.parse_args(["--resample"])
-    assert "--reuse regenerate" in capsys.readouterr().err
 
 
 # -- the certificate in episode units: brute force on a two-agent team -------------------------

@@ -2,7 +2,7 @@
 answered by one line on stderr and a non-zero exit, none by a traceback.
 
 The table's command column is run in-process (sat.main / eval_aime.main /
-memory.main), so validation errors cost milliseconds; the line column is the
+scale.memory.main), so validation errors cost milliseconds; the line column is the
 whole last line of stderr, with "…" standing for any text and the placeholders
 below replaced by real paths:
 
@@ -72,8 +72,8 @@ def finished_run(tmp_path_factory):
 
 
 def run_tool(command: str, capsys) -> tuple[int, str]:
-    tool, *argv = shlex.split(command)
-    mains = {"sat.py": sat.main, "eval_aime.py": eval_aime.main, "memory.py": memory.main}
+    tool, *argv = shlex.split(command.replace("python -m scale.memory", "scale.memory"))
+    mains = {"sat.py": sat.main, "eval_aime.py": eval_aime.main, "scale.memory": memory.main}
     try:
         rc = mains[tool](argv)
     except SystemExit as exit_info:  # argparse and memory.py exit themselves
@@ -125,7 +125,7 @@ def test_row(command, setup, expected, finished_run, tmp_path, monkeypatch, caps
     assert "Traceback" not in err
     pattern = ".*".join(re.escape(part) for part in fill(expected).split("…"))
     assert re.fullmatch(pattern, lines[-1]), f"\n  got: {lines[-1]}\n want: {fill(expected)}"
-    if not command.startswith("memory") and "usage:" not in err:
+    if not command.startswith("python -m scale.memory") and "usage:" not in err:
         assert len(lines) == 1, err  # the tool's own errors are one line (argparse adds its usage line)
     if not setup:
         assert snapshot(tmp_path / "run") == before  # a refused command leaves the run folder as it was

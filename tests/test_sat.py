@@ -53,7 +53,7 @@ def test_measure_kl_equals_direct_full_vocabulary_sum(team_and_batch):
     moved = Agent(agent.spec, copy.deepcopy(agent.model), agent.tokenizer)
     perturb(moved.model, 0.02)
     turn = batch.turns[1]
-    kl, new_logp = measure_kl(moved, reference, turn, temperature=0.7, token_budget=64)
+    kl, new_logp, _ = measure_kl(moved, reference, turn, temperature=0.7, token_budget=64)
     expected, expected_logp = [], torch.zeros_like(turn.behaviour_logprobs)
     for i in range(len(batch)):
         ctx = turn.context_ids[i][turn.context_mask[i].bool()]
@@ -78,9 +78,10 @@ def run_finish_update(team, batch, scale, cfg, max_backtracks):
     perturb(agent.model, scale)
     inputs = update.build_inputs(batch, j, [], cfg)
     cfg.max_backtracks = max_backtracks
-    record, _ = sat.finish_update(team, j, reference, inputs, {"loss": 0.0}, cfg,
-                                  QuantileController(delta=cfg.delta, quantile=cfg.quantile), SamplingConfig(temperature=1.0),
-                                  n_agents=2, batch=batch)
+    stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
+                              train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
+    record, _ = sat.finish_update(team, j, reference, inputs, stats, cfg,
+                                  QuantileController(delta=cfg.delta, quantile=cfg.quantile), batch)
     return agent, original, record
 
 
@@ -106,7 +107,7 @@ def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
         assert record["accepted"] and record["backtracks"] >= 1
         assert record["kl_quantile"] <= cfg.delta
         # the parameters left in place really are inside: measure again independently
-        kl, _ = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)
+        kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
         assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
         assert record["step_fraction"] == 0.5 ** record["backtracks"]
     finally:
