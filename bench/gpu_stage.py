@@ -7,13 +7,13 @@ stage is sat.py's own ``sat_stage`` (rollout -> per-agent update -> trust-region
 check -> promotion); this script only wraps sat.py's and rollout.py's functions
 with timers and CUDA peak-memory probes, so what it measures is what a run does.
 
-    python bench/gpu_stage.py                                  # GPU, defaults fit one H200 in < 5 min
+    python bench/gpu_stage.py                                  # GPU: Qwen3-0.6B-shaped agents, bf16
     OMP_NUM_THREADS=1 python bench/gpu_stage.py --tiny --device cpu    # smoke test (small dims)
 
 Prints, for ``--update sequential`` and ``--update joint``: rollout tokens/s,
 seconds and peak allocated memory per phase (generate, scoring, advantages,
 each agent's update, trust-region check, exact-KL measurements), next to the
-memory.py estimate of the training peak.
+``scale.memory`` estimate of the training peak.
 
 The text side uses team.build_char_tokenizer() (no real tokenizer can be
 downloaded) while the model keeps its 151936-token vocabulary: sampled ids
@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scale import memory  # noqa: E402
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
+from scale import memory  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, AgentSpec, Team, TeamConfig, build_char_tokenizer  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
@@ -106,42 +106,50 @@ def timed(meter: PhaseMeter, fn, name_of, after=None):
     return wrapper
 
 
-def synthetic_reward(batch) -> None:
-    """Team reward := parity of the sum of the agents' first response tokens:
-    varies within every group, so advantages and updates are not all zero."""
-    first = torch.stack([t.response_ids[:, 0] for t in batch.turns]).sum(0)  # [N]
-    batch.rewards = (first % 2).float()
-    batch.counterfactual = None  # the vote's counterfactual baselines do not apply to this reward: group mean
+def synthetic_score(score_team):
+    """rollout.score_team with the team reward replaced by the parity of the sum of the agents' first
+    response tokens: it varies within every group, so advantages and updates are not all zero."""
+    def wrapper(team, flat, turns, group_ids):
+        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        first = torch.stack([t.response_ids[:, 0] for t in turns]).sum(0)  # [N]
+        return answers, (first % 2).float(), agent_correct, None  # no vote baselines for this reward: group mean
+    return wrapper
 
 
 @contextmanager
-def instrumented(meter: PhaseMeter, counters: dict, reward_hook=None):
-    """Wrap the functions sat_stage calls (module globals, looked up at call
-    time) with phases; restore them afterwards."""
+def instrumented(meter: PhaseMeter, counters: dict, synthetic: bool):
+    """Wrap the functions a stage calls (module and class attributes, looked up at call time) with
+    phases; restore them afterwards. A name a module does not have is skipped."""
     def count_tokens(responses):
         counters["generated_tokens"] += sum(len(r) for r in responses)
 
+    def kl_phase(fn):
+        return timed(meter, fn, lambda *a, **k: "  exact KL measurements")
+
     patches = [
-        (sat, "rollout", timed(meter, sat.rollout, lambda *a, **k: "rollout (generate + scoring)", reward_hook)),
-        (rollout_mod, "generate", timed(meter, rollout_mod.generate, lambda *a, **k: "  generate", count_tokens)),
+        (sat, "team_rollout", lambda fn: timed(meter, fn, lambda *a, **k: "rollout (generate + scoring)")),
+        (rollout_mod.HFBackend, "generate", lambda fn: timed(meter, fn, lambda *a, **k: "  generate", count_tokens)),
         (rollout_mod, "batched_response_logprobs",
-         timed(meter, rollout_mod.batched_response_logprobs, lambda *a, **k: "  scoring (behaviour log-probs)")),
-        (sat, "build_inputs", timed(meter, sat.build_inputs, lambda *a, **k: "advantages + weights")),
-        (sat, "train_agents", timed(meter, sat.train_agents, lambda team, slots, *a, **k:
-                                    "update agent " + ",".join(str(j + 1) for j in slots))),
-        (sat, "finish_update", timed(meter, sat.finish_update, lambda team, j, *a, **k:
-                                     f"trust-region check agent {j + 1}")),
-        (sat, "measure_kl", timed(meter, sat.measure_kl, lambda *a, **k: "  exact KL measurements")),
-        (update_mod, "measure_kl", timed(meter, update_mod.measure_kl, lambda *a, **k: "  exact KL measurements")),
+         lambda fn: timed(meter, fn, lambda *a, **k: "  scoring (behaviour log-probs)")),
+        (sat, "build_inputs", lambda fn: timed(meter, fn, lambda *a, **k: "advantages + weights")),
+        (sat, "train_agents", lambda fn: timed(meter, fn, lambda team, slots, *a, **k:
+                                               "update agent " + ",".join(str(j + 1) for j in slots))),
+        (sat, "finish_update", lambda fn: timed(meter, fn, lambda team, j, *a, **k:
+                                                f"trust-region check agent {j + 1}")),
+        (sat, "measure_kl", kl_phase),
+        (update_mod, "measure_kl", kl_phase),
     ]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    if synthetic:
+        patches.append((rollout_mod, "score_team", synthetic_score))
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches if name in owner.__dict__]
     try:
-        for mod, name, fn in patches:
-            setattr(mod, name, fn)
+        for owner, name, wrap in patches:
+            if name in owner.__dict__:
+                setattr(owner, name, wrap(getattr(owner, name)))
         yield
     finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 # ---------------------------------------------------------------------------
@@ -196,14 +204,15 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
     check_out_of_vocab_decoding(team, dims["vocab_size"])
     problems = arithmetic_problems(args.prompts, seed=args.seed, split="train")
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              token_budget=cfg.token_budget, backend="hf")
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(len(team))}
+                              token_budget=cfg.token_budget)
+    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+                   for k in range(len(team))}
     meter, counters = PhaseMeter(device), defaultdict(int)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    with instrumented(meter, counters, synthetic_reward if args.synthetic_reward else None), meter.phase("stage"):
+    with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
         record = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(args.seed))
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}
@@ -224,7 +233,7 @@ def estimate_for(args, dims: dict, update: str, dtype_bytes: int) -> dict:
                                   max_seq_len=seq, gradient_checkpointing=False, backend="hf",
                                   rollout_tokens=args.prompts * args.group_size * seq,
                                   logits_chunk_tokens=rows * min(1024, args.max_new_tokens),
-                                  optimizer_bytes_per_param=2 * dtype_bytes)  # torch AdamW keeps m, v in the params' dtype
+                                  optimizer_bytes_per_param=2 * dtype_bytes)  # torch AdamW: m, v in the params' dtype
 
 
 def report(result: dict, estimate: dict, cuda: bool) -> None:
@@ -241,19 +250,21 @@ def report(result: dict, estimate: dict, cuda: bool) -> None:
         r = meter.records[name]
         peak = f"{r['peak'] / gib:9.2f}" if cuda else f"{'n/a':>9}"
         print(f"{name:<36} {r['calls']:>5} {r['seconds']:>8.2f} {peak}")
-    agents = " ".join(f"agent {a['agent']}: kl_q {a['kl_quantile']:.2e} bt {a['backtracks']} "
+    agents = "; ".join(f"agent {a['agent']}: kl_q {a['kl_quantile']:.2e} bt {a['backtracks']} "
                       f"{'accepted' if a['accepted'] else 'rejected'}" for a in rec["agents"])
     print(agents)
     measured = max(meter.records[n]["peak"] for n in meter.order if n.startswith("update")) if cuda else None
-    line = f"memory.py estimate: peak_training {estimate['peak_training'] / gib:.2f} GiB"
+    line = f"scale.memory estimate: peak_training {estimate['peak_training'] / gib:.2f} GiB"
     if measured is not None:
-        line += f" | measured peak during the updates {measured / gib:.2f} GiB (resident before the stage {result['resident'] / gib:.2f} GiB)"
+        line += (f" | measured peak during the updates {measured / gib:.2f} GiB "
+                 f"(resident before the stage {result['resident'] / gib:.2f} GiB)")
     print(line)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="small dims (hidden 64, 2 layers, vocab 4096) for a CPU smoke test")
+    p.add_argument("--tiny", action="store_true",
+                   help="small dims (hidden 64, 2 layers, vocab 4096) for a CPU smoke test")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--agents", type=int, default=3)
     p.add_argument("--prompts", type=int, default=None, help="default 8 (tiny: 4)")
@@ -279,11 +290,13 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dims = TINY_DIMS if args.tiny else QWEN3_06B
     n_params = memory.count_parameters(dims)
-    print(f"{args.agents} agents x {n_params / 1e6:.1f} M parameters ({'tiny' if args.tiny else 'Qwen3-0.6B shape'}, random), "
+    shape = "tiny" if args.tiny else "Qwen3-0.6B shape"
+    print(f"{args.agents} agents x {n_params / 1e6:.1f} M parameters ({shape}, random), "
           f"{dtype}, {device}; {args.prompts} prompts x G={args.group_size}, max_new_tokens {args.max_new_tokens}, "
           f"minibatch {args.minibatch_size}, torch threads {torch.get_num_threads()}")
     if device.type == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name(device)}, {torch.cuda.get_device_properties(device).total_memory / memory.GiB:.0f} GiB")
+        total = torch.cuda.get_device_properties(device).total_memory / memory.GiB
+        print(f"GPU: {torch.cuda.get_device_name(device)}, {total:.0f} GiB")
     results = []
     for update in [u.strip() for u in args.updates.split(",") if u.strip()]:
         t0 = time.perf_counter()
@@ -293,7 +306,8 @@ def main(argv=None) -> None:
         print(f"({time.perf_counter() - t0:.1f}s including building the team)")
         results.append(result)
     if device.type == "cuda" and len(results) == 2:
-        peaks = [max(r["meter"].records[n]["peak"] for n in r["meter"].order if n.startswith("update")) for r in results]
+        peaks = [max(r["meter"].records[n]["peak"] for n in r["meter"].order if n.startswith("update"))
+                 for r in results]
         print(f"\npeak memory during updates: {results[0]['update']} {peaks[0] / memory.GiB:.2f} GiB vs "
               f"{results[1]['update']} {peaks[1] / memory.GiB:.2f} GiB ({peaks[1] / max(peaks[0], 1):.2f}x)")
 

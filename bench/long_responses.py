@@ -22,6 +22,7 @@ and the seconds spent generating.
 
     python bench/long_responses.py                        # L = 16, 64, 256
     python bench/long_responses.py --lengths 16 64 256 512 --batch-size 64
+    python bench/long_responses.py --lengths 4 --batch-size 8   # the CI size (tests/test_bench.py)
 """
 from __future__ import annotations
 
@@ -36,24 +37,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
-from rollout import SamplingConfig, TeamBatch  # noqa: E402
+from rollout import SamplingConfig  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 
-def digit_fractions(batch: TeamBatch) -> torch.Tensor:
+def digit_fractions(turns) -> torch.Tensor:
     """[n_agents, N] fraction of digit characters in each agent's response."""
-    return torch.tensor([[sum(c.isdigit() for c in text) / max(len(text), 1) for text in t.texts] for t in batch.turns])
+    return torch.tensor([[sum(c.isdigit() for c in text) / max(len(text), 1) for text in t.texts] for t in turns])
 
 
-def digit_reward(batch: TeamBatch) -> TeamBatch:
-    """Synthetic team reward in [0, 1]: the fraction of digit characters over the agents' responses.
-    It is a sum over agents, so agent k's contribution to J is its own mean digit fraction / 3."""
-    batch.rewards = digit_fractions(batch).mean(0).float()  # [N]
-    batch.counterfactual = None  # baselines of the vote do not apply to this reward: group mean (Eq. (2))
-    return batch
+def digit_score(score_team, seen: list):
+    """rollout.score_team with a synthetic team reward in [0, 1]: the fraction of digit characters over the
+    agents' responses (a sum over agents, so agent k's contribution to J is its own mean digit fraction / 3).
+    Each call's digit fractions are appended to ``seen`` (the first: the stage's rollout)."""
+    def wrapper(team, flat, turns, group_ids):
+        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        seen.append(digit_fractions(turns))
+        return answers, seen[-1].mean(0).float(), agent_correct, None  # group mean baselines (Eq. (2))
+    return wrapper
 
 
 def never_stop(agent: Agent) -> None:
@@ -80,29 +85,27 @@ def one_stage(length: int, reuse: str, args) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=length, token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(3)}
     problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=args.seed)
-    rollout, regenerate = sat.rollout, sat.regenerate
-    first = []
-    sat.rollout = lambda *a, **k: first.append(digit_reward(rollout(*a, **k))) or first[-1]
-    sat.regenerate = lambda *a, **k: (lambda out: (digit_reward(out[0]), out[1]))(regenerate(*a, **k))
+    score_team, seen = rollout_mod.score_team, []
+    rollout_mod.score_team = digit_score(score_team, seen)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.time()
             rec = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(args.seed))
             rec["wall"] = time.time() - t0
+            # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
+            # after (a fresh rollout of the final team on the same problems, 2N trajectories)
+            rollout_mod.rollout(team, problems, 2 * cfg.group_size, sampling, score=False)
     finally:
-        sat.rollout, sat.regenerate = rollout, regenerate
-    # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
-    # after (a fresh rollout of the final team on the same problems, 2N trajectories)
-    after = rollout(team, problems, 2 * cfg.group_size, sampling, score=False)
-    rec["gain"] = (digit_fractions(after).mean(1) - digit_fractions(first[0]).mean(1)).tolist()  # [n_agents]
+        rollout_mod.score_team = score_team
+    rec["gain"] = (seen[-1].mean(1) - seen[0].mean(1)).tolist()  # [n_agents]
     return rec
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
-    p.add_argument("--modes", nargs="+", default=["weights", "regenerate"], choices=sat.REUSES)
+    p.add_argument("--modes", nargs="+", default=["weights", "regenerate"], choices=["weights", "regenerate"])
     p.add_argument("--batch-size", type=int, default=64, help="joint trajectories (16 prompts x G = 4)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-4)
@@ -121,8 +124,8 @@ def main() -> None:
             kl = "/".join(f"{a['kl_mean']:.2e}" for a in ag)
             later = min(ag[1]["kl_mean"], ag[2]["kl_mean"]) / max(ag[0]["kl_mean"], 1e-30)
             gain = "/".join(f"{g:+.3f}" for g in rec["gain"])
-            print(f"{length:>5} {reuse:>10} | {ess:>20} | {kl:>30} | {later:>11.2f} | {gain:>25} | {rec['generations']:>11} "
-                  f"{rec['generation_seconds']:>6.1f} {rec['wall']:>7.1f}", flush=True)
+            print(f"{length:>5} {reuse:>10} | {ess:>20} | {kl:>30} | {later:>11.2f} | {gain:>25} | "
+                  f"{rec['generations']:>11} {rec['generation_seconds']:>6.1f} {rec['wall']:>7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""Every script in bench/ runs at its smallest size and prints its figures (one subprocess each)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# script, its smallest arguments, a line every run of it prints with its figures
+RUNS = {
+    "gpu_stage.py": (["--tiny", "--device", "cpu"],
+                     r"(?m)^== update joint: team reward [\d.]+.*\n(?:.*\n)*?"
+                     r"scale\.memory estimate: peak_training [\d.]+ GiB"),
+    "long_responses.py": (["--lengths", "4", "--batch-size", "8"],
+                          r"(?m)^\s+4 +regenerate \| +1\.000/1\.000/1\.000 \| .* \| +\d+ +[\d.]+ +[\d.]+$"),
+    "rollout.py": (["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
+                   r"(?m)^median speed-up of the batched rollout: [\d.]+x$"),
+}
+
+
+def test_every_bench_script_is_run_here():
+    assert sorted(p.name for p in (ROOT / "bench").glob("*.py")) == sorted(RUNS)
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_bench_script_prints_its_figures(script, tmp_path):
+    args, pattern = RUNS[script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert re.search(pattern, done.stdout), f"{script} did not print its figures:\n{done.stdout[-3000:]}"
