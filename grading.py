@@ -1,31 +1,23 @@
 """Answer grading: what the team reward of a joint trajectory is made of.
 
-Paper, Section 5 (experiments: verifiable math reward). The team reward is 1
-exactly when the team answer matches the gold answer, shared by every agent's
-tokens of the joint trajectory, so a false positive here teaches the team to
-be wrong; the matcher prefers a false negative when unsure (``answers_match``).
+Paper, Section 5 (verifiable math reward). The reward is shared by every agent's tokens, so a false
+positive teaches the team to be wrong: when unsure the matcher says no (``answers_match``).
 
-- ``extract_answer`` pulls the final answer out of a model response
-  (the last ``\\boxed{}``, with nested braces; then fallbacks),
-- ``normalize_answer`` / ``answers_match``: a built-in normaliser with exact
-  rational comparison, and math-verify where it is installed,
-- ``grade`` does both; ``majority_vote`` is the team answer of the
-  independent protocol (displayed, maj@K); ``vote_reward`` is its team reward:
-  the expected correctness of the vote under a uniform tie-break.
+- ``extract_answer``: the final answer of a response (the last ``\\boxed{}``, braces matched; fallbacks);
+- ``normalize_answer`` / ``answers_match``: a built-in normaliser with exact rational comparison, and
+  math-verify where it is installed;
+- ``majority_vote``: the independent protocol's team answer (displayed, maj@K); ``vote_reward``: its team
+  reward, the expected correctness of the vote under a uniform tie-break.
 """
 from __future__ import annotations
 
+import random
 import re
 import threading
 from fractions import Fraction
-import random
 from functools import lru_cache
 
-
-# ---------------------------------------------------------------------------
-# Answer extraction
-# ---------------------------------------------------------------------------
-
+# -- Answer extraction -----------------------------------------------------------------------------------
 _BOX_COMMANDS = re.compile(r"\\(?:boxed|fbox)")
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _ANSWER_PHRASE = re.compile(r"(?:final answer is|answer is|answer\s*:)\s*", re.I)
@@ -112,20 +104,11 @@ def _extract(text: str, final_only: bool) -> str | None:
 
 
 def extract_answer(text: str, final_only: bool = False) -> str | None:
-    """The final answer in a model response, or None.
-
-    Order: the last complete \\boxed{...} (or \\fbox{...}, or "\\boxed 5"), with
-    nested braces matched; else the last "final answer is X" / "answer: X"
-    (None when a number follows its sentence: a self-correction); else, only
-    when ``final_only`` is False, the last number (int, decimal, a/b,
-    negative: the bare answers of the synthetic task). A response with an
-    unclosed \\boxed{ was cut inside its answer and has none, so a truncated
-    response is never graded correct. ``final_only=True`` is the rule for math
-    benchmarks: a closed \\boxed{} or an explicit "answer is" phrase.
-
-    For thinking models, only the text after the last "</think>" is used when
-    it yields an answer, so a number mentioned mid-thought does not count.
-    """
+    """The final answer in a model response, or None: the last complete \\boxed{...} (or \\fbox, or
+    "\\boxed 5"); else the last "final answer is X" / "answer: X" (None when a number follows: a
+    self-correction); else, unless ``final_only`` (the rule for math benchmarks), the last number (the
+    synthetic task's bare answers). An unclosed \\boxed{ means the response was cut inside its answer: none.
+    For thinking models the text after the last "</think>" is used when it yields an answer."""
     if not text:
         return None
     if "</think>" in text:
@@ -135,10 +118,7 @@ def extract_answer(text: str, final_only: bool = False) -> str | None:
     return _extract(text, final_only)
 
 
-# ---------------------------------------------------------------------------
-# Normalisation and equivalence
-# ---------------------------------------------------------------------------
-
+# -- Normalisation and equivalence -----------------------------------------------------------------------
 # Formatting that never changes the value of an answer.
 _DELETE = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\displaystyle", "\\ ", "~"]
 _UNIT_WORDS = (
@@ -181,8 +161,12 @@ def _fracs_to_slash(s: str) -> str:
         den = _braced(s, j)
         if den is None:
             return s
-        wrap = lambda x: x if re.fullmatch(r"-?\d+(?:\.\d+)?", x) else f"({x})"
-        s = s[:i] + f"{wrap(num)}/{wrap(den)}" + s[j + len(den) + 2:]
+        s = s[:i] + f"{_bracket(num)}/{_bracket(den)}" + s[j + len(den) + 2:]
+
+
+def _bracket(x: str) -> str:
+    """A fraction's numerator or denominator: plain numbers bare, anything else in brackets."""
+    return x if re.fullmatch(r"-?\d+(?:\.\d+)?", x) else f"({x})"
 
 
 @lru_cache(maxsize=1 << 16)  # pure, and asked for the same few answers ~10^5 times a stage (vote rewards)
@@ -228,13 +212,9 @@ def _clean(s: str) -> str:
 
 
 def normalize_answer(s: str | None) -> str:
-    """A canonical string for an answer; equal strings mean equal answers.
-
-    Formatting is stripped (see _clean). Plain numbers are rewritten exactly:
-    "033" -> "33", "0.50" and "\\frac{1}{2}" -> "1/2", "1,000" -> "1000", "-4/2"
-    -> "-2". Anything else (expressions, tuples, text) is returned cleaned but
-    otherwise as written. None -> "".
-    """
+    """A canonical string for an answer (equal strings, equal answers): formatting stripped (``_clean``),
+    plain numbers rewritten exactly ("033" -> "33", "0.50" and "\\frac{1}{2}" -> "1/2", "-4/2" -> "-2");
+    anything else cleaned but as written. None -> ""."""
     if s is None:
         return ""
     return _normalize(str(s))
@@ -242,8 +222,7 @@ def normalize_answer(s: str | None) -> str:
 
 @lru_cache(maxsize=1 << 16)
 def _normalize(s: str) -> str:
-    """normalize_answer of a string, memoised: a pure function of ``s``, and the
-    counterfactual baselines ask for the same few answers ~10^5 times a stage."""
+    """normalize_answer of a string, memoised (the counterfactual baselines ask ~10^5 times a stage)."""
     s = _clean(s)
     value = to_fraction(s)
     if value is not None:
@@ -258,8 +237,7 @@ def _builtin_match(pred: str, gold: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _load_math_verify():
-    """The math_verify module, or None if not installed. Imported on first use:
-    it pulls in sympy (~0.5 s), which the integer-only synthetic task never needs."""
+    """The math_verify module, or None; imported on first use (sympy, which the synthetic task never needs)."""
     try:
         import math_verify
     except ImportError:  # pragma: no cover - depends on the environment
@@ -272,20 +250,15 @@ def math_verify_available() -> bool:
 
 
 def _math_verify_match(pred: str, gold: str, timeout_s: int = 3) -> bool:
-    """math-verify's verdict on pred vs gold; False if it cannot parse either.
-
-    math-verify bounds its sympy work with signal.alarm, which only works in the
-    main thread; elsewhere we run it without its timeout (answers are short, so
-    the risk is small) rather than let it raise.
-    """
+    """math-verify's verdict on pred vs gold; False if it cannot parse either. Its timeout uses
+    signal.alarm, main thread only: elsewhere it runs without one (answers are short)."""
     mv = _load_math_verify()
     if mv is None:
         raise RuntimeError("math_verify is not installed; pip install math-verify, or use backend='builtin'")
     timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
-    wrap = lambda s: f"${s.strip()}$"  # math-verify looks for LaTeX inside math delimiters
-    try:
-        gold_parsed = mv.parse(wrap(gold), parsing_timeout=timeout)
-        pred_parsed = mv.parse(wrap(pred), parsing_timeout=timeout)
+    try:  # math-verify looks for LaTeX inside math delimiters
+        gold_parsed = mv.parse(f"${gold.strip()}$", parsing_timeout=timeout)
+        pred_parsed = mv.parse(f"${pred.strip()}$", parsing_timeout=timeout)
         if not gold_parsed or not pred_parsed:
             return False
         return bool(mv.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
@@ -294,20 +267,12 @@ def _math_verify_match(pred: str, gold: str, timeout_s: int = 3) -> bool:
 
 
 def answers_match(pred: str | None, gold: str, backend: str = "auto") -> bool:
-    """Whether the extracted answer `pred` equals the gold answer.
+    """Whether the extracted answer ``pred`` equals the gold answer.
 
-    backend="builtin": normalize_answer on both sides, compare strings (so
-      numbers compare exactly as rationals).
-    backend="math_verify": math-verify's parse + verify (symbolic equivalence).
-    backend="auto" (default): the built-in check first; if it matches, done
-      (it only accepts identical canonical forms, so it adds no false
-      positives, and it is fast and needs no sympy). If both sides are plain
-      numbers that differ, the answer is no: exact comparison is definitive
-      there, and math-verify's rounding would accept e.g. 0.333333 for 1/3 or
-      0.5 for 50%. Otherwise (expressions, tuples, intervals) math-verify
-      decides when installed, else no match. False positives would pay reward
-      for wrong answers, so every doubt resolves to False.
-    """
+    builtin: equal ``normalize_answer`` strings (numbers compare exactly as rationals); math_verify:
+    symbolic equivalence; auto: builtin first (no false positives, no sympy); two plain numbers that
+    differ are different (math-verify's rounding would accept 0.333333 for 1/3); otherwise
+    (expressions, tuples, intervals) math-verify decides when installed, else no match."""
     if pred is None or not str(pred).strip():
         return False
     pred, gold = str(pred), str(gold)
@@ -345,16 +310,9 @@ def _vote_counts(answers: list[str | None]) -> tuple[dict[str, int], dict[str, s
 
 
 def majority_vote(answers: list[str | None], rng: random.Random | None = None) -> str | None:
-    """The most common answer among the agents', compared after normalisation.
-
-    None and empty answers abstain; if all abstain the result is None. A tie is
-    won by the answer given first (lowest agent index) when ``rng`` is None, so
-    the result never depends on dict or set order; with ``rng`` the winner is
-    drawn uniformly among the tied answers (seeded, so still reproducible).
-    Returns the answer as first written, so the caller can grade it like any
-    agent's answer. Training does not use this for the reward: see
-    ``vote_reward``, which does not favour the earliest agent.
-    """
+    """The most common answer after normalisation, as first written (None and empty abstain; None if all
+    do). A tie goes to the answer given first, or with ``rng`` to a uniform draw among the tied. The
+    training reward is ``vote_reward``, which does not favour the earliest agent."""
     counts, first = _vote_counts(answers)
     if not counts:
         return None
@@ -364,16 +322,10 @@ def majority_vote(answers: list[str | None], rng: random.Random | None = None) -
 
 
 def vote_reward(answers: list[str | None], gold: str, backend: str = "auto") -> float:
-    """The team reward of the independent protocol: the expected correctness of
-    the majority vote under a uniform tie-break, i.e. among the answers tied for
-    the most votes, the fraction that are correct (0 when every agent abstains).
-
-    Deterministic and symmetric in the agents: permuting ``answers`` never
-    changes it. With ties going to the earliest agent instead, agent 1 alone
-    decides every three-way disagreement and the later agents are credited
-    mostly for not agreeing on a wrong answer. Without ties it equals the
-    plain 0/1 correctness of the vote.
-    """
+    """The independent protocol's team reward: the expected correctness of the majority vote under a
+    uniform tie-break, i.e. the fraction of the answers tied for most votes that are right (0 if all
+    abstain). Symmetric in the agents: with ties to the earliest agent, agent 1 alone would decide every
+    three-way disagreement. Without ties it is the 0/1 correctness of the vote."""
     counts, first = _vote_counts(answers)
     if not counts:
         return 0.0

@@ -1,18 +1,11 @@
 """Tasks: where the problems of a run come from.
 
-Paper, Section 5 (experimental setup: training prompts from DAPO-Math-17k /
-DeepScaleR, evaluation on AIME24/25 and MATH-500). A ``Problem`` is (id,
-problem text, gold answer). Problems come from
-
-- a synthetic addition task ("23+15" -> "38") used by the CPU default run and
-  the tests (``arithmetic_problems``, plus ``noisy_label`` for the supervised
-  warm start that stands in for pretraining of tiny agents),
-- JSONL files (``load_jsonl``), e.g. the offline copies in ``data/``,
-- public Hugging Face datasets by short name (``load_dataset_by_name``).
-
-``load_problems(spec)`` picks between a file and a name; ``load_task(cfg)``
-gives a run its training and held-out problems. Grading lives in
-``grading.py``.
+Paper, Section 5 (training prompts from DAPO-Math-17k / DeepScaleR; evaluation on AIME24/25 and MATH-500).
+A ``Problem`` is (id, problem text, gold answer), from a synthetic addition task for the CPU default run
+and the tests (``arithmetic_problems``; ``noisy_label`` for the warm start that stands in for the
+pretraining of tiny agents), JSONL files (``load_jsonl``, e.g. the offline copies in ``data/``), or
+public Hugging Face datasets by short name (``load_dataset_by_name``). ``load_task(cfg)`` gives a run
+its training and held-out problems.
 """
 
 from __future__ import annotations
@@ -33,31 +26,20 @@ class Problem:
     answer: str
 
 
-# ---------------------------------------------------------------------------
-# Synthetic addition task
-# ---------------------------------------------------------------------------
-
-# difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive. Difficulty 1 is the
-# range measured to be learnable by a tiny model with sparse reward (a feasibility check on 2 CPU cores):
-# 400 pairs, answers 20..68. Each level is its own pair space (difficulty 2's
-# contains difficulty 1's; the held-out side of a shared pair is the same).
+# -- Synthetic addition task -----------------------------------------------------------------------------
+# difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive; each level its own (enumerated) pair space.
+# Difficulty 1 (400 pairs, answers 20..68) is learnable by a tiny model with sparse reward on 2 CPU cores.
 DIFFICULTY_RANGES = {
     1: ((10, 49), (10, 19)),     # two-digit + small two-digit
     2: ((10, 99), (10, 99)),     # two-digit + two-digit
     3: ((100, 999), (10, 99)),   # three-digit + two-digit
 }
-# (Pair spaces are enumerated, so they are kept small: difficulty 3 has 81,000.)
 HELDOUT_PERCENT = 20  # share of each pair space kept out of training
 
 
 def is_heldout_pair(a: int, b: int) -> bool:
-    """Whether the pair (a, b) belongs to the held-out split.
-
-    Decided by a hash of the pair alone (not the seed, not the difficulty), so a
-    held-out pair is never a training pair, whatever the seed, and a pair that
-    appears at two difficulties is on the same side at both. sha256 rather than
-    hash() because Python salts str hashes per process.
-    """
+    """Whether (a, b) is held out: a sha256 of the pair alone (not the seed, not the difficulty), so a
+    held-out pair is never a training pair whatever the seed or difficulty."""
     digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
     return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
 
@@ -80,13 +62,9 @@ def _split_pairs(difficulty: int, split: str) -> tuple[tuple[int, int], ...]:
 
 
 def arithmetic_problems(n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Problem]:
-    """`n` addition problems "a+b" with answer str(a+b), deterministic in `seed`.
-
-    Pairs are drawn without replacement from the split while n fits in it. If n
-    exceeds the split size (difficulty 1 has 327 train / 73 held-out pairs),
-    the split is reshuffled and drawn again, so pairs repeat; repeats get ids
-    with a "-r1", "-r2", ... suffix so that ids stay unique.
-    """
+    """``n`` addition problems "a+b" -> str(a+b), deterministic in ``seed``: drawn without replacement
+    from the split, then again from a reshuffle (difficulty 1 has 327 train / 73 held-out pairs), repeats
+    with ids suffixed "-r1", "-r2", ... so that ids stay unique."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     pairs = _split_pairs(difficulty, split)
@@ -103,13 +81,8 @@ def arithmetic_problems(n: int, seed: int, difficulty: int = 1, split: str = "tr
 
 
 def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
-    """A label for the supervised warm start: right with prob 1 - p_wrong.
-
-    Otherwise the answer is off by 1, 2 or 10 in either direction, never the
-    right one and never negative. Plausible near-misses (rather than random
-    numbers) give the warm-started model a spread of answers around the truth,
-    which is what lets sparse exact-match reward find the right one (a measured feasibility check).
-    """
+    """A warm-start label: right with prob 1 - p_wrong, else off by 1, 2 or 10 (never negative). Near-misses
+    give the warm-started model a spread of answers around the truth for sparse reward to sharpen."""
     value = int(answer)
     if rng.random() >= p_wrong:
         return answer
@@ -117,10 +90,7 @@ def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
     return str(rng.choice(candidates))
 
 
-# ---------------------------------------------------------------------------
-# JSONL files
-# ---------------------------------------------------------------------------
-
+# -- JSONL files -----------------------------------------------------------------------------------------
 _JSONL_HINT = 'each line must be one JSON object with "problem" and "answer"'
 
 
@@ -152,12 +122,9 @@ def _chat_to_text(prompt) -> str | None:
 
 
 def load_jsonl(path) -> list[Problem]:
-    """Problems from a JSONL file: one object per line with "problem" (or
-    "prompt") and "answer", optionally "id" (default: "<file stem>-<line no>").
-
-    Blank lines are skipped. Any bad line raises ValueError with a one-line
-    message naming the file, the line number, what is wrong and how to fix it.
-    """
+    """Problems from a JSONL file: one object per line with "problem" (or "prompt") and "answer",
+    optionally "id" (default "<file stem>-<line no>"). A bad line raises ValueError in one line naming the
+    file, the line, what is wrong and how to fix it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -194,17 +161,11 @@ def load_jsonl(path) -> list[Problem]:
     return problems
 
 
-# ---------------------------------------------------------------------------
-# Public datasets by name
-# ---------------------------------------------------------------------------
-
+# -- Public datasets by name -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a named dataset lives on the Hub and which fields hold what.
-
-    Field names may be dotted paths into nested records ("reward_model.ground_truth").
-    """
+    """Where a named dataset lives on the Hub and which (dotted: "reward_model.ground_truth") fields hold what."""
     hub_id: str
     configs: tuple  # (None,) for the default config; several are concatenated
     split: str
@@ -214,10 +175,8 @@ class DatasetSpec:
     dedupe: bool = False  # drop repeated problem texts
 
 
-# The schemas below are taken from the dataset cards. DAPO-Math-17k stores the
-# problem as a chat list whose user turn wraps it in a fixed instruction, and
-# the published copy repeats each problem many times (1.79M rows for ~17k
-# problems), hence dedupe.
+# From the dataset cards. DAPO-Math-17k stores a chat list whose user turn wraps the problem in an
+# instruction, and repeats each problem many times (1.79M rows for ~17k problems): dedupe.
 DATASETS: dict[str, DatasetSpec] = {
     "dapo-math-17k": DatasetSpec("BytedTsinghua-SIA/DAPO-Math-17k", (None,), "train",
                                  "prompt", "reward_model.ground_truth", "extra_info.index", dedupe=True),
@@ -240,8 +199,8 @@ def canonical_dataset_name(name: str) -> str:
     key = name.strip().lower().replace("_", "-")
     key = DATASET_ALIASES.get(key, key)
     if key not in DATASETS:
-        aliases = lambda k: [a for a, v in DATASET_ALIASES.items() if v == k]
-        known = ", ".join(f"{k} ({'/'.join(aliases(k))})" if aliases(k) else k for k in DATASETS)
+        aliases = {k: [a for a, v in DATASET_ALIASES.items() if v == k] for k in DATASETS}
+        known = ", ".join(f"{k} ({'/'.join(aliases[k])})" if aliases[k] else k for k in DATASETS)
         raise ValueError(
             f"unknown dataset {name!r}; known names: {known}; or pass a JSONL file "
             f"({_JSONL_HINT}), e.g. data/aime24.jsonl"
@@ -259,10 +218,8 @@ def _get_field(row: dict, dotted: str):
     return value
 
 
-# DAPO's user turn is "Solve the following math problem step by step. ...\n\n
-# <problem>\n\nRemember to put your answer on its own line after "Answer:"."
-# Our agents bring their own prompt template, so keep only the problem; if the
-# wrapper ever changes, these patterns simply do not match and the text is kept.
+# DAPO's user turn: "Solve the following math problem step by step. ...\n\n<problem>\n\nRemember to put
+# your answer on its own line after "Answer:"." Our agents bring their own template: keep the problem.
 _DAPO_HEAD = re.compile(r"^Solve the following math problem[^\n]*\n\n", re.S)
 _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer[^\n]*$", re.S)
 
@@ -300,11 +257,8 @@ def rows_to_problems(rows, spec: DatasetSpec, prefix: str, limit: int | None = N
 
 
 def load_dataset_by_name(name: str, split: str | None = None, limit: int | None = None) -> list[Problem]:
-    """Problems of a public dataset (see DATASETS), downloaded via `datasets`.
-
-    Raises ValueError for an unknown name and RuntimeError (one line, saying to
-    pass a JSONL file instead) when the dataset cannot be fetched, e.g. offline.
-    """
+    """Problems of a public dataset (DATASETS) via ``datasets``: ValueError for an unknown name,
+    RuntimeError in one line (pass a JSONL file instead) when it cannot be fetched, e.g. offline."""
     key = canonical_dataset_name(name)
     spec = DATASETS[key]
     try:
@@ -329,9 +283,7 @@ def load_problems(spec: str) -> list[Problem]:
 
 
 
-# ---------------------------------------------------------------------------
-# A run's problems
-# ---------------------------------------------------------------------------
+# -- A run's problems ------------------------------------------------------------------------------------
 BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 

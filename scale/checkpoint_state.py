@@ -14,6 +14,7 @@ import torch
 from scale import distributed
 from team import Team
 
+
 def fp32_state(agent) -> list[torch.Tensor]:
     """This rank's part of the agent's fp32 training state, one tensor per
     parameter: the master weights of a bf16 agent where it has them (its shards

@@ -1,34 +1,18 @@
 """The vLLM engines across ranks: where each rank's engine runs, and the layer-by-layer weight push.
 
-Paper, Section 6.1 (the runs used four 80 GB GPUs) and Algorithm 1: line 4
-(ROLLOUT under pi_cur) is shared out over the ranks of a torchrun run, and
-after line 12 (promote pi_j,cur <- pi_tar^j) every rank's engine for agent j
-must sample from the promoted weights. ``rollout_vllm.py`` drives one engine
-per agent; this module holds what changes when there are several ranks, and
-the push that serves them all:
+Paper, Section 6.1 (four 80 GB GPUs) and Algorithm 1: ROLLOUT is shared out over the ranks of a
+torchrun run, and after the promotion of line 12 every rank's engine for agent j samples the new weights.
 
-- data parallel (``--vllm-tensor-parallel 1``, the default): each rank has
-  its own engine per agent, started with torchrun's variables hidden
-  (``engine_environment``) so vLLM's process group is its own, on CUDA on the
-  rank's own GPU; rank r generates blocks r, r + N, ... (``engine_blocks``);
-- tensor parallel (K > 1, CUDA): one engine spans K consecutive ranks through
-  vLLM's ``external_launcher`` (``start_llm``); the K ranks take the same
-  blocks; refused in one line where it cannot work (``check_tensor_parallel``);
-- the weight push, one group at a time (``push_layers``): the agent's own
-  parameters by decoder layer, or under torchrun
-  ``distributed.full_weights_by_layer`` of its FSDP2 shards, so no rank holds
-  a whole agent more than one layer at a time besides its engine;
-- what an engine starts from (``engine_source``), on every rank: a folder
-  where transformers did not write one (``write_engine_folder``);
-- sharded agents (``--shard-frozen``): an engine starts from the agent's
-  config with dummy weights (``sharded_engine_kwargs``), and every push is
-  gathered from the FSDP2 shards layer by layer (``push_layers``), a
-  collective, so it happens on every rank at once: at the start of the run and
-  after each promotion (``rollout_vllm.sync_weights``, staleness agreed over
-  the ranks), never lazily inside a generate call. The weight version of a
-  sharded agent is the fingerprint of this rank's shards
-  (``vllm_weights.weights_fingerprint`` of ``distributed.local_parameters``: no
-  collective).
+- data parallel (``--vllm-tensor-parallel 1``): each rank has its own engine per agent, started with
+  torchrun's variables hidden (``engine_environment``); rank r generates blocks r, r + N, ...
+  (``engine_blocks``);
+- tensor parallel (K > 1, CUDA): one engine spans K consecutive ranks through vLLM's
+  ``external_launcher`` (``start_llm``); the K ranks take the same blocks (``check_tensor_parallel``);
+- the push, one group at a time (``push_layers``): the agent's parameters by decoder layer, or
+  ``distributed.full_weights_by_layer`` of its FSDP2 shards (a collective), so no rank holds a whole
+  agent more than one layer at a time besides its engine;
+- sharded agents (``--shard-frozen``): the engine starts from the config with dummy weights
+  (``sharded_engine_kwargs``) and is fed from the shards at the start and after each promotion.
 
 vLLM is imported only inside the functions that start an engine.
 """
@@ -42,8 +26,9 @@ import torch
 from scale import distributed
 from scale.vllm_weights import check_group, layer_groups, parameter_specs, payload_for, vllm_group
 
-TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through vLLM's "
-                             "external launcher); on CPU use --vllm-tensor-parallel 1 (one engine per agent per rank)")
+TENSOR_PARALLEL_CPU_ERROR = ("--vllm-tensor-parallel > 1 needs CUDA GPUs (engines spanning several ranks through "
+                             "vLLM's external launcher); on CPU use --vllm-tensor-parallel 1 (one engine per agent "
+                             "per rank)")
 # What torchrun puts in a rank's environment. A data-parallel engine runs in its own processes with its own
 # one-process torch.distributed group: it must not see these, or it would try to join the trainers' group.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -52,21 +37,13 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-# ---------------------------------------------------------------------------
-# Several processes (torchrun): where each rank's engines run (pure)
-# ---------------------------------------------------------------------------
+# -- Several processes (torchrun): where each rank's engines run (pure) ----------------------------------
 def engine_environment(environ: dict, device: str, tensor_parallel: int = 1) -> dict:
-    """The environment a rank's engine starts in (its processes inherit it).
-
-    Data parallel (K = 1): the engine is this rank's own, in its own processes
-    with vLLM's own one-process torch.distributed group, so torchrun's
-    variables are removed (vLLM would otherwise read RANK / MASTER_* and try
-    to join the trainers' group), and on CUDA the engine sees only the rank's
-    GPU (CUDA_VISIBLE_DEVICES = the LOCAL_RANK-th visible device; it is the
-    engine's device 0, and IPC handles are opened there:
-    ``vllm_weights._materialize``). One process: unchanged. Tensor parallel
-    (K > 1): unchanged, the external launcher needs RANK, LOCAL_RANK and
-    MASTER_* to join torchrun's group."""
+    """The environment a rank's engine starts in (its processes inherit it). Data parallel under
+    torchrun: torchrun's variables removed (vLLM would read RANK / MASTER_* and join the trainers'
+    group) and on CUDA only the rank's GPU visible (the LOCAL_RANK-th; the engine's device 0, where IPC
+    handles are opened: ``vllm_weights._materialize``). One process, or tensor parallel (the external
+    launcher joins torchrun's group): unchanged."""
     env = dict(environ)
     if tensor_parallel > 1 or int(env.get("WORLD_SIZE", "1")) <= 1:
         return env
@@ -83,11 +60,9 @@ def engine_environment(environ: dict, device: str, tensor_parallel: int = 1) -> 
 
 
 def check_tensor_parallel(tensor_parallel: int, world: int, device: str, n_blocks: int, reuse: str) -> None:
-    """One line for a --vllm-tensor-parallel K that cannot work: K >= 1; K > 1
-    needs CUDA; K must divide the number of processes (an engine spans K
-    consecutive ranks); there must be at least one rollout block per engine
-    group; ``--reuse regenerate`` redraws on rank 0 alone, which a K-rank
-    engine cannot serve."""
+    """One line for a --vllm-tensor-parallel K that cannot work: K >= 1; K > 1 needs CUDA and must
+    divide the number of processes (an engine spans K consecutive ranks); at least one rollout block per
+    engine group; not with ``--reuse regenerate`` (rank 0 redraws alone)."""
     if tensor_parallel < 1:
         raise ValueError(f"--vllm-tensor-parallel must be >= 1 (got {tensor_parallel})")
     if tensor_parallel == 1:
@@ -98,26 +73,24 @@ def check_tensor_parallel(tensor_parallel: int, world: int, device: str, n_block
         raise ValueError(f"--vllm-tensor-parallel {tensor_parallel} must divide the number of processes ({world}): "
                          "each engine spans that many consecutive ranks")
     if n_blocks < world // tensor_parallel:
-        raise ValueError(f"--rollout-blocks {n_blocks} leaves engine groups idle: use at least {world // tensor_parallel} "
-                         f"(processes / --vllm-tensor-parallel)")
+        raise ValueError(f"--rollout-blocks {n_blocks} leaves engine groups idle: use at least "
+                         f"{world // tensor_parallel} (processes / --vllm-tensor-parallel)")
     if reuse == "regenerate":
-        raise ValueError("--reuse regenerate is not supported with --vllm-tensor-parallel > 1 yet (rank 0 redraws alone, "
-                         "a tensor-parallel engine needs all its ranks): use --reuse weights, or --vllm-tensor-parallel 1")
+        raise ValueError("--reuse regenerate is not supported with --vllm-tensor-parallel > 1 yet (rank 0 redraws "
+                         "alone, a tensor-parallel engine needs all its ranks): use --reuse weights, or "
+                         "--vllm-tensor-parallel 1")
 
 
 def engine_blocks(n_blocks: int, rank: int, world: int, tensor_parallel: int = 1) -> range:
-    """The rollout blocks this rank generates: rank r of N takes blocks r, r + N,
-    ... (data parallel); with K-rank tensor-parallel engines, the K ranks of
-    engine group g = r // K all take blocks g, g + N/K, ... (they run one
-    engine together, each receiving every output)."""
+    """The rollout blocks of rank r of N: r, r + N, ... (data parallel); with K-rank tensor-parallel
+    engines the K ranks of engine group g = r // K all take g, g + N/K, ... (one engine, every output)."""
     groups = world // tensor_parallel
     return range(rank // tensor_parallel, n_blocks, groups)
 
 
 class _environment:
-    """``os.environ`` made ``env`` for the duration (while an engine's processes
-    are spawned): only the variables that differ are removed or set, and only
-    they are put back afterwards (what vLLM sets meanwhile stays)."""
+    """``os.environ`` made ``env`` while an engine's processes are spawned: only the variables that
+    differ are removed or set, and only they are put back (what vLLM sets meanwhile stays)."""
 
     def __init__(self, env: dict):
         self.env = env
@@ -139,15 +112,12 @@ def engine_in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
 
-# ---------------------------------------------------------------------------
-# Starting a rank's engine
-# ---------------------------------------------------------------------------
+# -- Starting a rank's engine ----------------------------------------------------------------------------
 def prepare_environment() -> None:
-    """Before the first engine starts: let the engine processes import the
-    worker extension whatever their working directory; keep vLLM's
-    processes talking over loopback (one node); quiet vLLM's info logs
-    unless the user asked for them."""
-    here = str(Path(__file__).resolve().parent)
+    """Before the first engine starts: the engine processes can import the worker extension
+    (``scale.vllm_weights``) whatever their working directory; vLLM's processes talk over loopback;
+    vLLM's info logs are quiet unless the user asked for them."""
+    here = str(Path(__file__).resolve().parents[1])  # the repository root, above scale/
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if here not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([here] + paths)
@@ -164,10 +134,9 @@ def engine_platform() -> tuple[str, bool]:
 
 
 def start_llm(kwargs: dict, device: str, tensor_parallel: int = 1):
-    """``vllm.LLM(**kwargs)`` started where this rank's engine runs: in this
-    process, in torchrun's group, for a K-rank tensor-parallel engine (the
-    external launcher); else in its own processes, spawned in the rank's
-    engine environment (``engine_environment``)."""
+    """``vllm.LLM(**kwargs)`` where this rank's engine runs: in this process, in torchrun's group, for a
+    K-rank tensor-parallel engine (the external launcher); else in its own processes, spawned in the
+    rank's ``engine_environment``."""
     from vllm import LLM  # optional extra
 
     if tensor_parallel > 1:  # the external launcher runs the engine in this process, in torchrun's group
@@ -178,10 +147,9 @@ def start_llm(kwargs: dict, device: str, tensor_parallel: int = 1):
 
 
 def engine_source(agent, tmp_root: str) -> str:
-    """What an engine is created from: the agent's checkpoint folder or hub
-    id; an agent built in memory (tiny) is written to a temporary folder (on
-    every rank; a sharded agent's as its config only, ``write_engine_config``).
-    Only its architecture matters: the in-memory weights are pushed right after."""
+    """What an engine is created from: the agent's checkpoint folder or hub id, or for an agent built in
+    memory (tiny) a temporary folder on every rank (a sharded agent's config only). Only the architecture
+    matters: the in-memory weights are pushed right after."""
     spec = agent.spec
     if spec.kind in ("local", "hub"):
         return spec.source
@@ -191,15 +159,14 @@ def engine_source(agent, tmp_root: str) -> str:
     if not (path / "config.json").exists():
         agent.model.save_pretrained(path)
         agent.tokenizer.save_pretrained(path)
-    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank needs its own
+    if not (path / "config.json").exists():  # under torchrun transformers writes on rank 0 only: every rank its own
         write_engine_folder(agent.model, path)
     return str(path)
 
 
 def write_engine_folder(model, path: Path) -> None:
-    """The config and weights an engine starts from, written by this rank:
-    under torchrun transformers' ``save_pretrained`` writes on rank 0 only,
-    and every rank's engine needs a folder."""
+    """The config and weights an engine starts from, written by this rank (under torchrun
+    ``save_pretrained`` writes on rank 0 only)."""
     from safetensors.torch import save_file
 
     model.config.save_pretrained(path)
@@ -207,16 +174,12 @@ def write_engine_folder(model, path: Path) -> None:
     save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})  # under its embedding name
 
 
-# ---------------------------------------------------------------------------
-# The weight push, one layer at a time
-# ---------------------------------------------------------------------------
+# -- The weight push, one layer at a time ----------------------------------------------------------------
 def push_layers(llm, model, name: str) -> None:
-    """Push a model's weights into its engine one group at a time: groups of
-    (HF name, whole tensor), the model's own parameters by decoder layer
-    (``vllm_weights.layer_groups``), for a sharded model
-    ``distributed.full_weights_by_layer`` of its FSDP2 shards (a collective). Each group is
-    checked (names, shapes, dtype, nothing twice) before it is sent and the
-    push must cover every parameter; the engine loads it layerwise."""
+    """Push a model's weights into its engine one group of (HF name, whole tensor) at a time: its
+    parameters by decoder layer (``vllm_weights.layer_groups``), or for a sharded model
+    ``distributed.full_weights_by_layer`` of its FSDP2 shards (a collective). Each group is checked
+    (names, shapes, dtype, nothing twice) before it is sent; the push must cover every parameter."""
     groups = None
     if distributed.is_sharded(model):  # --shard-frozen: whole tensors one FSDP2 unit at a time, on every rank at once
         groups = distributed.full_weights_by_layer(model)
@@ -246,19 +209,15 @@ def push_layers(llm, model, name: str) -> None:
                            f"(e.g. {missing[:3]}): the weight names do not match this model class")
 
 
-# ---------------------------------------------------------------------------
-# Sharded agents (--shard-frozen)
-# ---------------------------------------------------------------------------
+# -- Sharded agents (--shard-frozen) ---------------------------------------------------------------------
 def sharded_engine_kwargs(model) -> dict:
-    """``vllm.LLM`` overrides for a sharded agent's engine: dummy weights
-    (nothing read from disk, no whole copy written by the trainer); the real
-    ones arrive by the first push, from the shards."""
+    """``vllm.LLM`` overrides for a sharded agent's engine: dummy weights (nothing read from disk, no
+    whole copy written); the real ones arrive by the first push, from the shards."""
     return {"load_format": "dummy"} if distributed.is_sharded(model) else {}
 
 
 def write_engine_config(model, path: Path) -> None:
-    """A sharded agent's engine folder: its config only (dummy weights), with
-    the architecture that ``save_pretrained`` records (vLLM picks its model
+    """A sharded agent's engine folder: its config only, naming the architecture (vLLM picks its model
     class by it; without it a tiny agent's engine is taken for a pooling model)."""
     lm = getattr(model, "lm", model)
     lm.config.architectures = [type(lm).__name__]

@@ -1,26 +1,19 @@
 """Weights for the vLLM engines: names, versions, transport, and the engine-side loader.
 
-Paper, Algorithm 1, line 12 (promote pi_j,cur <- pi_tar^j): from the moment an
-agent is promoted, every later rollout (the next stage's, or the resampled one
-with ``--resample``) must sample from the promoted weights. This module holds
-what that takes with vLLM, split from ``rollout_vllm.py`` (the engines):
+Paper, Algorithm 1, line 12 (promote pi_j,cur <- pi_tar^j): from then on every rollout samples the
+promoted weights. What that takes with vLLM:
 
 - names: the checkpoint names vLLM's model classes load (``vllm_weight_name``);
-- versions: a fingerprint of the training weights and a version per agent,
-  so a generate call can refuse an engine that holds other weights;
-- transport, by device: on CUDA the engine maps the training parameters by
-  IPC handles (no copy); on CPU the tensors themselves travel, pickled by us
-  into one bytes object (vLLM's message encoding passes bytes as they are,
-  but not tensors whose memory it does not own); in-process engines get the
-  tensors directly;
-- ``WeightSyncExtension``: mixed into vLLM's worker (``worker_extension_cls``)
-  and called by name through ``LLM.collective_rpc``. It reloads with the
-  worker's ``reload_weights`` (layerwise reload: the post-load processing of
-  each layer runs again, which CPU kernels need because they keep repacked
-  copies of the weights) and reports any parameter that was not loaded.
+- versions: a fingerprint of the training weights and a version per agent, so that a generate call
+  refuses an engine that holds other weights;
+- transport: CUDA IPC handles (no copy); on CPU the tensors pickled by us into one bytes object
+  (vLLM forwards bytes unchanged, not tensors whose memory it does not own); in-process engines get
+  the tensors themselves;
+- ``WeightSyncExtension``, mixed into vLLM's worker (``worker_extension_cls``) and called through
+  ``LLM.collective_rpc``: a layerwise reload (CPU kernels keep repacked copies of the weights, so the
+  post-load processing must run again) that reports any parameter not loaded.
 
-Only this process's own payloads are unpickled by the engine. Nothing here
-imports vLLM, so the module and its tests run without it.
+The engine unpickles only this process's own payloads. Nothing here imports vLLM.
 """
 from __future__ import annotations
 
@@ -34,18 +27,11 @@ EXTENSION_CLS = "scale.vllm_weights.WeightSyncExtension"  # imported by name ins
 WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.")
 
 
-# ---------------------------------------------------------------------------
-# Names and tensors
-# ---------------------------------------------------------------------------
+# -- Names and tensors -----------------------------------------------------------------------------------
 def vllm_weight_name(name: str, tie_word_embeddings: bool) -> str | None:
-    """The checkpoint name vLLM's ``load_weights`` expects for one HF
-    parameter name, or None for what must not be sent.
-
-    vLLM's model classes load *checkpoint* names (``model.layers.0.self_attn.q_proj.weight``)
-    and fuse q/k/v and gate/up themselves, so the HF names pass through;
-    wrapper prefixes are stripped, RoPE buffers are dropped (vLLM computes
-    its own), and with tied embeddings ``lm_head`` is dropped (it is the
-    embedding matrix; the checkpoint has no such tensor)."""
+    """The checkpoint name vLLM's ``load_weights`` expects for an HF parameter name, or None for what is
+    not sent. vLLM fuses q/k/v and gate/up itself, so HF names pass through; wrapper prefixes are
+    stripped, RoPE buffers dropped (vLLM computes its own), and a tied ``lm_head`` dropped."""
     stripped = True
     while stripped:
         stripped = False
@@ -60,8 +46,7 @@ def vllm_weight_name(name: str, tie_word_embeddings: bool) -> str | None:
 
 
 def weights_for_vllm(model) -> list[tuple[str, torch.Tensor]]:
-    """(vLLM name, tensor) for every parameter to push; the tensors are the
-    training parameters themselves (detached, no copy)."""
+    """(vLLM name, tensor) of every parameter to push: the training parameters themselves, detached."""
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     out = []
     for name, p in model.named_parameters():
@@ -72,10 +57,8 @@ def weights_for_vllm(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def layer_groups(model) -> list[list[tuple[str, torch.Tensor]]]:
-    """A model's parameters in the order of ``distributed.full_weights_by_layer``:
-    first everything outside the decoder layers (embeddings, final norm, an
-    untied head), then one group per decoder layer; HF names, the tensors
-    themselves. A push in these groups sends one layer's bytes at a time."""
+    """A model's parameters in the order of ``distributed.full_weights_by_layer``: everything outside the
+    decoder layers (embeddings, final norm, an untied head), then one group per decoder layer."""
     named = list(model.named_parameters())
     layers = {}
     root = []
@@ -90,8 +73,7 @@ def layer_groups(model) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 def parameter_specs(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """vLLM name -> (shape, dtype) of every parameter a push must deliver:
-    what an engine built for this model expects (``check_group``)."""
+    """vLLM name -> (shape, dtype) of every parameter a push must deliver (``check_group``)."""
     return {name: (tuple(t.shape), t.dtype) for name, t in weights_for_vllm(model)}
 
 
@@ -101,10 +83,8 @@ def vllm_group(group, tied: bool) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_group(named: list[tuple[str, torch.Tensor]], specs: dict, seen: set) -> None:
-    """Before a group is sent: every name is a parameter of the agent, not
-    sent before in this push, with the agent's shape and dtype (a group cast
-    to another dtype, or a layer of another model, would load wrongly or fail
-    deep inside the engine)."""
+    """Before a group is sent: every name is a parameter of the agent, not sent before in this push, with
+    the agent's shape and dtype (anything else would load wrongly or fail deep inside the engine)."""
     for name, t in named:
         if name not in specs:
             raise RuntimeError(f"weight push: {name!r} is not a parameter of the agent's model (names must be the "
@@ -118,23 +98,17 @@ def check_group(named: list[tuple[str, torch.Tensor]], specs: dict, seen: set) -
         seen.add(name)
 
 
-# ---------------------------------------------------------------------------
-# Versions
-# ---------------------------------------------------------------------------
+# -- Versions --------------------------------------------------------------------------------------------
 @torch.no_grad()
 def weights_fingerprint(params) -> tuple[float, ...]:
-    """Per-parameter float64 sums of a model's ``params``: any optimizer step
-    or line-search interpolation changes them, a bit-exact restore gives them
-    back. One read of the weights (milliseconds on a GPU), one host sync. A
-    sharded model's are this rank's shards (``distributed.local_parameters``):
-    a DTensor sum would be a collective."""
+    """Per-parameter float64 sums: any optimizer step or line-search interpolation changes them. A sharded
+    model's ``params`` are this rank's shards (``distributed.local_parameters``: no collective)."""
     sums = [p.detach().sum(dtype=torch.float64) for p in params]
     return tuple(torch.stack(sums).tolist()) if sums else ()
 
 
 class VersionBook:
-    """Weight versions per key (agent): 0 at the first observation, +1 each
-    time an observed fingerprint differs from the previous one."""
+    """Weight versions per key (agent): 0 at the first observation, +1 at each new fingerprint."""
 
     def __init__(self):
         self._seen: dict = {}  # key -> (version, fingerprint)
@@ -151,56 +125,44 @@ class VersionBook:
 
 
 def check_in_sync(engine_version: int, agent_version: int, name: str) -> None:
-    """The invariant checked before every generate call: an engine never
-    samples from weights other than the agent's current ones."""
+    """Before every generate: an engine never samples from weights other than the agent's current ones."""
     if engine_version != agent_version:
         held = "its checkpoint's weights (never pushed)" if engine_version < 0 else f"weight version {engine_version}"
         raise RuntimeError(
             f"agent {name}: its vLLM engine holds {held} but the agent is at version {agent_version}: refusing to "
-            "sample from stale weights; call rollout_vllm.sync_weights(agent) after changing the agent's weights"
+            "sample from stale weights; call backend.sync(agent) after changing the agent's weights"
         )
 
 
-# ---------------------------------------------------------------------------
-# Transport (trainer side)
-# ---------------------------------------------------------------------------
+# -- Transport (trainer side) ----------------------------------------------------------------------------
 def ipc_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
-    """CUDA IPC handles for the engine process, pickled into one bytes
-    object: the engine maps the training parameters' memory instead of
-    receiving a copy."""
+    """CUDA IPC handles, pickled into one bytes object: the engine maps the training parameters' memory."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     return pickle.dumps([(name, reduce_tensor(t)) for name, t in named_tensors])
 
 
 def cpu_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
-    """The tensors themselves (their data), pickled into one bytes object.
-    vLLM cannot forward raw tensors from its message decoder to the worker
-    process (their memory belongs to the received message), so they travel
-    as bytes, which it forwards unchanged."""
+    """The tensors' data pickled into one bytes object (vLLM cannot forward raw tensors from its message
+    decoder to the worker: their memory belongs to the message)."""
     return pickle.dumps([(name, t.detach().cpu().contiguous()) for name, t in named_tensors])
 
 
 def payload_for(named_tensors: list[tuple[str, torch.Tensor]], in_process: bool):
-    """What ``collective_rpc`` carries: the tensors (in-process engine),
-    IPC handles (CUDA tensors), or the tensors' bytes (CPU tensors)."""
+    """What ``collective_rpc`` carries: the tensors (in-process), IPC handles (CUDA) or bytes (CPU)."""
     if in_process:
         return named_tensors
     on_cuda = any(t.is_cuda for _, t in named_tensors)
     return ipc_payload(named_tensors) if on_cuda else cpu_payload(named_tensors)
 
 
-# ---------------------------------------------------------------------------
-# Engine side: runs inside each engine's worker process
-# ---------------------------------------------------------------------------
+# -- Engine side: runs inside each engine's worker process -----------------------------------------------
 IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
 
 def _materialize(obj):
-    """A tensor, or a CUDA IPC handle from ``reduce_tensor`` (rebuild function, args).
-    A handle names the trainer's device index; an engine pinned to the rank's
-    GPU (``vllm_ranks.engine_environment``: CUDA_VISIBLE_DEVICES) sees that
-    GPU as its device 0, so the handle is opened on the engine's own device."""
+    """A tensor, or a CUDA IPC handle (rebuild function, args) opened on the engine's own device: an engine
+    pinned to the rank's GPU (``vllm_ranks.engine_environment``) sees it as device 0, not the trainer's."""
     if isinstance(obj, torch.Tensor):
         return obj
     rebuild, args = obj
@@ -211,8 +173,7 @@ def _materialize(obj):
 
 
 def _unpack(payload) -> list:
-    """(name, tensor-or-handle) pairs: as sent in-process, or from the bytes of a payload
-    (written by our own training process, hence safe to unpickle)."""
+    """(name, tensor-or-handle) pairs, as sent in-process or from a payload's bytes (our own process's)."""
     if isinstance(payload, memoryview):
         payload = payload.tobytes()
     return pickle.loads(payload) if isinstance(payload, (bytes, bytearray)) else list(payload)
@@ -226,11 +187,9 @@ def _engine_model(worker):
 
 
 def refresh_packed_copies(model) -> list[str]:
-    """CPU kernels keep a repacked copy of some weights next to the weight
-    itself (the embedding / tied LM head); a layerwise reload processes a
-    tied matrix once, through the embedding, so the LM head's copy would keep
-    the old values. Re-run the post-load processing of every module that
-    still holds its weight and a CPU kernel. Returns their names."""
+    """Re-run the post-load processing of every module that still holds its weight and a CPU kernel, and
+    return their names: a layerwise reload processes a tied matrix once (through the embedding), so the
+    LM head's repacked copy would keep the old values."""
     refreshed = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -243,13 +202,11 @@ def refresh_packed_copies(model) -> list[str]:
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker via ``worker_extension_cls``; its methods
-    are called by name with ``LLM.collective_rpc``."""
+    """Mixed into vLLM's worker (``worker_extension_cls``); called by name with ``LLM.collective_rpc``."""
 
     def sat_load_weights(self, payload) -> list[str] | None:
-        """Load (name, tensor-or-IPC-handle) pairs into the engine's model.
-        Returns the engine parameters that were NOT loaded (must be empty),
-        or None when this vLLM's load_weights does not report what it loaded."""
+        """Load (name, tensor-or-IPC-handle) pairs into the engine's model; the engine parameters NOT loaded
+        (must be empty), or None when this vLLM's load_weights does not report what it loaded."""
         weights = [(name, _materialize(obj)) for name, obj in _unpack(payload)]
         model = _engine_model(self)
         expected = {name for name, _ in model.named_parameters()}
@@ -282,12 +239,9 @@ class WeightSyncExtension:
 
     # -- a push in groups (one decoder layer at a time) ------------------------------------------
     def sat_begin_push(self) -> bool:
-        """Start a push in groups (``sat_load_group`` per group, then
-        ``sat_end_push``). With vLLM's layerwise reload each layer is processed
-        (CPU repacking included) as soon as its last tensor arrives and the
-        received tensors are dropped, so the engine never holds a second copy
-        of the model; without it (an older vLLM) the groups are collected and
-        loaded at the end. Returns whether the push is layerwise."""
+        """Start a push in groups (``sat_load_group`` each, then ``sat_end_push``). With vLLM's layerwise
+        reload each layer is processed as soon as its last tensor arrives, so the engine never holds a
+        second copy of the model; without it the groups are loaded at the end. Returns whether layerwise."""
         self._sat_push = {"loaded": set(), "pending": [], "layerwise": None}
         api = _layerwise_api() if callable(getattr(self, "reload_weights", None)) else None
         if api is not None:
@@ -312,8 +266,7 @@ class WeightSyncExtension:
         del weights
 
     def sat_end_push(self) -> list[str] | None:
-        """Finish the push; the engine parameters that were NOT loaded (must
-        be empty), or None when load_weights does not report them."""
+        """Finish the push; the engine parameters NOT loaded (must be empty), or None when unreported."""
         push, self._sat_push = self._sat_push, None
         if push["layerwise"] is None:
             return self.sat_load_weights(push["pending"])
@@ -328,8 +281,10 @@ class WeightSyncExtension:
 def _layerwise_api():
     """(initialize, finalize) of vLLM's layerwise in-place reload, or None in a vLLM without it."""
     try:
-        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                       initialize_layerwise_reload)
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
     except ImportError:
         return None
     return initialize_layerwise_reload, finalize_layerwise_reload

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None, print_blob=True)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import sat
 import bounds
+import sat
 from advantage import credit_correlation
 from grading import answers_match, majority_vote, vote_reward
 from logprobs import batched_response_logprobs

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 import eval_aime
-from scale import memory
 import sat
 import team as team_module
+from scale import memory
 from team import Agent
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,8 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import eval_aime
-from eval_aime import (bootstrap_ci, chunk_seed, majority_correct, pass_at_k, plan_chunks, problem_metrics,
-                       read_predictions, summarize)
+from eval_aime import (
+    bootstrap_ci,
+    chunk_seed,
+    majority_correct,
+    pass_at_k,
+    plan_chunks,
+    problem_metrics,
+    read_predictions,
+    summarize,
+)
 from grading import answers_match, extract_answer
 from tasks import Problem
 from team import Agent, Team, TeamConfig
@@ -87,7 +95,8 @@ def test_summary_from_rows_by_hand():
 
 def test_chunk_plan_and_seeds():
     plan = plan_chunks(n_problems=3, k=5, batch_problems=2, sample_chunk=2)
-    assert [(list(p), list(s), c) for p, s, c in plan][:3] == [([0, 1], [0, 1], 0), ([0, 1], [2, 3], 1), ([0, 1], [4], 2)]
+    first = [([0, 1], [0, 1], 0), ([0, 1], [2, 3], 1), ([0, 1], [4], 2)]
+    assert [(list(p), list(s), c) for p, s, c in plan][:3] == first
     assert sum(len(p) * len(s) for p, s, _ in plan) == 15
     assert chunk_seed(0, "aime24", 0, 0) == chunk_seed(0, "aime24", 0, 0) != chunk_seed(0, "aime24", 0, 1)
 
@@ -124,8 +133,8 @@ def test_end_to_end_tiny_team(tmp_path, protocol, capsys):
     printed = capsys.readouterr().out
     assert "| aime24 | team |" in printed and "hit --max-new-tokens 8" in printed  # 8 tokens truncate: warned
     # A second run with the same flags finds everything written and generates nothing.
-    assert eval_aime.main(["--agents", "tiny x3", "--data", str(AIME24), "--limit", "5", "--k", "2", "--max-new-tokens", "8",
-                           "--device", "cpu", "--out", str(out), "--protocol", protocol]) == 0
+    assert eval_aime.main(["--agents", "tiny x3", "--data", str(AIME24), "--limit", "5", "--k", "2",
+                           "--max-new-tokens", "8", "--device", "cpu", "--out", str(out), "--protocol", protocol]) == 0
     assert "to generate" not in capsys.readouterr().out
 
 
@@ -140,8 +149,10 @@ def test_resume_after_interruption_gives_the_same_summary(tmp_path):
     (cut / "predictions.jsonl").write_text("".join(lines[:13]) + lines[13][: len(lines[13]) // 2])
     _, resumed = run_cli(tmp_path, "cut", "--sample-chunk", "1")
     assert resumed == expected
-    key = lambda r: (r["problem_id"], r["sample"], r["who"])
-    read = lambda d: sorted((json.loads(x) for x in (d / "predictions.jsonl").read_text().splitlines()), key=key)
+    def read(d):
+        rows = (json.loads(x) for x in (d / "predictions.jsonl").read_text().splitlines())
+        return sorted(rows, key=lambda r: (r["problem_id"], r["sample"], r["who"]))
+
     assert read(cut) == read(full)  # the very same samples, not just the same numbers
 
 
@@ -170,8 +181,8 @@ def test_unknown_bench_is_one_line(tmp_path, capsys):
 def test_offline_bench_says_how_to_pass_a_local_file(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "eval_aime.py", "--agents", "tiny x3", "--bench", "aime24", "--out", str(tmp_path / "o")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, "eval_aime.py", "--agents", "tiny x3", "--bench", "aime24", "--out", str(tmp_path / "o")]
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
     assert proc.returncode != 0 and "\n" not in err, err
     assert err.startswith("eval_aime.py: error:") and "--data data/aime24.jsonl" in err

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from logprobs import cut_at_eos, right_pad
+from rollout import SamplingConfig
 from scale import memory
 from scale import rollout_vllm as rv
 from scale import vllm_ranks as vr
 from scale import vllm_weights as vw
-from logprobs import cut_at_eos, right_pad
-from rollout import SamplingConfig
 
 
 def tiny_model(tied: bool, seed: int = 0):
@@ -34,17 +34,20 @@ def tiny_model(tied: bool, seed: int = 0):
 # -- optional dependency -----------------------------------------------------------
 def test_import_and_pure_helpers_do_not_import_vllm():
     code = (
-        "import sys, torch, rollout_vllm as rv\n"
-        "from rollout import SamplingConfig\n"
+        "import sys, torch\n"
+        "from scale import rollout_vllm as rv, vllm_ranks, vllm_weights\n"
+        "from rollout import SamplingConfig, make_backend\n"
         "rv.engine_memory_fractions(3, 0.4)\n"
         "rv.sampling_kwargs(SamplingConfig(), 1, 2)\n"
         "rv.engine_kwargs('m', 0.2, torch.bfloat16, 0, 128)\n"
         "rv.build_requests([[1, 2]])\n"
-        "import vllm_weights; vllm_weights.cpu_payload([('w', torch.ones(2))])\n"
-        "import vllm_ranks; vllm_ranks.engine_environment({}, 'cpu')\n"
+        "vllm_weights.cpu_payload([('w', torch.ones(2))])\n"
+        "vllm_ranks.engine_environment({}, 'cpu')\n"
+        "make_backend('vllm', 2, 0).close()  # engines start at the first generate\n"
         "assert 'vllm' not in sys.modules, 'vllm was imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(importlib.import_module("rollout").__file__.rsplit("/", 1)[0]))
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   cwd=str(importlib.import_module("rollout").__file__.rsplit("/", 1)[0]))
 
 
 # -- memory fractions -----------------------------------------------------------------
@@ -182,7 +185,8 @@ def test_outputs_to_logprobs_and_health():
 
 # -- weight names and tensors --------------------------------------------------------------
 def test_vllm_weight_name_mapping():
-    assert vw.vllm_weight_name("model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert vw.vllm_weight_name(q, False) == q
     assert vw.vllm_weight_name("_orig_mod.module.model.norm.weight", False) == "model.norm.weight"
     assert vw.vllm_weight_name("lm_head.weight", tie_word_embeddings=True) is None
     assert vw.vllm_weight_name("lm_head.weight", tie_word_embeddings=False) == "lm_head.weight"
@@ -243,7 +247,7 @@ def test_fingerprint_and_versions_follow_the_weights():
     assert book.observe("a", vw.weights_fingerprint(model.parameters())) == 3
     assert book.version("a") == 3 and book.version("b") is None
     vw.check_in_sync(3, 3, "agent 1")
-    with pytest.raises(RuntimeError, match="stale weights.*sync_weights"):
+    with pytest.raises(RuntimeError, match=r"stale weights.*backend\.sync\(agent\)"):
         vw.check_in_sync(2, 3, "agent 1")
     with pytest.raises(RuntimeError, match="never pushed"):
         vw.check_in_sync(-1, 0, "agent 1")
@@ -285,7 +289,7 @@ def test_plan_shard_push():
 @pytest.mark.parametrize("sleep_mode", [True, False])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_wake_then_sleep_never_loads_from_disk(sleep_mode, sharded):
-    """Walk stages through the plans (as the registry runs them): every
+    """Walk stages through the plans (as VLLMBackend runs them): every
     rollout samples the agent's current weights, pushed from memory, whether
     the engine sleeps during training (CUDA) or stays resident (CPU), and
     whether a promotion's push waits for the next wake or (a sharded agent,
@@ -430,15 +434,48 @@ def test_engine_blocks_cover_every_block_once_per_engine(world, k):
 
 
 def test_blocks_of_rank_follows_the_engines(monkeypatch):
+    from rollout import HF, blocks_of_rank, make_backend
     from scale import distributed
-    from rollout import blocks_of_rank
 
     monkeypatch.setattr(distributed.STATE, "rank", 3)
     monkeypatch.setattr(distributed.STATE, "world", 4)
-    assert list(blocks_of_rank(8, SamplingConfig(backend="hf"))) == [3, 7]
-    assert list(blocks_of_rank(8, SamplingConfig(backend="vllm"))) == [3, 7]  # no registry: K = 1
-    monkeypatch.setattr(rv, "_REGISTRY", SimpleNamespace(tensor_parallel=2))
-    assert list(blocks_of_rank(8, SamplingConfig(backend="vllm"))) == [1, 3, 5, 7]  # engine group 1 of 2
+    assert list(blocks_of_rank(8, HF)) == [3, 7]
+    for k, blocks in ((1, [3, 7]), (2, [1, 3, 5, 7])):  # K = 2: engine group 1 of 2
+        backend = make_backend("vllm", 1, 0, tensor_parallel=k)
+        assert backend.tensor_parallel == k and list(blocks_of_rank(8, backend)) == blocks
+        backend.close()
+
+
+def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
+    """A turn carries its engine's log-probabilities, block by block through ``rollout_in_blocks`` (so
+    every row is compared, whichever rank generated it), and ``health`` compares them per agent with
+    the training model's behaviour log-probabilities; the HF backend has none to compare."""
+    from rollout import HF, HFBackend, rollout_in_blocks
+    from tasks import arithmetic_problems
+    from team import Agent, Team, TeamConfig
+
+    class ZeroEngine(HFBackend):  # HF samples; its "engine log-probs" are 0 (probability 1) for every token
+        def generate(self, agent, contexts, sampling):
+            self.last = super().generate(agent, contexts, sampling)
+            return self.last
+
+        def last_logprobs(self, agent):
+            return [[0.0] * len(r) for r in self.last]
+
+    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
+    torch.manual_seed(0)
+    batch = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3,
+                              backend=ZeroEngine())
+    vllm = rv.VLLMBackend(n_engines=2)
+    health = vllm.health(team, batch)
+    vllm.close()
+    for turn, h in zip(batch.turns, health):
+        assert [len(r) for r in turn.sampler_logprobs] == turn.response_mask.sum(1).tolist()  # every row, in order
+        mask = turn.response_mask.bool()
+        assert h == pytest.approx(float(-turn.behaviour_logprobs[mask].mean()), rel=1e-6)
+    plain = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3)
+    assert HF.health(team, plain) is None and all(t.sampler_logprobs is None for t in plain.turns)
 
 
 def test_tensor_parallel_engine_kwargs_and_refusals():
@@ -450,7 +487,8 @@ def test_tensor_parallel_engine_kwargs_and_refusals():
                          tensor_parallel=2)
     vr.check_tensor_parallel(1, 3, "cpu", 8, "regenerate")  # K = 1: anything goes
     vr.check_tensor_parallel(2, 4, "cuda:0", 2, "weights")
-    for args, needle in (((0, 2, "cuda", 8, "weights"), "must be >= 1"), ((2, 2, "cpu", 8, "weights"), "needs CUDA GPUs"),
+    for args, needle in (((0, 2, "cuda", 8, "weights"), "must be >= 1"),
+                         ((2, 2, "cpu", 8, "weights"), "needs CUDA GPUs"),
                          ((4, 6, "cuda", 8, "weights"), "must divide the number of processes (6)"),
                          ((2, 8, "cuda", 2, "weights"), "use at least 4"),
                          ((2, 4, "cuda", 8, "regenerate"), "--reuse regenerate is not supported")):
@@ -517,7 +555,8 @@ def test_push_in_groups_loads_everything_once_at_the_end_without_layerwise_reloa
     assert torch.count_nonzero(worker.model.a.weight - 3) > 0  # not yet loaded
     worker.sat_load_group(vw.cpu_payload([("b.weight", 4 * torch.ones(2, 2))]))
     assert worker.sat_end_push() == []
-    assert torch.equal(worker.model.a.weight, 3 * torch.ones(2, 2)) and torch.equal(worker.model.b.weight, 4 * torch.ones(2, 2))
+    assert torch.equal(worker.model.a.weight, 3 * torch.ones(2, 2))
+    assert torch.equal(worker.model.b.weight, 4 * torch.ones(2, 2))
     worker.sat_begin_push()
     worker.sat_load_group(vw.cpu_payload([("a.weight", torch.zeros(2, 2))]))
     assert worker.sat_end_push() == ["b.weight"]  # a push that misses a parameter is reported
@@ -548,7 +587,9 @@ def test_environment_swap_restores_only_what_it_changed(monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     with vr._environment(vr.engine_environment(dict(os.environ), "cuda")):
-        assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ and os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+        assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
         os.environ["SET_BY_VLLM"] = "0"  # what the engine's constructor sets in this process stays
-    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,6" and os.environ["SET_BY_VLLM"] == "0"
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert os.environ["SET_BY_VLLM"] == "0"
     monkeypatch.delenv("SET_BY_VLLM")

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from test_sat import small_config
 
 import sat
 from logprobs import measure_kl
@@ -14,8 +15,6 @@ from scale.distributed import configure_threads
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig, warm_start
 from trust_region import QuantileController, kl_quantile
-
-from test_sat import small_config
 
 
 def warm_team(protocol: str, steps: int) -> Team:
@@ -69,6 +68,7 @@ def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():
 def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
     """The warm start written out as one loop per agent, each step's batch drawn right before it."""
     import random
+
     from advantage import masked_mean
     from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
     from tasks import noisy_label
@@ -106,6 +106,7 @@ def test_warm_start_trains_each_agent_on_its_own_stream(protocol):
 def test_padding_matches_a_row_by_row_loop():
     """logprobs.left_pad / right_pad (one masked write) against a per-row loop."""
     import random
+
     from logprobs import left_pad, right_pad
     rng = random.Random(0)
     for _ in range(200):

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sat import strip_timing
 
 import sat
 from records import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
-from test_sat import strip_timing
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--agents", "tiny x2", "--warmup-steps", "20", "--batch-size", "32", "--group-size", "4", "--eval-size", "16",
@@ -77,8 +77,9 @@ def test_overwrite_replaces_the_run(tmp_path):
 def test_pruning_keeps_the_new_folder_and_the_one_before_it(tmp_path, straight):
     _, run = straight
     team_dir = latest_checkpoint(run)
-    from records import load_checkpoint
     import torch
+
+    from records import load_checkpoint
 
     team, _, rng, controllers = load_checkpoint(team_dir, "cpu", torch.float32)
     out = tmp_path / "r"

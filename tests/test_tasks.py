@@ -7,14 +7,25 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grading  # noqa: E402
 from grading import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
 from tasks import (  # noqa: E402
-    DATASETS, DIFFICULTY_RANGES, Problem, arithmetic_problems, canonical_dataset_name, is_heldout_pair,
-    load_dataset_by_name, load_jsonl, load_problems, noisy_label, row_to_problem, rows_to_problems,
+    DATASETS,
+    DIFFICULTY_RANGES,
+    Problem,
+    arithmetic_problems,
+    canonical_dataset_name,
+    is_heldout_pair,
+    load_dataset_by_name,
+    load_jsonl,
+    load_problems,
+    noisy_label,
+    row_to_problem,
+    rows_to_problems,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -232,8 +243,8 @@ def test_extract_final_only_and_truncation(text, lenient, final):
 
 
 def test_team_extract_uses_the_final_answer_rule_for_boxed_instructions():
-    from team import Team, TeamConfig
     from tasks import BOXED_INSTRUCTION
+    from team import Team, TeamConfig
 
     boxed = Team([object()], TeamConfig(instruction=BOXED_INSTRUCTION))
     bare = Team([object()], TeamConfig(instruction=""))

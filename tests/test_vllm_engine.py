@@ -4,7 +4,7 @@ Paper, Section 3 / Algorithm 1: rollouts sample pi_cur, and after a promotion
 (line 12) the promoted agent's engine samples its new weights. Checked here:
 well-formed, seeded generation; vLLM's log-probabilities of sampled tokens
 equal the training model's (fp32: mean |diff| below BOUND); after a training
-step the engine is refused until ``sync_weights`` and then agrees again; two
+step the engine is refused until ``sync`` and then agrees again; two
 agents have two engines with separate weights; ``sat.py`` and
 ``eval_aime.py`` run with ``--backend vllm``.
 
@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from scale import rollout_vllm as rv  # noqa: E402
 from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
+from scale import rollout_vllm as rv  # noqa: E402
 from team import Agent  # noqa: E402
 
 BOUND = 1e-4  # fp32 engine vs fp32 training model: mean |log pi_vllm - log pi_train| per sampled token
@@ -36,13 +36,13 @@ def engine_device() -> str:
 
 @pytest.fixture(scope="module")
 def team2():
-    """Two tiny agents (different seeds, so different weights) and one registry for the module
+    """Two tiny agents (different seeds, so different weights) and one backend for the module
     (each engine start costs about half a minute on two CPU cores: as few as the checks need)."""
     device = engine_device()
     agents = [Agent.load("tiny", device=device, dtype=torch.float32, seed=k) for k in range(2)]
-    reg = rv.configure(n_engines=2, seed=0, max_model_len=256, health_logprobs=True)
+    reg = rv.VLLMBackend(n_engines=2, seed=0, max_model_len=256, health_logprobs=True)
     yield agents, reg
-    rv.shutdown()
+    reg.close()
 
 
 def contexts_of(agent, n=48):
@@ -54,7 +54,8 @@ def train_logprobs(agent, contexts, responses, temperature):
     ctx, cmask = left_pad(contexts, tok.pad_token_id)
     resp, rmask = right_pad(responses, tok.pad_token_id)
     dev = agent.device
-    lp = batched_response_logprobs(agent.model, (ctx.to(dev), cmask.to(dev), resp.to(dev), rmask.to(dev)), temperature, 1 << 14)
+    turn_like = (ctx.to(dev), cmask.to(dev), resp.to(dev), rmask.to(dev))
+    lp = batched_response_logprobs(agent.model, turn_like, temperature, 1 << 14)
     return lp.cpu(), rmask
 
 
@@ -70,18 +71,18 @@ def test_generation_is_well_formed_and_seeded(team2):
     agent = agents[0]
     eos = agent.tokenizer.eos_token_id
     ctx = contexts_of(agent)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm")
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW)
     torch.manual_seed(123)
-    first = rv.generate_vllm(agent, ctx, sampling)
+    first = reg.generate(agent, ctx, sampling)
     assert len(first) == len(ctx) and all(1 <= len(r) <= MAX_NEW for r in first)
     assert all(eos not in r[:-1] for r in first)  # cut after the first eos
     stopped = [r for r in first if r[-1] == eos]
     assert stopped and any(len(r) == MAX_NEW and eos not in r for r in first)  # both ways of ending occur
     assert all(len(r) == MAX_NEW for r in first if r[-1] != eos)  # no eos: only at the length limit
     torch.manual_seed(123)
-    assert rv.generate_vllm(agent, ctx, sampling) == first  # same seeds, same tokens
+    assert reg.generate(agent, ctx, sampling) == first  # same seeds, same tokens
     torch.manual_seed(124)
-    assert rv.generate_vllm(agent, ctx, sampling) != first
+    assert reg.generate(agent, ctx, sampling) != first
     texts = agent.tokenizer.batch_decode(first, skip_special_tokens=True)
     assert all(isinstance(t, str) for t in texts)
     print(f"\n[vllm] {len(first)} responses, {len(stopped)} stopped at eos, the rest at {MAX_NEW} tokens")
@@ -93,9 +94,9 @@ def test_sampled_token_logprobs_match_the_training_model(team2, temperature):
     agent = agents[0]
     ctx = contexts_of(agent)
     torch.manual_seed(7)
-    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=temperature, max_new_tokens=MAX_NEW, backend="vllm"))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=temperature, max_new_tokens=MAX_NEW))
     hf, mask = train_logprobs(agent, ctx, responses, temperature)
-    gap = rv.logprob_health(rv.last_logprobs(agent), hf, mask)
+    gap = rv.logprob_health(reg.last_logprobs(agent), hf, mask)
     print(f"\n[vllm] untouched agent, T={temperature}: mean |log pi_vllm - log pi_train| = {gap:.3e} "
           f"over {int(mask.sum())} sampled tokens (bound {BOUND:g})")
     assert gap < BOUND
@@ -109,7 +110,7 @@ def test_training_step_then_sync(team2):
     tok = agent.tokenizer
     ctx = contexts_of(agent, 32)
     torch.manual_seed(11)
-    fixed = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    fixed = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
     before = score_gap(reg, agent, ctx, fixed)
     assert before < BOUND
     # one training step: raise the log-likelihood of the fixed responses
@@ -117,31 +118,32 @@ def test_training_step_then_sync(team2):
     c, cm = left_pad(ctx, tok.pad_token_id)
     r, rm = right_pad(fixed, tok.pad_token_id)
     dev = agent.device
-    loss = -(response_logprobs(agent.model, c.to(dev), cm.to(dev), r.to(dev), rm.to(dev), 1.0) * rm.to(dev)).sum() / rm.sum()
+    logp = response_logprobs(agent.model, c.to(dev), cm.to(dev), r.to(dev), rm.to(dev), 1.0)
+    loss = -(logp * rm.to(dev)).sum() / rm.sum()
     loss.backward()
     opt.step()
     agent.freeze()
     stale = score_gap(reg, agent, ctx, fixed, check=False)
     with pytest.raises(RuntimeError, match="stale weights"):
-        rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=4, backend="vllm"))
+        reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=4))
     with pytest.raises(RuntimeError, match="stale weights"):
         reg.score(agent, ctx, fixed)
-    rv.sync_weights(agent)
+    reg.sync(agent)
     after = score_gap(reg, agent, ctx, fixed)
     print(f"\n[vllm] fixed sequences, engine vs trained model: before the step {before:.3e}, after it without "
           f"sync {stale:.3e}, after sync {after:.3e} (bound {BOUND:g})")
     assert stale > 100 * BOUND and after < BOUND
     torch.manual_seed(12)
-    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
     hf, mask = train_logprobs(agent, ctx, responses, 1.0)
-    assert rv.logprob_health(rv.last_logprobs(agent), hf, mask) < BOUND
+    assert rv.logprob_health(reg.last_logprobs(agent), hf, mask) < BOUND
 
 
 def test_two_agents_get_two_engines_with_their_own_weights(team2):
     agents, reg = team2
     ctx = contexts_of(agents[0], 16)
     torch.manual_seed(5)
-    fixed = rv.generate_vllm(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    fixed = reg.generate(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
     own, other = [], []
     for k, agent in enumerate(agents):
         own.append(score_gap(reg, agent, ctx, fixed))
@@ -155,21 +157,21 @@ def test_two_agents_get_two_engines_with_their_own_weights(team2):
 
 def test_sleep_and_wake_where_supported(team2):
     """CUDA: level-1 sleep then wake gives back the pushed weights. CPU: vLLM
-    has no sleep mode; sleep_all() is a no-op and the engines stay resident."""
+    has no sleep mode; sleep() is a no-op and the engines stay resident."""
     agents, reg = team2
     agent = agents[1]
     ctx = contexts_of(agent, 16)
-    rv.wake_for_rollout(agent)
-    rv.sleep_all()
+    reg.wake_for_rollout(agent)
+    reg.sleep()
     eng = reg.engines[id(agent)]
     if reg.device == "cpu":
         assert reg.sleep_mode is False and eng.awake == set(rv.WAKE_TAGS)
     else:
         assert eng.awake == set()
     torch.manual_seed(3)
-    responses = rv.generate_vllm(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, backend="vllm"))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
     hf, mask = train_logprobs(agent, ctx, responses, 1.0)
-    assert eng.awake == set(rv.WAKE_TAGS) and rv.logprob_health(rv.last_logprobs(agent), hf, mask) < BOUND
+    assert eng.awake == set(rv.WAKE_TAGS) and rv.logprob_health(reg.last_logprobs(agent), hf, mask) < BOUND
 
 
 def test_cpu_refuses_sleep_mode_at_engine_creation(tmp_path):
@@ -196,19 +198,21 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     engines fed from the shards layer by layer), and the health metric
     compares every block's rows (the engines' log-probs of the whole batch vs
     the training model's). After a promotion each rank's engine receives the
-    agent's new shards one layer at a time (``sync_weights``: the ranks agree
+    agent's new shards one layer at a time (``sync``: the ranks agree
     it is stale, ``full_weights_by_layer`` -> ``push_layers``) and scores like
     the trained agent (gap < BOUND); before the push it was far off."""
-    from rollout import after_rollout, rollout_in_blocks
+    from test_distributed import run_worker
+
+    from rollout import rollout_in_blocks
     from tasks import arithmetic_problems
     from team import Team, TeamConfig
-    from test_distributed import run_worker
 
     agents, reg = team2
     team = Team([agents[1]], TeamConfig(protocol="chain"))
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, backend="vllm")  # as in the worker
-    batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4)
-    one_health = after_rollout(team, batch, sampling)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)  # as in the worker
+    batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4, backend=reg)
+    reg.sleep()
+    one_health = reg.health(team, batch)
     one = [[r[m.bool()].tolist() for r, m in zip(t.response_ids, t.response_mask)] for t in batch.turns]
 
     out = tmp_path / "two.json"
@@ -219,7 +223,7 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     for responses, rewards in ((two["responses"], two["rewards"]), (two["sharded_responses"], two["sharded_rewards"])):
         assert responses == one and rewards == batch.rewards.tolist()  # token for token, whole or sharded agents
     assert len(one[0]) == 16 and sum(map(len, one[0])) > 16
-    for health in (one_health, two["health"], two["sharded_health"]):  # the engines' log-probs of every block, row by row
+    for health in (one_health, two["health"], two["sharded_health"]):  # the engines' log-probs of every block
         assert len(health) == 1 and all(h < BOUND for h in health), health
     for gaps in two["gaps"]:  # every rank's engine
         assert gaps["before"] < BOUND and gaps["stale"] > 100 * BOUND and gaps["after"] < BOUND, gaps
@@ -230,20 +234,19 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
 
 
 # -- the command lines ---------------------------------------------------------------------------
-def test_sat_and_eval_with_the_vllm_backend(tmp_path):
+def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
     """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
     logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
     vllm`` evaluates the trained checkpoint."""
     import eval_aime
     import sat
 
-    rv.shutdown()  # the module's engines are no longer needed
+    team2[1].close()  # the module's engines are no longer needed
     device = engine_device()
     out = tmp_path / "run"
-    assert sat.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1", "--batch-size", "16",
-                     "--group-size", "4", "--epochs", "1", "--minibatch-size", "16", "--max-new-tokens", "16", "--eval-size", "16",
-                     "--warmup-steps", "20",
-                     "--out", str(out)]) == 0
+    assert sat.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
+                     "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
+                     "--max-new-tokens", "16", "--eval-size", "16", "--warmup-steps", "20", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in records] == [0, 1]
     health = records[1]["vllm_logprob_abs_diff"]

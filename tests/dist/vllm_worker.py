@@ -6,17 +6,17 @@ seeded blocks with ``--backend vllm`` (``rollout.rollout_in_blocks``: rank r
 generates blocks r, r + N, ... in its own engine, every rank receives the
 union). Under torchrun the agent is then held as FSDP2 shards
 (``distributed.shard_team``, as ``--shard-frozen``): each rank's engine
-receives the shards one layer at a time (``rollout_vllm.sync_weights``, every
+receives the shards one layer at a time (``VLLMBackend.sync``, every
 rank at once, as ``sat.py`` does after sharding) and the same block rollout is
 drawn again, through the sharded agent (every rank runs as many blocks).
 Then the agent is "promoted" to new weights (a fixed perturbation, written into
 each rank's shards) and its engines take the new shards one layer at a time
-(``sync_weights``: the ranks agree it is stale, ``distributed.full_weights_by_layer``
+(``sync``: the ranks agree it is stale, ``distributed.full_weights_by_layer``
 -> ``vllm_ranks.push_layers``); with one process the plain push (by layer too).
 Each rank then scores fixed responses with its engine before (stale) and after
 the push against the training model. Rank 0 writes JSON to argv[1]: both
 batches' response ids and rewards, the sampler-vs-trainer health of each
-(``rollout.after_rollout``, every block's rows), and the score gaps of every rank.
+(``VLLMBackend.health``, every block's rows), and the score gaps of every rank.
 """
 import json
 import sys
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from logprobs import batched_response_logprobs, left_pad, right_pad
+from rollout import SamplingConfig, rollout_in_blocks
 from scale import distributed
 from scale import rollout_vllm as rv
-from logprobs import batched_response_logprobs, left_pad, right_pad
-from rollout import SamplingConfig, after_rollout, rollout_in_blocks
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
@@ -50,20 +50,22 @@ def main(out_path: str) -> None:
     torch.set_num_threads(1)
     distributed.setup("cpu")
     team = Team([Agent.load("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
-    reg = rv.configure(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, backend="vllm")
+    reg = rv.VLLMBackend(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
     problems = arithmetic_problems(4, seed=1)
-    batch = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4)
-    health = after_rollout(team, batch, sampling)  # the engines' log-probs of the whole batch vs the training model's
+    batch = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4, backend=reg)
+    reg.sleep()
+    health = reg.health(team, batch)  # the engines' log-probs of the whole batch vs the training model's
     result = {"world": distributed.STATE.world, "responses": rows_of(batch), "rewards": batch.rewards.tolist(),
               "health": health}
     if distributed.active():  # --shard-frozen: the agents as shards, the engines fed from them, the same rollout
         distributed.shard_team(team, True)
         for a in team.agents:
-            rv.sync_weights(a)  # every rank at once (a collective), as sat.py after shard_team
-        sharded = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4)
+            reg.sync(a)  # every rank at once (a collective), as sat.py after shard_team
+        sharded = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4, backend=reg)
+        reg.sleep()
         result.update(sharded_responses=rows_of(sharded), sharded_rewards=sharded.rewards.tolist(),
-                      sharded_health=after_rollout(team, sharded, sampling),
+                      sharded_health=reg.health(team, sharded),
                       sharded=[distributed.is_sharded(a.model) for a in team.agents])
     agent = team.agents[0]
     contexts = [c[m.bool()].tolist() for c, m in zip(batch.turns[0].context_ids, batch.turns[0].context_mask)][:8]
@@ -76,13 +78,13 @@ def main(out_path: str) -> None:
             distributed.local_rows(p).add_(distributed.local_rows(whole)[: distributed.local_rows(p).shape[0]])
     distributed.reshard(agent.model)
     stale = gap(reg, agent, contexts, responses, check=False)
-    rv.sync_weights(agent)  # sharded: the ranks agree it is stale, each pushes from the shards by layer
+    reg.sync(agent)  # sharded: the ranks agree it is stale, each pushes from the shards by layer
     result["pushed"] = "shards, by layer" if distributed.is_sharded(agent.model) else "plain, by layer"
     after = gap(reg, agent, contexts, responses)
     result["gaps"] = distributed.gather_objects({"before": before, "stale": stale, "after": after})
     if distributed.is_main():
         Path(out_path).write_text(json.dumps(result))
-    rv.shutdown()
+    reg.close()
     distributed.barrier()
     distributed.teardown()
 
