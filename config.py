@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
-
 
 ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
@@ -104,11 +103,13 @@ class Config:
 
     agents: str = opt("tiny x3", 'the team, e.g. "tiny x3", "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", or local folders')
     protocol: str = opt("independent", "independent (majority vote) or chain (agents speak in turn)", PROTOCOLS)
-    task: str | None = opt(None, "arithmetic (tiny default) or a dataset: dapo-math-17k, deepscaler, aime24, aime25, math500")
+    task: str | None = opt(None, "arithmetic (tiny default) or a dataset: "
+                                 "dapo-math-17k, deepscaler, aime24, aime25, math500")
     data: str | None = opt(None, "a JSONL file of problems (problem/prompt + answer); overrides --task")
     eval_data: str | None = opt(None, "a held-out JSONL file (default: the task's held-out split)")
     stages: int | None = opt(None, "SAT stages (Algorithm 1's outer loop)")
-    order: str = opt("static", "update order sigma: static, random, or greedy (weakest agent on the batch first)", ORDERS)
+    order: str = opt("static", "update order sigma: static, random, or greedy (weakest agent on the batch first)",
+                     ORDERS)
     ratio: str = opt("seq-mean", "r_j: seq (the paper's sequence ratio), seq-mean (GSPO) or token (PPO)", RATIOS)
     adv: str = opt("grpo", "grpo (group-relative, Eq. (2)) or gae (token-level, with a value head)", ADVANTAGES)
     baseline: str = opt("counterfactual", "counterfactual (independent protocol: R minus the vote with the agent's "
@@ -183,16 +184,19 @@ class Config:
         for f in fields(self):  # a Config built in Python skips argparse's choices
             allowed = f.metadata.get("choices")
             if allowed and getattr(self, f.name) not in allowed:
-                raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} is not one of: {', '.join(allowed)}")
+                raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} "
+                                 f"is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
                     "minibatch_size", "token_budget", "eval_size", "stage0_delta", "rollout_blocks"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
         if self.stage0_problems is not None and not self.stage0_problems >= 2:
-            raise ValueError(f"--stage0-problems must be >= 2 (got {self.stage0_problems}): some fit, a quarter held out")
+            raise ValueError(f"--stage0-problems must be >= 2 (got {self.stage0_problems}): "
+                             "some fit, a quarter held out")
         if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
-            raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): a share of the start value, e.g. 0.1")
+            raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): "
+                             "a share of the start value, e.g. 0.1")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"--quantile must be in (0, 1] (got {self.quantile})")
         if not 0 < self.top_p <= 1:
@@ -229,10 +233,12 @@ def default_backend(device: str) -> str:
 
 
 # Tiny agents on the synthetic task, sized for two CPU cores.
-TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8, batch_size=512,
-                   max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128, token_budget=1 << 16,
-                   kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False, eval_size=256, warmup_steps=300)
+TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8,
+                   batch_size=512, max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128,
+                   token_budget=1 << 16, kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False,
+                   eval_size=256, warmup_steps=300)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
-PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5, group_size=4, batch_size=512,
-                    max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32, token_budget=1 << 16,
-                    kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True, eval_size=64, warmup_steps=0)
+PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5,
+                    group_size=4, batch_size=512, max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32,
+                    token_budget=1 << 16, kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True,
+                    eval_size=64, warmup_steps=0)

@@ -24,8 +24,8 @@ holds a run is never overwritten without --overwrite.
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import os
 import random
 import re
@@ -80,7 +80,8 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
              "numpy_rng": np.random.get_state(),
-             "optimizers": {k: optimizer_skeleton(a) for k, a in enumerate(team.agents) if a.saved_optimizer_state is not None},
+             "optimizers": {k: optimizer_skeleton(a) for k, a in enumerate(team.agents)
+                            if a.saved_optimizer_state is not None},
              **extra}
     torch.save(state, tmp / "state.pt")
     (tmp / CHECKSUMS).write_text(json.dumps(folder_digests(tmp), indent=1))
@@ -137,7 +138,8 @@ def folder_digests(folder: Path) -> dict[str, list]:
 
 def previous_stage_hint(folder: Path) -> str:
     """Where to resume instead of a damaged stage folder."""
-    siblings = sorted((p for p in folder.parent.glob("stage_*") if p.is_dir() and stage_key(p) < stage_key(folder)), key=stage_key)
+    siblings = sorted((p for p in folder.parent.glob("stage_*") if p.is_dir() and stage_key(p) < stage_key(folder)),
+                      key=stage_key)
     if siblings:
         return f"resume from the previous stage folder instead: --resume {siblings[-1]}"
     return "no earlier stage folder is left next to it; start a new run with --overwrite"
@@ -153,11 +155,13 @@ def verify_checkpoint(folder: Path) -> dict[str, list] | None:
     try:
         expected = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        raise RuntimeError(f"checkpoint {folder} is damaged: {CHECKSUMS} is unreadable; {previous_stage_hint(folder)}") from None
+        raise RuntimeError(f"checkpoint {folder} is damaged: {CHECKSUMS} is unreadable; "
+                           f"{previous_stage_hint(folder)}") from None
     for rel, (size, digest) in expected.items():
         f = folder / rel
         what = ("is missing" if not f.is_file() else f"has {f.stat().st_size} bytes, {size} were written (truncated)"
-                if f.stat().st_size != size else "does not match its checksum (corrupted)" if file_sha256(f) != digest else None)
+                if f.stat().st_size != size else "does not match its checksum (corrupted)"
+                if file_sha256(f) != digest else None)
         if what:
             raise RuntimeError(f"checkpoint {folder} is damaged: {rel} {what}; {previous_stage_hint(folder)}")
     return expected
@@ -181,7 +185,8 @@ def check_out_folder(out: Path, resume_run: Path | None, overwrite: bool) -> lis
     held = [name for name in RUN_FILES if (out / name).exists()]
     same = resume_run is not None and out.resolve() == Path(resume_run).resolve()
     if overwrite and same:
-        raise ValueError(f"--overwrite would delete the run being resumed ({out}); drop --overwrite, or pass a new --out")
+        raise ValueError(f"--overwrite would delete the run being resumed ({out}); "
+                         "drop --overwrite, or pass a new --out")
     if not held or same:
         return []
     if not overwrite:
@@ -210,7 +215,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
         return run_dir
     pointer = run_dir / "latest.json"
     if not pointer.exists():
-        raise FileNotFoundError(f"no checkpoint in '{run_dir}': expected latest.json written by sat.py (or a checkpoints/stage_XXXX folder)")
+        raise FileNotFoundError(f"no checkpoint in '{run_dir}': expected latest.json written by sat.py "
+                                "(or a checkpoints/stage_XXXX folder)")
     try:
         target = run_dir / "checkpoints" / json.loads(pointer.read_text())["path"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -222,7 +228,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     return target
 
 
-def load_checkpoint(folder: Path, device: str, dtype: torch.dtype, shard: bool = False) -> tuple[Team, dict, random.Random, dict]:
+def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
+                    shard: bool = False) -> tuple[Team, dict, random.Random, dict]:
     """Team, saved state, the Python RNG and the controllers of a stage folder;
     restores the torch / numpy / CUDA RNGs so a resumed run continues the
     same random stream as a straight one. The folder is checked against its
@@ -295,7 +302,8 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax1.plot([r["stage"] for r in records], [r["eval_accuracy"] for r in records], "o-", label="held-out team accuracy")
     ax1.plot(stages, [r["team_reward"] for r in trained], "s--", label="team reward (rollouts)")
     for k in range(len(records[-1]["eval_agent_accuracy"])):
-        ax1.plot([r["stage"] for r in records], [r["eval_agent_accuracy"][k] for r in records], ":", alpha=0.6, label=f"agent {k + 1} alone")
+        ax1.plot([r["stage"] for r in records], [r["eval_agent_accuracy"][k] for r in records], ":", alpha=0.6,
+                 label=f"agent {k + 1} alone")
     ax1.set_xlabel("stage")
     ax1.set_ylabel("accuracy")
     ax1.set_ylim(0, 1)
@@ -307,7 +315,8 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.set_xlabel("stage")
     joint = any("kind" in r["certificate"] for r in trained)  # --update joint: per-agent bounds summed, not a bound
-    ax2.set_title("sum of per-agent bounds: NOT a bound for a joint update" if joint else "stage certificate (reward units)",
+    ax2.set_title("sum of per-agent bounds: NOT a bound for a joint update" if joint
+                  else "stage certificate (reward units)",
                   fontsize=9 if joint else None)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -331,7 +340,8 @@ def rollout_record(batch, rollout_seconds: float, health=None) -> dict:
     return record
 
 
-STAGE_HEADER = f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} {'kl_q':>14} {'bt':>6} {'acc':>6} {'bound':>8} {'sec':>5}"
+STAGE_HEADER = (f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} "
+                f"{'kl_q':>14} {'bt':>6} {'acc':>6} {'bound':>8} {'sec':>5}")
 
 
 def stage_line(rec: dict) -> str:
@@ -340,5 +350,6 @@ def stage_line(rec: dict) -> str:
     kl_q = "/".join(f"{a['kl_quantile']:.3f}" for a in ag)
     backtracks = "/".join(str(a["backtracks"]) for a in ag)
     accepted = "".join("y" if a["accepted"] else "n" for a in ag)
-    return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {rec['eval_accuracy']:>6.3f} {rec['measured_change']:>+7.3f} "
-            f"{kl_q:>14} {backtracks:>6} {accepted:>6} {rec['certificate']['lower_bound']:>+8.3f} {rec['seconds']:>5.1f}")
+    return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {rec['eval_accuracy']:>6.3f} "
+            f"{rec['measured_change']:>+7.3f} {kl_q:>14} {backtracks:>6} {accepted:>6} "
+            f"{rec['certificate']['lower_bound']:>+8.3f} {rec['seconds']:>5.1f}")

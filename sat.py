@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -44,19 +45,48 @@ from bounds import stage_certificate, turn_certificate
 from config import Config, parse_agents, resolve_agent_spec
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
-from records import (STAGE_HEADER, atomic_write, check_out_folder, clear_run_files, fmt_list, latest_checkpoint,
-                     load_checkpoint, plot_run, read_metrics, record_upgrades, rollout_record, run_folder_of,
-                     save_checkpoint, stage_line, stage_row, write_metrics)
-from rollout import HF, REWARD_RANGE, SamplingConfig, TeamBatch, check_sampler, make_backend, regenerate, rollout, \
-    rollout_in_blocks
+from records import (
+    STAGE_HEADER,
+    atomic_write,
+    check_out_folder,
+    clear_run_files,
+    fmt_list,
+    latest_checkpoint,
+    load_checkpoint,
+    plot_run,
+    read_metrics,
+    record_upgrades,
+    rollout_record,
+    run_folder_of,
+    save_checkpoint,
+    stage_line,
+    stage_row,
+    write_metrics,
+)
+from rollout import (
+    HF,
+    REWARD_RANGE,
+    SamplingConfig,
+    TeamBatch,
+    check_sampler,
+    make_backend,
+    regenerate,
+    rollout,
+    rollout_in_blocks,
+)
 from scale import distributed, memory
 from scale.shard_load import load_agent_sharded
 from scale.sharded_update import train_sharded
 from scale.vllm_ranks import check_tensor_parallel
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, warm_start
-from trust_region import QuantileController, backtracking_line_search, dkw_upper_quantile, interpolate_parameters, \
-    kl_quantile
+from trust_region import (
+    QuantileController,
+    backtracking_line_search,
+    dkw_upper_quantile,
+    interpolate_parameters,
+    kl_quantile,
+)
 from update import TrainStats, UpdateInputs, build_inputs, make_value_head, train_agents
 
 ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this fraction of N
@@ -80,7 +110,8 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
 
 
 def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
-              controllers: dict[int, QuantileController], value_heads: dict, rng: random.Random, backend=HF) -> dict:
+              controllers: dict[int, QuantileController], value_heads: dict, rng: random.Random, backend=HF,
+              pbar=None) -> dict:
     """One stage: roll out pi_cur, order the agents, then for each agent j =
     sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
     region and promote it; then either cache log rho on its tokens for the
@@ -98,6 +129,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     else:
         agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
+            if pbar is not None:
+                pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
             agents[j], log_rho = update_agent(team, j, batch, cached, cfg, controllers[j], value_heads)
             backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
             if i == n_agents - 1:
@@ -110,7 +143,8 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                 cached.append((log_rho, batch.turns[j].response_mask))
     # line 14: pi_cur <- the assembled team; the stage certificate (Theorem 4.4)
     record.update(order=[k + 1 for k in sigma], agents=agents, generations=generations,
-                  generation_seconds=generation_seconds, certificate=stage_certificate([a["certificate"] for a in agents]))
+                  generation_seconds=generation_seconds,
+                  certificate=stage_certificate([a["certificate"] for a in agents]))
     if cfg.update == "joint":  # Theorem 4.4 telescopes over sequential steps; a simultaneous update has no such sum
         record["certificate"]["kind"] = "sum of per-agent bounds: not a bound for a simultaneous update"
     record["seconds"] = time.time() - t0
@@ -259,7 +293,8 @@ def resolve(cfg: Config) -> Path | None:
             cfg.shard_frozen = cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
         if cfg.shard_frozen and cfg.vllm_tensor_parallel > 1:
             raise ValueError("--shard-frozen with --vllm-tensor-parallel > 1 is not supported yet (the K ranks of an "
-                             "engine must take the same rollout blocks): use --vllm-tensor-parallel 1 or --no-shard-frozen")
+                             "engine must take the same rollout blocks): "
+                             "use --vllm-tensor-parallel 1 or --no-shard-frozen")
         for name in ("batch_size", "minibatch_size"):
             if getattr(cfg, name) % distributed.STATE.world:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
@@ -275,11 +310,13 @@ def validate_run_inputs(cfg: "Config") -> None:
                          "trained; use --group-size 2 or more (or --adv gae)")
     if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
         if cfg.backend != "vllm":
-            raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: add --backend vllm (or drop the option)")
+            raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: "
+                             "add --backend vllm (or drop the option)")
         check_tensor_parallel(cfg.vllm_tensor_parallel, int(os.environ.get("WORLD_SIZE", "1")), cfg.device,
                               cfg.rollout_blocks, cfg.reuse)
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or use --backend hf")
+        raise ValueError("--backend vllm but vLLM is not installed: "
+                         "pip install -r requirements-vllm.txt, or use --backend hf")
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:
@@ -418,10 +455,11 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     else:
         log(STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
-    for stage in tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start,
-                      total=cfg.stages, disable=not distributed.is_main()):
+    pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
+                disable=not distributed.is_main())
+    for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
-        rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend)
+        rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend, str(stage))
         close(stage_row(rec, evaluation, how, stage, baseline or records[-1], pending))
         baseline, pending = None, []
@@ -458,7 +496,8 @@ def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem
 # CLI: every option is a Config field, with the help text written there
 # ---------------------------------------------------------------------------
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(prog="sat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(prog="sat.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
     types = {"str": str, "int": int, "float": float}
     for f in fields(Config):
@@ -474,7 +513,8 @@ def parse_args(argv=None) -> Config:
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
-        cfg_path = (saved if (saved / "config.json").exists() else latest_checkpoint(saved).parent.parent) / "config.json"
+        cfg_path = (saved if (saved / "config.json").exists()
+                    else latest_checkpoint(saved).parent.parent) / "config.json"
         if not cfg_path.exists():
             p.error(f"--resume {saved}: no config.json there; pass the run folder written by sat.py")
         args = {**json.loads(cfg_path.read_text()), "upgrade": [], "overwrite": False, "out": str(cfg_path.parent),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

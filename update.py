@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from scale import distributed
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
+from scale import distributed
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
@@ -187,7 +187,8 @@ class _Tally:
 
 
 def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
-                 controllers: dict[int, QuantileController], value_heads: dict, references: dict) -> dict[int, TrainStats]:
+                 controllers: dict[int, QuantileController], value_heads: dict,
+                 references: dict) -> dict[int, TrainStats]:
     """Maximise the clipped, weighted surrogate L_i for the agents in ``slots``:
     ``cfg.epochs`` passes over the batch in minibatches of ``cfg.minibatch_size``
     joint trajectories, one AdamW step each. Sequential SAT passes one slot;
@@ -224,7 +225,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
                     else:
                         anchors[j] = _copy_parameters(agents[j])
     seconds = time.time() - start
-    return {j: _stop_training(agents[j], heads[j], cfg, tallies[j], j in stopped, anchors.get(j), seconds) for j in slots}
+    return {j: _stop_training(agents[j], heads[j], cfg, tallies[j], j in stopped, anchors.get(j), seconds)
+            for j in slots}
 
 
 def _copy_parameters(agent: Agent) -> list[torch.Tensor]:

@@ -35,7 +35,8 @@ def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dic
     """{parameter name: DTensor (Shard(0)) of this rank's part} (plain tensors with one process),
     and {optimizer.IDX.exp_avg(_sq): ...} for the AdamW moments kept by --keep-optimizer-state."""
     names = [n for n, _ in getattr(agent.model, "lm", agent.model).named_parameters()]  # a ShardedLM's: the plain names
-    out = {n: distributed.as_sharded(t, p.shape) for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
+    out = {n: distributed.as_sharded(t, p.shape)
+           for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
     if moments:
         out.update({key: distributed.as_sharded(t, shape) for key, t, shape in _moments(agent)})
     return out
@@ -82,7 +83,8 @@ def load_sharded(folder: Path, team: Team) -> None:
         state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params], moments=False)
         for key, value, shape in _moments(agent):  # None in state.pt: room for this rank's part
             if value is None:
-                state[key] = distributed.as_sharded(torch.zeros(distributed.local_rows(torch.empty(shape, device="meta")).shape), shape)
+                state[key] = distributed.as_sharded(
+                    torch.zeros(distributed.local_rows(torch.empty(shape, device="meta")).shape), shape)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder / f"agent_{k}"))
         moments = {key for key, value, _ in _moments(agent) if value is None}

@@ -76,14 +76,18 @@ def test_later_agents_get_credit_for_being_right():
     assert earliest[1] < 0.15 * earliest[0]  # the dictator: agents 2, 3 get about a ninth of agent 1's credit
     assert uniform[1] == pytest.approx(uniform[2]) and uniform[1] > 4 * earliest[1] and uniform[1] > 0.9 * uniform[0]
     # equal accuracies: equal credit under the uniform tie-break, not under "earliest wins"
-    eq_u, eq_e = credit(lambda a: vote_reward(a, "5"), acc=(0.4,) * 3), credit(lambda a: float(majority_vote(a) == "5"), acc=(0.4,) * 3)
+    eq_u, eq_e = (credit(lambda a: vote_reward(a, "5"), acc=(0.4,) * 3),
+                  credit(lambda a: float(majority_vote(a) == "5"), acc=(0.4,) * 3))
     assert eq_u[0] == pytest.approx(eq_u[1]) == pytest.approx(eq_u[2])
     assert eq_e[0] > 1.5 * eq_e[1]
 
 
 def test_credit_correlation_exact():
-    assert credit_correlation(torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, 0.0, 1.0, 0.0])) == pytest.approx(1.0)
-    assert credit_correlation(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.0, 0.0, 1.0, 0.0])) == pytest.approx(0.5 / (5 * 0.75) ** 0.5)  # sum(a c) / sqrt(sum a^2 sum c^2), centred
+    assert credit_correlation(torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                              torch.tensor([1.0, 0.0, 1.0, 0.0])) == pytest.approx(1.0)
+    # sum(a c) / sqrt(sum a^2 sum c^2), centred
+    assert credit_correlation(torch.tensor([1.0, 2.0, 3.0, 4.0]),
+                              torch.tensor([0.0, 0.0, 1.0, 0.0])) == pytest.approx(0.5 / (5 * 0.75) ** 0.5)
     assert credit_correlation(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])) is None
 
 
@@ -165,7 +169,8 @@ def two_agent_team(seed, protocol, n_prompts=2, vocab=3):
     if protocol == "chain":
         pi2 = torch.softmax(2 * torch.randn(n_prompts, vocab, vocab, generator=g, dtype=torch.float64), -1)
     else:
-        pi2 = torch.softmax(2 * torch.randn(n_prompts, 1, vocab, generator=g, dtype=torch.float64), -1).expand(n_prompts, vocab, vocab)
+        pi2 = torch.softmax(2 * torch.randn(n_prompts, 1, vocab, generator=g, dtype=torch.float64), -1).expand(
+            n_prompts, vocab, vocab)
     R = torch.rand(n_prompts, vocab, vocab, generator=g, dtype=torch.float64)
     return mu, pi1, pi2, R
 
@@ -217,16 +222,18 @@ def test_turn_certificate_sample_term_uses_the_reward_range():
 
 
 def test_joint_stage_certificate_is_labelled(tmp_path):
-    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16, warmup_steps=10,
-                     eval_size=8, out=str(tmp_path / "run"), device="cpu", update="joint").apply_preset()
+    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                     warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
+                     update="joint").apply_preset()
     rec = sat.run(cfg, log=lambda *_: None)[-1]
     assert "not a bound" in rec["certificate"]["kind"]
     assert all(0.0 < a["ess_ratio"] <= 1.0 for a in rec["agents"])
 
 
 def test_regenerate_run_keeps_weights_at_one(tmp_path):
-    cfg = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16, warmup_steps=10,
-                     eval_size=8, out=str(tmp_path / "run"), device="cpu", reuse="regenerate").apply_preset()
+    cfg = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                     warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
+                     reuse="regenerate").apply_preset()
     rec = sat.run(cfg, log=lambda *_: None)[-1]
     assert [a["ess_ratio"] for a in rec["agents"]] == [1.0, 1.0, 1.0] and all(a["zeta"] == 0.0 for a in rec["agents"])
     assert rec["generations"] == 16 * 3 + 16 * 2  # the rollout, then one turn per promotion except the last

@@ -103,7 +103,10 @@ def test_row(command, setup, expected, finished_run, tmp_path, monkeypatch, caps
     (tmp_path / "empty.jsonl").write_text("")
     places = {"RUN": tmp_path / "run", "NEW": tmp_path / "new", "EMPTY": tmp_path / "empty.jsonl",
               "NOCHAT": finished_run / "nochat", "EVAL": tmp_path / "eval", "DATA": REPO / "data"}
-    fill = lambda text: re.sub(r"\b(RUN|NEW|EMPTY|NOCHAT|EVAL|DATA)\b", lambda m: str(places[m.group(1)]), text)
+
+    def fill(text):
+        return re.sub(r"\b(RUN|NEW|EMPTY|NOCHAT|EVAL|DATA)\b", lambda m: str(places[m.group(1)]), text)
+
     if setup:
         verb, _, rest = setup.partition(" ")
         if verb in ("truncate", "garble"):

@@ -61,7 +61,8 @@ def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():
     assert first == fresh and len(agent._prompt_cache) == 1
     first.append(-1)  # a caller extending its copy must not change the cache
     assert agent.encode_prompt(messages) == fresh
-    assert agent.encode_prompt([{"role": "user", "content": "What is 12 + 31?"}]) != fresh  # another prompt, another entry
+    # another prompt, another entry
+    assert agent.encode_prompt([{"role": "user", "content": "What is 12 + 31?"}]) != fresh
     assert agent.encode_text("42") == agent.tokenizer("42", add_special_tokens=False)["input_ids"]
 
 
@@ -81,7 +82,8 @@ def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
             ctx, cmask = left_pad(contexts, tok.pad_token_id)
             resp, rmask = right_pad(targets, tok.pad_token_id)
-            logp = token_logprobs_from_hidden(agent.model, response_hidden_states(agent.model, ctx, cmask, resp, rmask), resp, 1.0)
+            logp = token_logprobs_from_hidden(agent.model, response_hidden_states(agent.model, ctx, cmask, resp, rmask),
+                                              resp, 1.0)
             opt.zero_grad(set_to_none=True)
             (-masked_mean(logp, rmask)).backward()
             opt.step()

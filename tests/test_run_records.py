@@ -64,7 +64,8 @@ def test_overwrite_replaces_the_run(tmp_path):
     out = tmp_path / "run"
     sat.run(sat.parse_args(SMALL + ["--stages", "1", "--warmup-steps", "5", "--out", str(out)]), **QUIET)
     (out / "checkpoints" / "stage_0007").mkdir()  # debris of the old run must not survive
-    again = sat.run(sat.parse_args(SMALL + ["--stages", "0", "--warmup-steps", "5", "--out", str(out), "--overwrite"]), **QUIET)
+    again = sat.run(sat.parse_args(SMALL + ["--stages", "0", "--warmup-steps", "5", "--out", str(out), "--overwrite"]),
+                    **QUIET)
     assert [r["stage"] for r in again] == [0] and [r["stage"] for r in read_metrics(out)] == [0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["stage_0000"]
     assert not (out / "progress.png").exists()  # --stages 0 writes no plot (and no longer announces one)

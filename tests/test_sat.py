@@ -205,7 +205,8 @@ def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     (["--batch-size", "30", "--group-size", "8"], "multiple of --group-size"),
     (["--quantile", "1.5"], "--quantile must be in (0, 1]"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--lr", "0"], "" if torch.cuda.is_available() else "CUDA is not available"),
+    (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--lr", "0"],
+     "" if torch.cuda.is_available() else "CUDA is not available"),
 ])
 def test_cli_rejects_bad_options(argv, needle, capsys):
     assert sat.main(argv) == 2
