@@ -1,14 +1,4 @@
-"""Advantage estimators and sequence-aware importance weights for SAT (paper, Section 5).
-
-- `masked_sum` / `masked_mean`    reductions over valid (unpadded) entries
-- `group_advantages`              group-relative (R - mean) / (std + eps), clipped
-- `gae`                           token-level GAE(lambda) with truncated (Retrace-style) traces
-- `truncated_log_weights`         log prod min(1, rho_t) over the already-updated agents' tokens
-- `full_log_weights`              log prod rho_t (untruncated, for the bias estimate)
-- `truncation_bias`               zeta: how much truncating the weights moves the surrogate
-- `credit_correlation`            an agent's advantages against its own correctness (logged)
-"""
-
+"""Advantage estimators and sequence-aware importance weights for SAT (paper, Section 5)."""
 from __future__ import annotations
 
 import math
@@ -35,14 +25,12 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
                      weights: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
     """Group-relative advantages (R - mean_g) / (std_g + eps), clipped to +-clip (paper, Section 5, Eq. (2)).
 
-    A group is the G joint trajectories of one prompt (``group_ids`` [N], any labels): each trajectory
-    is compared with its siblings, so no value model is needed. ``normalize=False``: R - mean_g in
-    reward units (the certificate's A). std is the *population* std: the spread of exactly the
-    empirical distribution whose mean is subtracted, defined for groups of one, with one natural
-    weighted form sum w (R - m)^2 / sum w (the sample std only rescales a group by sqrt(G / (G - 1))).
-    A group with all equal rewards gets 0 (also with eps = 0). ``weights`` [N] >= 0 (e.g. the
-    truncated importance weights w(tau)) weight the group mean and std; a weightless group gets 0.
-    [N] rewards -> [N] advantages."""
+    A group is the G joint trajectories of one prompt (``group_ids`` [N], any labels), compared with each
+    other, so no value model is needed. ``normalize=False``: R - mean_g in reward units (the certificate's
+    A). std is the *population* std (defined for groups of one, weighted form sum w (R - m)^2 / sum w; the
+    sample std only rescales a group by sqrt(G / (G - 1))). An all-equal group gets 0, also with eps = 0.
+    ``weights`` [N] >= 0 (e.g. the truncated importance weights w(tau)) weight the group mean and std; a
+    weightless group gets 0. [N] rewards -> [N] advantages."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must both be [N], got {tuple(rewards.shape)}, "
                          f"{tuple(group_ids.shape)}")
@@ -113,13 +101,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, returns
 
 
-def _check_log_ratios(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: int | None) -> None:
+def _summed_log_ratios(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]], batch_size: int | None,
+                       truncate: bool) -> torch.Tensor:
+    """sum over agents and tokens of log rho_t (min(0, log rho_t) with ``truncate``) -> [B]."""
     if len(log_ratios) == 0 and batch_size is None:
         raise ValueError("no earlier agents: pass batch_size to get the all-zero log weights")
     for log_rho, mask in log_ratios:
         if log_rho.dim() != 2 or mask.shape != log_rho.shape:
             raise ValueError(f"each entry must be ([B, T] log rho, [B, T] mask), got {tuple(log_rho.shape)}, "
                              f"{tuple(mask.shape)}")
+    if len(log_ratios) == 0:
+        return torch.zeros(batch_size, dtype=torch.float32)  # [B]
+    total = 0
+    for log_rho, mask in log_ratios:
+        total = total + masked_sum(log_rho.clamp_max(0.0) if truncate else log_rho, mask, dim=1)  # [B]
+    return total
 
 
 def truncated_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -130,13 +126,7 @@ def truncated_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]
     log rho_t = log pi_tar(a_t|s_t) - log pi_cur(a_t|s_t) [B, T_k] and the mask of its tokens [B, T_k].
     log min(1, rho) = min(0, log rho): a sum in log space that never overflows, w <= 1.
     ``batch_size`` is needed only for an empty list (the first agent: w = 1). -> [B] log weights <= 0."""
-    _check_log_ratios(log_ratios, batch_size)
-    if len(log_ratios) == 0:
-        return torch.zeros(batch_size, dtype=torch.float32)  # [B]
-    total = 0
-    for log_rho, mask in log_ratios:
-        total = total + masked_sum(log_rho.clamp_max(0.0), mask, dim=1)  # [B]
-    return total
+    return _summed_log_ratios(log_ratios, batch_size, truncate=True)
 
 
 def full_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -145,13 +135,7 @@ def full_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ``truncated_log_weights``. W makes rollouts of pi_cur unbiased for pi_hat_{i-1}; it only estimates
     what the truncation to w costs (``truncation_bias``), never a training weight (its variance
     explodes with length)."""
-    _check_log_ratios(log_ratios, batch_size)
-    if len(log_ratios) == 0:
-        return torch.zeros(batch_size, dtype=torch.float32)  # [B]
-    total = 0
-    for log_rho, mask in log_ratios:
-        total = total + masked_sum(log_rho, mask, dim=1)  # [B]
-    return total
+    return _summed_log_ratios(log_ratios, batch_size, truncate=False)
 
 
 LOG_WEIGHT_CAP = math.log(1e6)
@@ -161,16 +145,14 @@ def truncation_bias(log_w_full: torch.Tensor, log_w_trunc: torch.Tensor, ratio: 
                     log_cap: float = LOG_WEIGHT_CAP) -> float:
     """zeta estimate: | mean((W - w) * ratio * A) |  (the zeta_i of Theorem 4.2), four [B] tensors.
 
-    The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact W = prod rho_t;
-    SAT trains with the truncated w = prod min(1, rho_t). Their difference is the bias truncation
-    brings into the *surrogate* estimate, and only that: the error of the advantages themselves
-    is taken as given. A sample mean, so itself an estimate.
+    The importance-sampled surrogate of step i is mean(W * ratio * A) with the exact W = prod rho_t; SAT
+    trains with the truncated w = prod min(1, rho_t). Their difference is the bias truncation brings into
+    the surrogate estimate (the advantages' own error is taken as given); a sample mean, so an estimate.
 
-    W can be astronomically large, so both weights are exponentiated after capping the log at
-    ``log_cap`` (log 1e6): an inf would make the certificate meaningless. The cap is NOT conservative:
-    where it binds the value can be smaller than the uncapped one. ``sat.finish_update`` logs how many
-    rows hit it (``zeta_capped_rows``); a non-zero count means the weights have collapsed and zeta
-    should not be trusted (``--reuse regenerate`` needs no weights: zeta is then exactly 0)."""
+    Both logs are capped at ``log_cap`` (log 1e6) before exp: W can overflow, and an inf would make the
+    certificate meaningless. The cap is NOT conservative: where it binds, zeta can come out smaller.
+    ``sat.finish_update`` logs how many rows hit it (``zeta_capped_rows``); a non-zero count means the
+    weights have collapsed and zeta should not be trusted (``--reuse regenerate``: zeta is exactly 0)."""
     if not (log_w_full.shape == log_w_trunc.shape == ratio.shape == adv.shape) or log_w_full.dim() != 1:
         raise ValueError("truncation_bias expects four [B] tensors of equal shape")
     if log_w_full.numel() == 0:

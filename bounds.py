@@ -13,23 +13,11 @@ from __future__ import annotations
 
 import math
 
-# ---------------------------------------------------------------------------
-# The certificate (paper, Theorems 4.2, 4.4, 4.9)
-# ---------------------------------------------------------------------------
-
 CERTIFICATE_TERMS = ("gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound")
 
 
-def certificate(
-    surrogate_advantage: float,
-    kl_max: float,
-    adv_max: float,
-    gamma: float,
-    zeta: float = 0.0,
-    n_samples: int | None = None,
-    n_agents: int = 1,
-    delta_conf: float = 0.05,
-) -> dict:
+def certificate(surrogate_advantage: float, kl_max: float, adv_max: float, gamma: float, zeta: float = 0.0,
+                n_samples: int | None = None, n_agents: int = 1, delta_conf: float = 0.05) -> dict:
     """Lower bound on J(pi_hat_i) - J(pi_hat_{i-1}) for one SAT step (paper, Theorem 4.2).
 
         J(pi_hat_i) - J(pi_hat_{i-1}) >= L_i - 2 gamma/(1-gamma)^2 * A_max * sqrt(KL_max/2)
@@ -90,14 +78,8 @@ def certificate(
     }
 
 
-def turn_certificate(
-    surrogate_advantage: float,
-    adv_max: float,
-    zeta: float = 0.0,
-    n_samples: int | None = None,
-    n_agents: int = 1,
-    delta_conf: float = 0.05,
-) -> dict:
+def turn_certificate(surrogate_advantage: float, adv_max: float, zeta: float = 0.0, n_samples: int | None = None,
+                     n_agents: int = 1, delta_conf: float = 0.05) -> dict:
     """Per-step lower bound for an LLM team, in episode (reward) units, both protocols.
 
     Here each agent acts exactly once per joint trajectory: agent k answers at
@@ -138,10 +120,8 @@ def turn_certificate(
 
 
 def stage_certificate(steps: list[dict]) -> dict:
-    """Stage bound: the per-step certificates summed (J telescopes over the steps of a stage).
-
-    Returns the same keys as `certificate` (each the sum over steps) plus "n_steps".
-    """
+    """Stage bound: the per-step certificates summed (J telescopes over the steps of a stage); the keys of
+    `certificate` plus "n_steps"."""
     total = {key: 0.0 for key in CERTIFICATE_TERMS}
     for step in steps:
         for key in CERTIFICATE_TERMS:

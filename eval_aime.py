@@ -1,9 +1,8 @@
-"""Evaluate a team on AIME24 / AIME25 / MATH-500: avg@K, pass@k, maj@K.
+"""Evaluate a team on AIME24 / AIME25 / MATH-500: avg@K, pass@k, maj@K (paper, Section 6, Table 1).
 
-Paper, Section 6 (Table 1) and 6.1: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0,
-up to 32,768 new tokens. Each of the K samples of a problem is one joint trajectory of the whole team
-(``rollout.rollout``, as in training): the team answer is the majority vote (independent) or the last
-agent's answer (chain).
+Paper setting: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0, up to 32,768 new tokens.
+Each sample is one joint trajectory of the whole team (``rollout.rollout``, as in training); the team answer
+is the majority vote (independent) or the last agent's answer (chain).
 
     python eval_aime.py --agents "Qwen3-4B x3" --thinking --bench aime24,aime25 --k 64 --out runs/eval-base
     python eval_aime.py --ckpt runs/sat --bench aime24,aime25 --k 64 --out runs/eval-sat   # a sat.py run
@@ -11,17 +10,13 @@ agent's answer (chain).
     OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \
         --max-new-tokens 16 --out /tmp/ev                                                 # CPU smoke run
 
-Metrics per benchmark, for the team and each agent (agent_k: its own answer inside the joint
-trajectory): avg@K; pass@k for k in {1, K} (the unbiased 1 - C(n-c, k) / C(n, k); pass@1 = avg@K);
-maj@K (``grading.majority_vote`` over the K answers); a 95% percentile bootstrap over problems (2000
-resamples, seed 0), the dominant uncertainty with 30 problems.
-
---out holds predictions.jsonl (one row per benchmark, problem, sample and who), summary.json and
-run.json. Resumable: rows are appended (fsync) after every chunk, torch is seeded per chunk from
-(seed, benchmark, first problem, chunk), and the summary is computed from predictions.jsonl alone, so
-an interrupted run gives the same summary as an uninterrupted one. run.json records everything that
-defines the predictions (team and a sha256 of its weights, the benchmark files, sampling, thinking,
-backend, device, chunking); a rerun into the same --out with any of it different is refused.
+Metrics per benchmark, for the team and each agent (its own answer inside the joint trajectory): avg@K,
+the unbiased pass@1 and pass@K, maj@K, each with a 95% percentile bootstrap over problems (2000 resamples,
+seed 0), the dominant uncertainty with 30 problems. --out holds predictions.jsonl (a row per benchmark,
+problem, sample and who), summary.json and run.json. Resumable: rows are appended (fsync) after every chunk,
+each chunk is seeded from (seed, benchmark, first problem, chunk), and the summary is computed from
+predictions.jsonl alone, so an interrupted run gives the same summary; a rerun into the same --out with a
+different setting (run.json) is refused.
 """
 from __future__ import annotations
 
@@ -55,7 +50,7 @@ BOOTSTRAP_SEED = 0
 
 # -- Configuration ---------------------------------------------------------------------------------------
 def opt(default, help: str, choices: tuple | None = None):
-    """An EvalConfig field with its command-line help (and choices): ``parse_args`` builds every option."""
+    """An EvalConfig field with its command-line help and choices (``parse_args`` builds the options)."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -120,8 +115,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(answers: list[str | None], gold: str) -> bool:
-    """maj@K of one problem: None answers abstain (all abstaining is wrong); a tie goes to the tied answer
-    seen first (``grading.majority_vote``), so the result is deterministic."""
+    """maj@K of one problem (all abstaining is wrong); a tie goes to the answer seen first: deterministic."""
     return answers_match(majority_vote(answers), gold)
 
 
@@ -257,11 +251,8 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
 def plan_chunks(n_problems: int, k: int, batch_problems: int, sample_chunk: int) -> list[tuple[range, range, int]]:
     """(problem indices, sample indices, chunk index) of every rollout call, in a fixed order."""
     per_call = sample_chunk or k
-    out = []
-    for p0 in range(0, n_problems, batch_problems):
-        for c, s0 in enumerate(range(0, k, per_call)):
-            out.append((range(p0, min(p0 + batch_problems, n_problems)), range(s0, min(s0 + per_call, k)), c))
-    return out
+    return [(range(p0, min(p0 + batch_problems, n_problems)), range(s0, min(s0 + per_call, k)), c)
+            for p0 in range(0, n_problems, batch_problems) for c, s0 in enumerate(range(0, k, per_call))]
 
 
 def chunk_seed(seed: int, bench: str, first_problem: int, chunk: int) -> int:
@@ -399,10 +390,10 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
         whos = sorted({r["who"] for r in mine}, key=lambda w: (w != "team", w))
         metrics, lengths = {}, {}
         for who in whos:
+            picked = [r for r in mine if r["who"] == who]
             by_problem: dict[str, dict[int, dict]] = {}
-            for r in mine:
-                if r["who"] == who:
-                    by_problem.setdefault(r["problem_id"], {})[r["sample"]] = r
+            for r in picked:
+                by_problem.setdefault(r["problem_id"], {})[r["sample"]] = r
             missing = [p.id for p in problems if len(by_problem.get(p.id, {})) < k]
             if missing:
                 raise RuntimeError(f"{bench}/{who}: {len(missing)} problems lack some of the {k} samples "
@@ -413,7 +404,6 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
                 per_problem.append(problem_metrics([r["correct"] for r in samples], [r["answer"] for r in samples],
                                                    p.answer, k))
             metrics[who] = aggregate(per_problem)
-            picked = [r for r in mine if r["who"] == who]
             lengths[who] = length_stats([r["tokens"] for r in picked], [r["truncated"] for r in picked])
         out[bench] = {"n_problems": len(problems), "k": k, "metrics": metrics, "lengths": lengths}
     return out
@@ -469,14 +459,12 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
     pred_path = out / "predictions.jsonl"
     written = {row_key(r) for r in read_predictions(pred_path)}
 
-    def complete(bench: str, problem: Problem, sample: int, whos: list[str]) -> bool:
-        return all((bench, problem.id, sample, w) in written for w in whos)
-
     whos = ["team"] + [f"agent_{i + 1}" for i in range(len(identity["agents"]))]
-    todo = []
+    todo = []  # (bench, problem indices, samples, chunk index, how many of its samples lack a row)
     for bench, problems in benches.items():
         for prob_idx, samples, chunk in plan_chunks(len(problems), cfg.k, cfg.batch_problems, cfg.sample_chunk):
-            missing = sum(not complete(bench, problems[i], s, whos) for i in prob_idx for s in samples)
+            missing = sum(any((bench, problems[i].id, s, w) not in written for w in whos)
+                          for i in prob_idx for s in samples)
             if missing:
                 todo.append((bench, prob_idx, samples, chunk, missing))
     total = sum(len(p) for p in benches.values()) * cfg.k
@@ -538,12 +526,9 @@ def main(argv=None) -> int:
     start = time.time()
     try:
         evaluate(cfg)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # one line; 2: a bad option or input
         print(f"eval_aime.py: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, RuntimeError) as err:
-        print(f"eval_aime.py: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, ValueError) else 1
     print(f"done in {time.time() - start:.1f} s; predictions and summary.json in {cfg.out}")
     return 0
 

@@ -1,13 +1,8 @@
-"""Answer grading: what the team reward of a joint trajectory is made of.
+"""Answer grading: the verifiable team reward of a joint trajectory (paper, Section 5).
 
-Paper, Section 5 (verifiable math reward). The reward is shared by every agent's tokens, so a false
-positive teaches the team to be wrong: when unsure the matcher says no (``answers_match``).
-
-- ``extract_answer``: the final answer of a response (the last ``\\boxed{}``, braces matched; fallbacks);
-- ``normalize_answer`` / ``answers_match``: a built-in normaliser with exact rational comparison, and
-  math-verify where it is installed;
-- ``majority_vote``: the independent protocol's team answer (displayed, maj@K); ``vote_reward``: its team
-  reward, the expected correctness of the vote under a uniform tie-break.
+The reward is shared by every agent's tokens, so a false positive teaches the team to be wrong: when
+unsure the matcher says no. ``extract_answer`` -> ``normalize_answer`` / ``answers_match`` (exact
+rationals, math-verify where installed); ``majority_vote`` / ``vote_reward`` for the independent protocol.
 """
 from __future__ import annotations
 
@@ -37,41 +32,29 @@ def _braced(text: str, start: int) -> str | None:
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last complete \\boxed{...} / \\fbox{...} / "\\boxed 5".
-    A box opened after it and never closed (a response cut while writing its
-    answer) makes the result None: the final answer is missing, and the earlier
-    box may be the one it was correcting."""
+    """Content of the last non-empty \\boxed{...} / \\fbox{...} / "\\boxed 5" (no box may be unclosed)."""
     for m in reversed(list(_BOX_COMMANDS.finditer(text))):
-        rest = m.end()
-        if rest < len(text) and text[rest] == "{":
-            content = _braced(text, rest)
-        elif rest < len(text) and text[rest] == " ":
-            # "\boxed 5": the argument is the next run up to space or "$".
-            arg = re.match(r" +([^\s$]+)", text[rest:])
+        if text.startswith("{", m.end()):
+            content = _braced(text, m.end())
+        else:  # "\boxed 5": the argument runs up to a space or "$"
+            arg = re.match(r" +([^\s$]+)", text[m.end():])
             content = arg.group(1) if arg else None
-        else:
-            content = None
-        if content is None and rest < len(text) and text[rest] == "{":
-            return None  # unclosed (truncated) box: no final answer
-        if content is not None and content.strip():
+        if content and content.strip():
             return content.strip()
-        # empty box: try the one before it
     return None
 
 
 def has_unclosed_box(text: str) -> bool:
-    """Whether some \\boxed{ is never closed: the response was cut inside its answer."""
+    """Whether some \\boxed{ is never closed: the response was cut inside its answer, which is then missing
+    (an earlier box may be the one it was correcting)."""
     return any(m.end() < len(text) and text[m.end()] == "{" and _braced(text, m.end()) is None
                for m in _BOX_COMMANDS.finditer(text))
 
 
 def _answer_phrase(text: str) -> str | None:
-    """X from the last "final answer is X" / "answer: X", up to the end of its sentence.
-
-    Math between dollars may hold escaped dollars ("$\\$18.90$"); a plain "$18.90"
-    is a currency sign. A self-correction, i.e. any digit after X's sentence
-    ("The answer is 12. Wait, actually 13."), makes the result None: the grader
-    does not guess which of the two the model meant."""
+    """X from the last "final answer is X" / "answer: X", up to the end of its sentence. Math between
+    dollars may hold escaped dollars ("$\\$18.90$"); a plain "$18.90" is a currency sign. Any digit after
+    X's sentence ("The answer is 12. Wait, actually 13.") is a self-correction: None, no guessing."""
     matches = list(_ANSWER_PHRASE.finditer(text))
     if not matches:
         return None
@@ -104,11 +87,9 @@ def _extract(text: str, final_only: bool) -> str | None:
 
 
 def extract_answer(text: str, final_only: bool = False) -> str | None:
-    """The final answer in a model response, or None: the last complete \\boxed{...} (or \\fbox, or
-    "\\boxed 5"); else the last "final answer is X" / "answer: X" (None when a number follows: a
-    self-correction); else, unless ``final_only`` (the rule for math benchmarks), the last number (the
-    synthetic task's bare answers). An unclosed \\boxed{ means the response was cut inside its answer: none.
-    For thinking models the text after the last "</think>" is used when it yields an answer."""
+    """The final answer in a model response, or None (any unclosed \\boxed{): the last complete box; else the
+    last answer phrase; else, unless ``final_only`` (math benchmarks), the last number (the synthetic task's
+    bare answers). For thinking models the text after the last "</think>" is used when it yields an answer."""
     if not text:
         return None
     if "</think>" in text:
@@ -119,7 +100,6 @@ def extract_answer(text: str, final_only: bool = False) -> str | None:
 
 
 # -- Normalisation and equivalence -----------------------------------------------------------------------
-# Formatting that never changes the value of an answer.
 _DELETE = [r"\left", r"\right", r"\!", r"\,", r"\;", r"\:", r"\displaystyle", "\\ ", "~"]
 _UNIT_WORDS = (
     "cm|mm|km|m|meters?|metres?|centimeters?|inches|inch|in|feet|foot|ft|yards?|miles?|"
@@ -133,35 +113,29 @@ _NUMBER_WITH_UNIT = re.compile(rf"^({_NUMERAL})\s*(?:(?:{_UNIT_WORDS})\b\.?(?:\^
 
 def _unwrap_command(s: str, command: str) -> str:
     r"""Replace every \command{X} by X (brace-matched, so X may contain braces)."""
-    while True:
-        i = s.find(command + "{")
-        if i < 0:
-            return s
+    while (i := s.find(command + "{")) >= 0:
         start = i + len(command)
         inner = _braced(s, start)
         if inner is None:
-            return s
+            break
         s = s[:i] + inner + s[start + len(inner) + 2:]
+    return s
 
 
 def _fracs_to_slash(s: str) -> str:
     r"""\frac{a}{b} -> (a)/(b), \frac34 -> 3/4; plain numbers keep no brackets."""
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    while True:
-        i = s.find("\\frac{")
-        if i < 0:
-            return s
+    while (i := s.find("\\frac{")) >= 0:
         num = _braced(s, i + 5)
         if num is None:
-            return s
-        j = i + 5 + len(num) + 2
-        if j >= len(s) or s[j] != "{":
-            return s
-        den = _braced(s, j)
+            break
+        j = i + 5 + len(num) + 2  # the denominator's "{"
+        den = _braced(s, j) if s.startswith("{", j) else None
         if den is None:
-            return s
+            break
         s = s[:i] + f"{_bracket(num)}/{_bracket(den)}" + s[j + len(den) + 2:]
+    return s
 
 
 def _bracket(x: str) -> str:
@@ -169,7 +143,7 @@ def _bracket(x: str) -> str:
     return x if re.fullmatch(r"-?\d+(?:\.\d+)?", x) else f"({x})"
 
 
-@lru_cache(maxsize=1 << 16)  # pure, and asked for the same few answers ~10^5 times a stage (vote rewards)
+@lru_cache(maxsize=1 << 16)  # pure; asked for the same few answers ~10^5 times a stage (vote rewards)
 def to_fraction(s: str) -> Fraction | None:
     """Exact value of a normalised plain number ("33", "-0.5", "3/4"), else None."""
     if not re.fullmatch(_NUMERAL, s):
@@ -183,10 +157,9 @@ def to_fraction(s: str) -> Fraction | None:
 def _clean(s: str) -> str:
     """Strip formatting, wrappers and units, leaving the bare answer."""
     s = s.strip()
-    # Math-mode delimiters around the whole answer.
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
-            s = s[len(left):len(s) - len(right)].strip()
+            s = s[len(left):len(s) - len(right)].strip()  # math-mode delimiters around the whole answer
     for cmd in ("\\boxed", "\\fbox", "\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox"):
         s = _unwrap_command(s, cmd)
     for token in _DELETE:
@@ -212,9 +185,8 @@ def _clean(s: str) -> str:
 
 
 def normalize_answer(s: str | None) -> str:
-    """A canonical string for an answer (equal strings, equal answers): formatting stripped (``_clean``),
-    plain numbers rewritten exactly ("033" -> "33", "0.50" and "\\frac{1}{2}" -> "1/2", "-4/2" -> "-2");
-    anything else cleaned but as written. None -> ""."""
+    """A canonical string (equal strings, equal answers): formatting stripped, plain numbers rewritten
+    exactly ("033" -> "33", "0.50" and "\\frac{1}{2}" -> "1/2", "-4/2" -> "-2"). None -> ""."""
     if s is None:
         return ""
     return _normalize(str(s))
@@ -222,7 +194,7 @@ def normalize_answer(s: str | None) -> str:
 
 @lru_cache(maxsize=1 << 16)
 def _normalize(s: str) -> str:
-    """normalize_answer of a string, memoised (the counterfactual baselines ask ~10^5 times a stage)."""
+    """normalize_answer, memoised (the counterfactual baselines ask ~10^5 times a stage)."""
     s = _clean(s)
     value = to_fraction(s)
     if value is not None:
@@ -230,14 +202,9 @@ def _normalize(s: str) -> str:
     return s
 
 
-def _builtin_match(pred: str, gold: str) -> bool:
-    a, b = normalize_answer(pred), normalize_answer(gold)
-    return bool(a) and a == b
-
-
 @lru_cache(maxsize=1)
 def _load_math_verify():
-    """The math_verify module, or None; imported on first use (sympy, which the synthetic task never needs)."""
+    """The math_verify module, or None; imported on first use (it pulls in sympy)."""
     try:
         import math_verify
     except ImportError:  # pragma: no cover - depends on the environment
@@ -267,25 +234,21 @@ def _math_verify_match(pred: str, gold: str, timeout_s: int = 3) -> bool:
 
 
 def answers_match(pred: str | None, gold: str, backend: str = "auto") -> bool:
-    """Whether the extracted answer ``pred`` equals the gold answer.
-
-    builtin: equal ``normalize_answer`` strings (numbers compare exactly as rationals); math_verify:
-    symbolic equivalence; auto: builtin first (no false positives, no sympy); two plain numbers that
-    differ are different (math-verify's rounding would accept 0.333333 for 1/3); otherwise
-    (expressions, tuples, intervals) math-verify decides when installed, else no match."""
+    """Whether the extracted answer ``pred`` equals the gold answer. builtin: equal ``normalize_answer``
+    strings; math_verify: symbolic equivalence; auto: builtin first (no false positives, no sympy), two
+    plain numbers that differ are different (math-verify's rounding would accept 0.333333 for 1/3), and
+    otherwise (expressions, tuples, intervals) math-verify decides when installed, else no match."""
     if pred is None or not str(pred).strip():
         return False
     pred, gold = str(pred), str(gold)
-    if backend == "builtin":
-        return _builtin_match(pred, gold)
     if backend == "math_verify":
         return _math_verify_match(pred, gold)
-    if backend != "auto":
+    if backend not in ("auto", "builtin"):
         raise ValueError(f"backend must be 'auto', 'builtin' or 'math_verify', got {backend!r}")
     a, b = normalize_answer(pred), normalize_answer(gold)
     if a and a == b:
         return True
-    if to_fraction(a) is not None and to_fraction(b) is not None:
+    if backend == "builtin" or (to_fraction(a) is not None and to_fraction(b) is not None):
         return False
     return math_verify_available() and _math_verify_match(pred, gold)
 
@@ -296,39 +259,35 @@ def grade(text: str, gold: str, backend: str = "auto") -> tuple[str | None, bool
     return pred, answers_match(pred, gold, backend)
 
 
-def _vote_counts(answers: list[str | None]) -> tuple[dict[str, int], dict[str, str]]:
-    """Votes per normalised answer and each key's first spelling (None and empty abstain)."""
+def _tied_answers(answers: list[str | None]) -> list[str]:
+    """The answers tied for most votes after normalisation, each as first written, earliest first
+    (None and empty abstain; [] if all do)."""
     counts: dict[str, int] = {}
-    first: dict[str, str] = {}  # key -> first original string; insertion order = first index
+    first: dict[str, str] = {}  # key -> first spelling; insertion order = first index
     for ans in answers:
         if ans is None or not str(ans).strip():
             continue
         key = normalize_answer(ans)
         counts[key] = counts.get(key, 0) + 1
         first.setdefault(key, ans)
-    return counts, first
+    best = max(counts.values(), default=0)
+    return [ans for key, ans in first.items() if counts[key] == best]
 
 
 def majority_vote(answers: list[str | None], rng: random.Random | None = None) -> str | None:
-    """The most common answer after normalisation, as first written (None and empty abstain; None if all
-    do). A tie goes to the answer given first, or with ``rng`` to a uniform draw among the tied. The
-    training reward is ``vote_reward``, which does not favour the earliest agent."""
-    counts, first = _vote_counts(answers)
-    if not counts:
+    """The most common answer after normalisation, as first written (None if all abstain). A tie goes to
+    the answer given first, or with ``rng`` to a uniform draw among the tied."""
+    tied = _tied_answers(answers)
+    if not tied:
         return None
-    best = max(counts.values())
-    tied = [ans for key, ans in first.items() if counts[key] == best]  # earliest first
     return tied[0] if rng is None else rng.choice(tied)
 
 
 def vote_reward(answers: list[str | None], gold: str, backend: str = "auto") -> float:
     """The independent protocol's team reward: the expected correctness of the majority vote under a
-    uniform tie-break, i.e. the fraction of the answers tied for most votes that are right (0 if all
-    abstain). Symmetric in the agents: with ties to the earliest agent, agent 1 alone would decide every
-    three-way disagreement. Without ties it is the 0/1 correctness of the vote."""
-    counts, first = _vote_counts(answers)
-    if not counts:
+    uniform tie-break (0 if all abstain). Symmetric in the agents: with ties to the earliest agent, agent 1
+    alone would decide every three-way disagreement."""
+    tied = _tied_answers(answers)
+    if not tied:
         return 0.0
-    best = max(counts.values())
-    tied = [ans for key, ans in first.items() if counts[key] == best]
     return sum(answers_match(a, gold, backend) for a in tied) / len(tied)

@@ -8,19 +8,12 @@ projects the replacement pi_pre onto the per-state KL ball of radius delta_0 aro
 
 with lambda(s) >= 0 found by bisection per state (``trust_region.geometric_mixture_projection``): 0
 where pi_pre is already inside, else the value that makes the constraint tight. A network cannot be
-set to Eq. (7) state by state, so Stage-0 *fits* it: pi_pre stays frozen, lambda(s) is solved once
-per state, and the trainable copy minimises E_s KL(target(.|s) || pi_new(.|s)) until (i) the
-(1-alpha) quantile of KL(pi_new || pi_cur) <= delta_0 and (ii) the mean fit KL(target || pi_new) is
-within the fit tolerance. Both are reported in sample and on held-out states (rollouts of problems
-the fit never saw). Targets on the ball's boundary cannot be fitted exactly, so once the fit is
-within tolerance or stops improving, a state left outside or near the boundary gets a target deeper
-inside (its own t(s) shrunk, still an Eq. (7) mixture).
+set to Eq. (7) state by state, so Stage-0 *fits* it (``fit_stage0``): pi_pre stays frozen and the
+trainable copy minimises E_s KL(target(.|s) || pi_new(.|s)), measured in sample and on held-out states.
 
-Memory is bounded by budgets, not by the response length: rows go through the trunks in
-micro-batches of at most ``token_budget`` tokens, and the LM heads see at most ``logits_budget // V``
-positions at a time, recomputed in the backward pass (peak: ``memory.stage0_rank_bytes``). Each model
-reads a state through its own chat template; per-token mixing needs a shared vocabulary
-(``team.check_same_vocabulary``). Then SAT continues with the new agent.
+Memory is bounded by ``token_budget`` (rows per trunk micro-batch) and ``logits_budget`` (LM-head positions
+per block, recomputed in the backward pass), not by the response length (``memory.stage0_rank_bytes``).
+Each model reads a state through its own chat template; per-token mixing needs a shared vocabulary.
 
     python sat.py --resume runs/sat --upgrade 2=tiny-6L --stages 12
 """
@@ -51,13 +44,9 @@ STAGE0_PATIENCE = 10  # passes with neither a 1% better fit nor a 1% lower quant
 STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
 
 
-# ---------------------------------------------------------------------------
-# States: one agent's turn, rendered by both models' chat templates
-# ---------------------------------------------------------------------------
 @dataclass
 class Stage0States:
-    """The states s of one slot: the same response prefixes after each model's own rendering of the
-    context (left-padded), shared response ids."""
+    """The states s of one slot: shared response prefixes after each model's own rendering of the context."""
 
     ctx_new: torch.Tensor  # [N, Lc'] the replacement's template
     cmask_new: torch.Tensor  # [N, Lc']
@@ -79,7 +68,7 @@ class Stage0States:
 
 
 def _trim(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop left-padding columns that every row of the slice shares (exact, cheaper)."""
+    """Drop the left-padding columns all rows share (exact, cheaper)."""
     keep = mask.any(0).nonzero()
     c0 = int(keep[0]) if len(keep) else ids.shape[1] - 1
     return ids[:, c0:], mask[:, c0:]
@@ -94,8 +83,12 @@ def _hidden(model, ctx, cmask, resp, rmask) -> torch.Tensor:
     return response_hidden_states(model, *args)[args[3].bool()]  # [M, H]
 
 
-def _logp(model, h: torch.Tensor, temperature: float) -> torch.Tensor:
-    return F.log_softmax(model.get_output_embeddings()(h).float() / temperature, dim=-1)  # [c, V]
+def _mean(x: torch.Tensor) -> float:
+    return float(x.mean()) if x.numel() else 0.0
+
+
+def _logp(head, h: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(head(h).float() / temperature, dim=-1)  # [c, V] fp32
 
 
 def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> list[slice]:
@@ -106,9 +99,6 @@ def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> l
     return [slice(s, s + rows) for s in range(0, len(states), rows)]
 
 
-# ---------------------------------------------------------------------------
-# Stage-0 on given states: targets, the fit, the measurements
-# ---------------------------------------------------------------------------
 @torch.no_grad()
 def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
                    temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET, slices=None):
@@ -116,6 +106,8 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
     ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by bisection when None. One trunk
     forward per model per row slice (``slices``: ``row_slices`` by ``token_budget`` unless given).
     Returns (kl_cur [M], fit [M], t [M]) in row-major state order."""
+    head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
+    step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
     kls, fits, ts = [], [], []
     offset = 0
     for sl in row_slices(states, len(states), token_budget) if slices is None else slices:
@@ -123,11 +115,10 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
         h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
         h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
         h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
-        step = max(1, logits_budget // new_model.get_output_embeddings().weight.shape[0])  # positions per head block
         for c in range(0, h_new.shape[0], step):
-            logp_new = _logp(new_model, h_new[c : c + step], temperature)  # [c, V]
-            logp_pre = _logp(pre_model, h_pre[c : c + step], temperature)  # [c, V]
-            logp_cur = _logp(cur_model, h_cur[c : c + step], temperature)  # [c, V]
+            logp_new = _logp(head_new, h_new[c : c + step], temperature)  # [c, V]
+            logp_pre = _logp(head_pre, h_pre[c : c + step], temperature)  # [c, V]
+            logp_cur = _logp(head_cur, h_cur[c : c + step], temperature)  # [c, V]
             if t is None:  # lambda(s) = 0 (t = 1) where pi_pre is inside; bisection only where it is not
                 t_c = torch.ones(logp_pre.shape[0], dtype=logp_pre.dtype, device=logp_pre.device)  # [c]
                 out = (logp_pre.exp() * (logp_pre - logp_cur)).sum(-1) > delta0  # [c]
@@ -147,9 +138,8 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
 
 def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
                 **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``measure_stage0`` over all the states. Under torchrun each rank measures its share of the rows
-    (``row_share``) and the per-state values are gathered in row order, so every rank holds the [M]
-    vectors one process would and takes the same decisions (quantile, fit, retargeting, lr)."""
+    """``measure_stage0`` over all the states; under torchrun each rank measures its share of the rows and
+    gathers the rest in row order, so every rank holds the [M] vectors and takes the same decisions."""
     if not distributed.active():
         return measure_stage0(new_model, pre_model, cur_model, states, t, delta0, **args)
     lo, hi = distributed.row_share(len(states))
@@ -167,9 +157,8 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
 
 @torch.no_grad()
 def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
-    """Sharded models (``--shard-frozen``): after this rank's ``calls`` trunk forwards of each model,
-    as many more on one row as the busiest rank made (``distributed.extra_calls``), so every
-    all-gather meets its peers; then free the gathered roots."""
+    """--shard-frozen: pad this rank's ``calls`` trunk forwards per model with forwards on one row up to the
+    busiest rank's count, so every all-gather meets its peers; then free the gathered roots."""
     part = states.rows(slice(0, 1))
     for _ in range(distributed.extra_calls(calls)):
         for model, ctx, cmask in zip(models, (part.ctx_new, part.ctx_new, part.ctx_cur),
@@ -180,20 +169,17 @@ def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
 
 
 def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
-    """Sum over a block of states of KL(target || pi_new); the target (Eq. (7)) carries no gradient.
-    Run under checkpointing: one block of logits at a time."""
+    """Sum over a block of states of KL(target || pi_new), the target (Eq. (7)) without gradient; run under
+    checkpointing: one block of logits at a time."""
     with torch.no_grad():
-        logp_pre = F.log_softmax(head_pre(h_pre).float() / temperature, dim=-1)  # [c, V]
-        logp_cur = F.log_softmax(head_cur(h_cur).float() / temperature, dim=-1)  # [c, V]
-        target = geometric_mixture_at(logp_pre, logp_cur, t)  # [c, V]
-    logp_new = F.log_softmax(head_new(h_new).float() / temperature, dim=-1)  # [c, V]
+        target = geometric_mixture_at(_logp(head_pre, h_pre, temperature), _logp(head_cur, h_cur, temperature), t)
+    logp_new = _logp(head_new, h_new, temperature)  # [c, V]
     return (target.exp() * (target - logp_new)).sum()
 
 
 def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
-    """This rank's rows of the micro-batch ``sl`` and the weight of their loss. A rank left without
-    states (fewer rows than ranks) runs the micro-batch's first row with states at weight 0: every
-    rank makes the same forward and backward calls, which FSDP2's collectives need."""
+    """This rank's rows of the micro-batch ``sl`` and their loss weight. A rank left without states runs the
+    first row with states at weight 0: FSDP2's collectives need the same calls on every rank."""
     start, stop = sl.start, min(sl.stop, len(states))
     lo, hi = distributed.row_share(stop - start)
     if bool(states.rmask[start + lo : start + hi].any()):
@@ -204,11 +190,10 @@ def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
 
 def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
              rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET) -> float:
-    """One pass over the fit states: per micro-batch of rows, minimise the mean KL(target || pi_new)
-    toward the fixed targets. Returns the mean loss. Under torchrun ``new_model`` is the FSDP2 copy:
-    the micro-batches are the one-process ones, each rank's loss is its share of a micro-batch's rows
-    divided by the micro-batch's state count (times N: FSDP2 averages gradients over ranks), so a
-    step is the one-process step up to float summation order."""
+    """One pass over the fit states, one AdamW step per micro-batch of rows on the mean KL(target || pi_new);
+    returns the mean loss. Under torchrun (``new_model`` the FSDP2 copy) each rank's loss is its share of the
+    one-process micro-batch over the micro-batch's state count, times N (FSDP2 averages gradients over
+    ranks): the one-process step up to float summation order."""
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
     step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
     world, losses = distributed.STATE.world, []
@@ -241,9 +226,8 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
 
 
 def _trainable(new_model, lr: float):
-    """(the copy Stage-0 trains, its optimizer). One process: ``new_model`` itself, a bf16 one through
-    fp32 master weights as in the SAT update. Under torchrun: an fp32 FSDP2 copy (its shards are the
-    masters), with ``--shard-frozen`` built shard by shard from the sharded model, never whole."""
+    """(the copy Stage-0 trains, its optimizer): ``new_model`` itself (bf16: on fp32 master weights), or under
+    torchrun an fp32 FSDP2 copy whose shards are the masters (``--shard-frozen``: built shard by shard)."""
     if distributed.is_sharded(new_model):
         trained = distributed.training_copy(new_model)
         if new_model.lm.is_gradient_checkpointing:
@@ -260,28 +244,22 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
                max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
                logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent",
                trace: dict | None = None) -> dict:
-    """Stage-0 (Eqs. (6)-(7)) on given states. ``new_model`` enters as pi_pre and leaves aligned; a
-    frozen copy keeps pi_pre. Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit
-    states is <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value
-    KL(target || pi_pre) (the absolute tolerance is reported as ``fit_tol``).
+    """Stage-0 (Eqs. (6)-(7)) on given states: ``new_model`` enters as pi_pre and leaves aligned (a frozen
+    copy keeps pi_pre). Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit states is
+    <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value KL(target || pi_pre)
+    (the absolute tolerance is reported as ``fit_tol``).
 
-    Targets are the exact Eq. (7) projection, t(s) = 1/(1+lambda(s)) solved once per state. The
-    targets of violating states lie *on* the boundary, so fit error leaves about half of them outside
-    while the quantile asks for all but alpha inside. So once the mean fit is within tolerance
-    (checked every STAGE0_EVERY passes) or stalls while the quantile is above delta0, every state with
-    KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s): still an Eq. (7) mixture, at a
-    smaller radius of its own (t -> 0 is pi_cur, always feasible, so no floor); ``retargeted`` is the
-    share moved. The learning rate halves only when the model is inside and neither the fit nor the
-    quantile improved by 1% in STAGE0_PATIENCE passes. Raises if still outside delta0 after
-    ``max_passes``; a missed fit tolerance keeps the (feasible) model with ``fit_ok`` False.
-    ``trace`` receives the final t and the exact t_exact of the fit states (and the fp32 masters).
+    The exact targets t(s) = 1/(1+lambda(s)) are solved once per state. Those of violating states lie *on*
+    the boundary, so fit error leaves about half of them outside while the quantile asks for all but alpha
+    inside: once the fit is within tolerance (checked every STAGE0_EVERY passes) or stalls with the quantile
+    above delta0, every state with KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s), still an
+    Eq. (7) mixture at a smaller radius of its own (t -> 0 is pi_cur, always feasible, so no floor). Inside
+    the ball the lr halves after STAGE0_PATIENCE passes without a 1% gain in fit or quantile. Raises if
+    still outside after ``max_passes``; a missed fit tolerance keeps the feasible model (``fit_ok`` False).
+    ``trace`` receives t, t_exact and the fp32 masters (``master_weights``; ``master_shards`` under torchrun).
 
-    Under torchrun the trainable copy is FSDP2-sharded (fp32 shards: a bf16 replacement's masters,
-    ``trace["master_shards"]``; one process: ``MasterWeightAdamW``, ``trace["master_weights"]``),
-    each rank fits and measures its share and the per-state values are gathered, so every decision
-    is the one-process one up to float summation order. With ``--shard-frozen`` pi_pre is a sharded
-    copy, the trainable copy is built from the shards (``distributed.training_copy``) and each rank
-    writes its shards back: no model is ever whole on a rank."""
+    Under torchrun (an fp32 FSDP2 trainable copy; with ``--shard-frozen`` no model ever whole on a rank) each
+    rank fits and measures its share: every decision is the one-process one up to float summation order."""
     log = log or (lambda *_: None)
     pre_model = distributed.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre (shards: a sharded copy)
     args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
@@ -290,17 +268,16 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     kl_held = (measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held)
                else torch.zeros(0))
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs rounding when pi_pre is inside
-    fit_tol = max(fit_tol * float(fit_kl.mean()) if fit_kl.numel() else 0.0, 1e-6)
-    before = {"fit_mean_before": float(fit_kl.mean()) if fit_kl.numel() else 0.0,
-              "kl_quantile_before": kl_quantile(kl, q_level),
+    fit_tol = max(fit_tol * _mean(fit_kl), 1e-6)
+    before = {"fit_mean_before": _mean(fit_kl), "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
-              "share_outside_before": float((t < 1).float().mean()) if t.numel() else 0.0}
+              "share_outside_before": _mean((t < 1).float())}
     sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
     trained, opt = _trainable(new_model, lr)
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = kl_quantile(kl, q_level)
-        fit_mean = float(fit_kl.mean()) if fit_kl.numel() else 0.0
+        fit_mean = _mean(fit_kl)
         lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
             log(f"  stage-0 pass {passes}: KL(new||cur) quantile {q:.4f} (delta_0 {delta0}), fit KL(target||new) "
@@ -345,16 +322,15 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
         del pre_model
         raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
                            f"{passes} passes; raise --stage0-delta or --stage0-max-passes")
-    out = {**before, "kl_quantile": q, "kl_mean": float(kl.mean()) if kl.numel() else 0.0, "fit_mean": fit_mean,
+    out = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
            "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
            "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
-           "retargeted": float((t < t_exact).float().mean()) if t.numel() else 0.0,
+           "retargeted": _mean((t < t_exact).float()),
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
         kl_h, fit_h, _ = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)
         out.update(heldout_states=held.num_states, heldout_kl_quantile=kl_quantile(kl_h, q_level),
-                   heldout_kl_mean=float(kl_h.mean()) if kl_h.numel() else 0.0,
-                   heldout_fit_mean=float(fit_h.mean()) if fit_h.numel() else 0.0)
+                   heldout_kl_mean=_mean(kl_h), heldout_fit_mean=_mean(fit_h))
         if beyond(out["heldout_kl_quantile"], delta0):
             log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is "
                 f"{out['heldout_kl_quantile']:.4f} > delta_0 {delta0} (in sample {q:.4f}): the fit does not carry "
@@ -363,16 +339,11 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     return out
 
 
-# ---------------------------------------------------------------------------
-# Stage-0 for a team slot
-# ---------------------------------------------------------------------------
 def slot_states(team: Team, slot: int, new_agent: Agent, batch) -> tuple[Stage0States, int]:
-    """The slot's states in both templates: the incumbent's rollout contexts and the same messages
-    rendered by the replacement's own chat template (chain protocol: with the same earlier answers);
-    and how many rows the two templates tokenise differently."""
+    """The slot's states: the incumbent's rollout contexts and the same messages in the replacement's own
+    chat template (chain: the same earlier answers); and how many rows the two templates tokenise differently."""
     turn = batch.turns[slot]
-    holder = Team(list(team.agents), team.config)
-    holder.agents[slot] = new_agent
+    holder = Team(team.agents[:slot] + [new_agent] + team.agents[slot + 1 :], team.config)
     chain = team.protocol == "chain"
     previous = [[t.answers[i] for t in batch.turns[:slot]] if chain else [] for i in range(len(batch))]
     contexts = [holder.prompt_ids(slot, p, prev) for p, prev in zip(batch.problems, previous)]
@@ -392,13 +363,11 @@ def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[li
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
                  lr: float, log, trace: dict | None = None, backend=HF) -> dict:
-    """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of
-    ``slot`` by fitting the Eq. (7) projection of its frozen self (``fit_stage0``). States: every
-    position of the incumbent's responses in fresh rollouts of the trained team (the states the team
-    visits); a quarter of the distinct problems is held out of the fit and only measured. With
-    --shard-rollouts (always under torchrun) the rollouts are seeded blocks shared out over the
-    ranks: the same states for any number of processes. ``trace`` receives the fit states, t,
-    t_exact (and the fp32 masters)."""
+    """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of ``slot``
+    (``fit_stage0``). States: every position of the incumbent's responses in fresh rollouts of the trained
+    team; a quarter of the distinct problems is held out of the fit and only measured. With --shard-rollouts
+    (always under torchrun) the rollouts are seeded blocks: the same states for any number of processes.
+    ``trace`` receives the fit states besides ``fit_stage0``'s entries."""
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
     problems = fit_problems + held_problems
@@ -437,24 +406,22 @@ def sharded_replacement(cfg) -> bool:
 
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
-    """The new model for an upgraded slot (with --shard-frozen a model with files is read straight into
-    shards). A tiny spec gets its own (longer) warm start, standing in for a stronger pretrained model."""
+    """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
+    own (longer) warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
     load = load_agent_sharded if sharded_replacement(cfg) else Agent.load
     agent = load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
-        holder = Team(list(team.agents), team.config)  # the slot's own prompt format (chain: earlier answers)
-        holder.agents[slot] = agent
+        holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
         warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
     return agent
 
 
 def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig, controllers: dict,
                    value_heads: dict, rng: random.Random, log, evaluate=None, backend=HF) -> list[dict]:
-    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0; a new agent gets a fresh
-    controller (and a fresh value head with --adv gae). ``evaluate(team) -> dict``, when given, records
-    the held-out accuracy of the team with the unaligned replacement (before Stage-0) in the event."""
+    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0, with a fresh controller (and value
+    head with --adv gae). ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
     events = []
     for item in cfg.upgrade:
         slot_text, _, spec = item.partition("=")
@@ -471,9 +438,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         check_same_vocabulary(team.agents[slot], new_agent)
         before = None
         if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
-            holder = Team(list(team.agents), team.config)
-            holder.agents[slot] = new_agent
-            before = evaluate(holder)
+            before = evaluate(Team(team.agents[:slot] + [new_agent] + team.agents[slot + 1 :], team.config))
             log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
                 f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
         n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size

@@ -1,22 +1,20 @@
-"""Joint-trajectory generation: the team answers B problems G times each.
+"""Joint-trajectory generation: the team answers B problems G times each (paper, Section 3; Algorithm 1, ROLLOUT).
 
-Paper, Section 3 (the team as a factorized policy) and Algorithm 1 (ROLLOUT under pi_cur): a joint
-trajectory is one response per agent under the team's protocol (independent answers + majority vote,
-or a chain in which agent k sees the answers of agents 1..k-1), with one team reward shared by every
-agent's tokens: chain, 1 if the last answer is right; independent, the expected correctness of the
-vote under a uniform tie-break (``grading.vote_reward``), so that no agent is a dictator.
+A joint trajectory is one response per agent under the team's protocol (independent answers + majority
+vote, or a chain in which agent k sees the answers of agents 1..k-1), with one team reward shared by every
+agent's tokens: chain, 1 if the last answer is right; independent, the expected correctness of the vote
+under a uniform tie-break (``grading.vote_reward``), so that no agent is a dictator.
 
-Each agent turn is one left-padded generate over all N = B * G contexts (chunked by the token
-budget), then one batched teacher-forced forward of the training model at the sampling temperature
-for the behaviour log-probabilities: the sampler's numerics never enter the importance ratios.
-The sampler is chosen once per run as a backend object (``make_backend``): ``HFBackend`` here,
-``scale.rollout_vllm.VLLMBackend`` for vLLM engines; both have generate / sync / sleep / health /
-close. Sampling is the tempered softmax and nothing else (``sampler_config``, ``check_sampler``);
-top_p < 1 is for evaluation only, because the ratios and the KL use the untruncated softmax.
+The behaviour log-probabilities come from the training model's teacher-forced forward at the sampling
+temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
+chosen once per run (``make_backend``): ``HFBackend`` or ``scale.rollout_vllm.VLLMBackend``. Sampling is the
+tempered softmax and nothing else; top_p < 1 is for evaluation only (the ratios and the KL use the full softmax).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -83,7 +81,7 @@ class TeamBatch:
     turns: list[Turn]  # one per agent, turns[k].agent == k
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward in [0, 1]
-    agent_correct: torch.Tensor = field(default=None)  # [n_agents, N] each agent's own answer right?
+    agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own answer right?
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
 
     def __len__(self) -> int:
@@ -95,22 +93,18 @@ class TeamBatch:
 
 
 # -- The HF sampler: the tempered softmax only -----------------------------------------------------------
-# Every GenerationConfig field that makes ``generate`` add a logits processor, with the test for its
-# neutral value. transformers fills each field left at None from the checkpoint's generation_config.
+# Every GenerationConfig field that makes ``generate`` add a logits processor, with its neutral values.
+# transformers fills each field left at None from the checkpoint's generation_config.
 NEUTRAL_SAMPLER_FIELDS = {
-    "top_k": lambda v: v in (None, 0), "min_p": lambda v: v is None, "typical_p": lambda v: v in (None, 1.0),
-    "epsilon_cutoff": lambda v: v in (None, 0.0), "eta_cutoff": lambda v: v in (None, 0.0),
-    "top_h": lambda v: v is None, "repetition_penalty": lambda v: v in (None, 1.0),
-    "encoder_repetition_penalty": lambda v: v in (None, 1.0), "no_repeat_ngram_size": lambda v: v in (None, 0),
-    "encoder_no_repeat_ngram_size": lambda v: v in (None, 0), "bad_words_ids": lambda v: v is None,
-    "sequence_bias": lambda v: v is None, "min_length": lambda v: v in (None, 0),
-    "min_new_tokens": lambda v: v in (None, 0), "forced_bos_token_id": lambda v: v is None,
-    "forced_eos_token_id": lambda v: v is None, "remove_invalid_values": lambda v: v in (None, False),
-    "exponential_decay_length_penalty": lambda v: v is None, "suppress_tokens": lambda v: v is None,
-    "begin_suppress_tokens": lambda v: v is None, "guidance_scale": lambda v: v in (None, 1.0),
-    "watermarking_config": lambda v: v is None, "renormalize_logits": lambda v: v in (None, False),
-    "num_beams": lambda v: v in (None, 1), "penalty_alpha": lambda v: v is None, "dola_layers": lambda v: v is None,
-    "assistant_model": lambda v: v is None, "prompt_lookup_num_tokens": lambda v: v is None,
+    "top_k": (None, 0), "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0), "top_h": (None,), "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
+    "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "remove_invalid_values": (None, False), "exponential_decay_length_penalty": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,), "renormalize_logits": (None, False), "num_beams": (None, 1),
+    "penalty_alpha": (None,), "dola_layers": (None,), "assistant_model": (None,), "prompt_lookup_num_tokens": (None,),
 }
 ALLOWED_PROCESSORS = {"TemperatureLogitsWarper", "TopPLogitsWarper"}  # plain tempered (nucleus) sampling
 
@@ -131,19 +125,15 @@ def sampler_config(agent, sampling: SamplingConfig):
     )
 
 
-class _sampler:
+@contextmanager
+def _sampler(model, gen_cfg):
     """``gen_cfg`` as the model's generation_config while sampling, so transformers' merge of unset
     fields finds nothing of the checkpoint's."""
-
-    def __init__(self, model, gen_cfg):
-        self.model, self.gen_cfg = model, gen_cfg
-
-    def __enter__(self):
-        self.saved, self.model.generation_config = self.model.generation_config, self.gen_cfg
-        return self.gen_cfg
-
-    def __exit__(self, *exc):
-        self.model.generation_config = self.saved
+    saved, model.generation_config = model.generation_config, gen_cfg
+    try:
+        yield gen_cfg
+    finally:
+        model.generation_config = saved
 
 
 def check_sampler(agent, sampling: SamplingConfig) -> None:
@@ -161,7 +151,7 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
                 pass
     for name, neutral in NEUTRAL_SAMPLER_FIELDS.items():
         value = getattr(gen_cfg, name, None)
-        if not neutral(value):
+        if value not in neutral:
             raise RuntimeError(f"agent '{agent.spec.name}': the sampler's {name}={value!r} would reshape the "
                                "distribution the behaviour log-probs assume; set it to its neutral value in "
                                "rollout.sampler_config")
@@ -193,22 +183,24 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its LM
     # a sharded agent: as many generate calls as the busiest rank (their all-gathers meet), agreed before the first
     extra = distributed.extra_calls(len(chunks)) if distributed.is_sharded(agent.model) else 0
+
+    def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [n, Lc] -> [n, Lc + <= max_new_tokens]
+        with _sampler(inner, gen_cfg):
+            return agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device),
+                                        generation_config=gen_cfg)
+
     responses: list[list[int]] = [None] * len(contexts)
     for sl in chunks:
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
-        with _sampler(inner, gen_cfg):
-            out = agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device),
-                                       generation_config=gen_cfg)
-        new = out[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
+        new = gen(ids, mask)[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
     if extra:  # dummy calls under their own RNG: the batch's draws stay those of one process
         ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
         for _ in range(extra):
-            with torch.random.fork_rng(devices=distributed.rng_devices(agent.device)), _sampler(inner, gen_cfg):
-                agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device),
-                                     generation_config=gen_cfg)
+            with torch.random.fork_rng(devices=distributed.rng_devices(agent.device)):
+                gen(ids, mask)
     return responses
 
 
@@ -236,9 +228,9 @@ HF = HFBackend()
 
 def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,
                  tensor_parallel: int = 1, health: bool = True):
-    """The run's sampler: ``HF``, or vLLM engines (one per agent, per rank under torchrun, or per group
-    of ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the
-    engines also return their log-probabilities of the sampled tokens (``VLLMBackend.health``)."""
+    """The run's sampler: ``HF``, or vLLM engines (one per agent, per rank under torchrun, or per group of
+    ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the engines
+    also return their log-probabilities of the sampled tokens (``VLLMBackend.health``)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
     if name == "hf":
@@ -296,12 +288,11 @@ def counterfactual_baselines(answers: list[list[str | None]], flat: list[Problem
     Agent k's answers to one prompt are i.i.d. and independent of the others', so b_k(tau) is unbiased
     for E[R | the others' answers in tau] and does not depend on agent k's own answer: R - b_k is a
     valid advantage for agent k without the noise of the other agents' answers."""
-    n_agents, cache = len(answers[0]), {}
+    n_agents = len(answers[0])
 
+    @lru_cache(maxsize=None)
     def reward(ans: tuple, gold: str) -> float:
-        if (ans, gold) not in cache:
-            cache[ans, gold] = vote_reward(list(ans), gold)
-        return cache[ans, gold]
+        return vote_reward(list(ans), gold)
 
     out = torch.zeros(n_agents, len(flat))  # [n_agents, N]
     for g in torch.unique(group_ids).tolist():

@@ -1,13 +1,9 @@
-"""Tasks: where the problems of a run come from.
+"""Tasks: where a run's problems (id, text, gold answer) come from.
 
-Paper, Section 5 (training prompts from DAPO-Math-17k / DeepScaleR; evaluation on AIME24/25 and MATH-500).
-A ``Problem`` is (id, problem text, gold answer), from a synthetic addition task for the CPU default run
-and the tests (``arithmetic_problems``; ``noisy_label`` for the warm start that stands in for the
-pretraining of tiny agents), JSONL files (``load_jsonl``, e.g. the offline copies in ``data/``), or
-public Hugging Face datasets by short name (``load_dataset_by_name``). ``load_task(cfg)`` gives a run
-its training and held-out problems.
+Paper, Section 5: training on DAPO-Math-17k / DeepScaleR, evaluation on AIME24/25 and MATH-500. Sources: a
+synthetic addition task (the CPU default run and the tests), JSONL files (offline copies in ``data/``) and
+Hugging Face datasets by short name. ``load_task(cfg)`` gives a run its training and held-out problems.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +23,8 @@ class Problem:
 
 
 # -- Synthetic addition task -----------------------------------------------------------------------------
-# difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive; each level its own (enumerated) pair space.
-# Difficulty 1 (400 pairs, answers 20..68) is learnable by a tiny model with sparse reward on 2 CPU cores.
+# difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive. Difficulty 1 (400 pairs, answers 20..68) is
+# learnable by a tiny model with sparse reward on 2 CPU cores.
 DIFFICULTY_RANGES = {
     1: ((10, 49), (10, 19)),     # two-digit + small two-digit
     2: ((10, 99), (10, 99)),     # two-digit + two-digit
@@ -52,13 +48,8 @@ def _split_pairs(difficulty: int, split: str) -> tuple[tuple[int, int], ...]:
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     (a_lo, a_hi), (b_lo, b_hi) = DIFFICULTY_RANGES[difficulty]
-    want_heldout = split == "heldout"
-    return tuple(
-        (a, b)
-        for a in range(a_lo, a_hi + 1)
-        for b in range(b_lo, b_hi + 1)
-        if is_heldout_pair(a, b) == want_heldout
-    )
+    return tuple((a, b) for a in range(a_lo, a_hi + 1) for b in range(b_lo, b_hi + 1)
+                 if is_heldout_pair(a, b) == (split == "heldout"))
 
 
 def arithmetic_problems(n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Problem]:
@@ -72,17 +63,16 @@ def arithmetic_problems(n: int, seed: int, difficulty: int = 1, split: str = "tr
     problems: list[Problem] = []
     rep = 0
     while len(problems) < n:
-        take = rng.sample(pairs, min(len(pairs), n - len(problems)))
         suffix = f"-r{rep}" if rep else ""
-        for a, b in take:
+        for a, b in rng.sample(pairs, min(len(pairs), n - len(problems))):
             problems.append(Problem(f"arith-d{difficulty}-{a}+{b}{suffix}", f"{a}+{b}", str(a + b)))
         rep += 1
     return problems
 
 
 def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
-    """A warm-start label: right with prob 1 - p_wrong, else off by 1, 2 or 10 (never negative). Near-misses
-    give the warm-started model a spread of answers around the truth for sparse reward to sharpen."""
+    """A warm-start label (it stands in for pretraining tiny agents): right with prob 1 - p_wrong, else off
+    by 1, 2 or 10 (never negative), a spread of answers around the truth for sparse reward to sharpen."""
     value = int(answer)
     if rng.random() >= p_wrong:
         return answer
@@ -111,8 +101,7 @@ def _chat_to_text(prompt) -> str | None:
     """Problem text from either a plain string or a chat list [{"role", "content"}]."""
     if isinstance(prompt, str):
         return prompt.strip() or None
-    if isinstance(prompt, list):
-        # The last user turn holds the problem; system turns are instructions.
+    if isinstance(prompt, list):  # the last user turn holds the problem; system turns are instructions
         for message in reversed(prompt):
             if isinstance(message, dict) and message.get("role", "user") == "user":
                 content = message.get("content")
@@ -127,10 +116,8 @@ def load_jsonl(path) -> list[Problem]:
     file, the line, what is wrong and how to fix it."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: no such file; pass a JSONL file ({_JSONL_HINT}) or a dataset name "
-            f"({', '.join(DATASETS)})"
-        )
+        raise FileNotFoundError(f"{path}: no such file; pass a JSONL file ({_JSONL_HINT}) or a dataset name "
+                                f"({', '.join(DATASETS)})")
     problems = []
     with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a BOM
         for lineno, line in enumerate(f, start=1):
@@ -153,16 +140,14 @@ def load_jsonl(path) -> list[Problem]:
                 raise ValueError(f'{where}: missing "answer"; {_JSONL_HINT}')
             answer = _answer_to_str(obj["answer"])
             if answer is None:
-                raise ValueError(
-                    f'{where}: "answer" must be a non-empty string or a number, got {obj["answer"]!r}; {_JSONL_HINT}'
-                )
+                raise ValueError(f'{where}: "answer" must be a non-empty string or a number, '
+                                 f'got {obj["answer"]!r}; {_JSONL_HINT}')
             pid = str(obj["id"]) if obj.get("id") is not None else f"{path.stem}-{lineno}"
             problems.append(Problem(pid, text, answer))
     return problems
 
 
 # -- Public datasets by name -----------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class DatasetSpec:
     """Where a named dataset lives on the Hub and which (dotted: "reward_model.ground_truth") fields hold what."""
@@ -201,10 +186,8 @@ def canonical_dataset_name(name: str) -> str:
     if key not in DATASETS:
         aliases = {k: [a for a, v in DATASET_ALIASES.items() if v == k] for k in DATASETS}
         known = ", ".join(f"{k} ({'/'.join(aliases[k])})" if aliases[k] else k for k in DATASETS)
-        raise ValueError(
-            f"unknown dataset {name!r}; known names: {known}; or pass a JSONL file "
-            f"({_JSONL_HINT}), e.g. data/aime24.jsonl"
-        )
+        raise ValueError(f"unknown dataset {name!r}; known names: {known}; or pass a JSONL file "
+                         f"({_JSONL_HINT}), e.g. data/aime24.jsonl")
     return key
 
 
@@ -224,19 +207,14 @@ _DAPO_HEAD = re.compile(r"^Solve the following math problem[^\n]*\n\n", re.S)
 _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer[^\n]*$", re.S)
 
 
-def strip_dapo_instruction(text: str) -> str:
-    """The bare problem from a DAPO-style prompt (unchanged if not wrapped)."""
-    return _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", text)).strip()
-
-
 def row_to_problem(row: dict, spec: DatasetSpec, fallback_id: str) -> Problem | None:
     """One dataset record -> Problem, or None if it lacks a problem or answer."""
     text = _chat_to_text(_get_field(row, spec.problem_field))
     answer = _answer_to_str(_get_field(row, spec.answer_field))
     if text is None or answer is None:
         return None
-    if spec.problem_field == "prompt":
-        text = strip_dapo_instruction(text)
+    if spec.problem_field == "prompt":  # a DAPO-style prompt: the bare problem
+        text = _DAPO_TAIL.sub("", _DAPO_HEAD.sub("", text)).strip()
     raw_id = _get_field(row, spec.id_field) if spec.id_field else None
     pid = str(raw_id) if raw_id is not None else fallback_id
     return Problem(pid, text, answer)
@@ -282,31 +260,25 @@ def load_problems(spec: str) -> list[Problem]:
     return load_dataset_by_name(spec)
 
 
-
 # -- A run's problems ------------------------------------------------------------------------------------
 BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
-    """(train problems, held-out problems, instruction appended to each problem)
-    for a run's ``config.Config`` (task, data, eval_data, eval_size, seed)."""
-    if cfg.data:
-        train = load_problems(cfg.data)
+    """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
+    if cfg.data or cfg.task != "arithmetic":
+        train = load_problems(cfg.data or cfg.task)
         instruction = BOXED_INSTRUCTION
-    elif cfg.task == "arithmetic":
+    else:
         train = arithmetic_problems(4096, seed=cfg.seed, split="train")
         instruction = ""  # tiny agents answer "23+15" with "38"
-    else:
-        train = load_problems(cfg.task)
-        instruction = BOXED_INSTRUCTION
     if cfg.eval_data:
         heldout = load_problems(cfg.eval_data)
     elif cfg.task == "arithmetic" and not cfg.data:
         heldout = arithmetic_problems(cfg.eval_size, seed=cfg.seed + 1, split="heldout")
     else:  # hold out the tail of the training set
-        rng = random.Random(cfg.seed)
         train = train[:]
-        rng.shuffle(train)
+        random.Random(cfg.seed).shuffle(train)
         n_eval = min(cfg.eval_size, max(1, len(train) // 10))
         train, heldout = train[n_eval:], train[:n_eval]
     return train, heldout[: cfg.eval_size], instruction

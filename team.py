@@ -1,24 +1,13 @@
 """The team: agents (one causal LM each) and the factorized team policy.
 
 Paper, Section 3: a team of n agents is one factorized policy pi(a|s) = prod_i pi_i(a_i|s); each
-agent's action is a whole response. Two protocols:
+agent's action is a whole response. Protocols: ``independent`` (every agent answers alone; the team
+answer is the majority vote, ties -> earliest agent) and ``chain`` (agent k also sees the extracted
+answers of agents 1..k-1; the last agent's answer is the team answer). Agent specs: ``parse_agents``.
 
-- ``independent``: every agent answers the problem alone; the team answer is the majority vote of
-  the agents' extracted answers (ties -> earliest agent).
-- ``chain``: agents speak in turn; agent k sees the problem plus the extracted answers of agents
-  1..k-1; the last agent's answer is the team answer.
-
-Agent specs (``parse_agents``):
-    "Qwen3-4B x3"            three copies of Qwen/Qwen3-4B
-    "Qwen3-4B x2, Qwen3-8B"  a mixed team
-    "tiny x3"                three tiny Qwen3-shaped models built from a config
-    "tiny-6L"                a tiny model with 6 layers (stronger)
-    "org/model" or a local checkpoint folder (one with config.json)
-
-Weights are float32 or bfloat16 (``--dtype``); a bf16 agent trains on fp32 master weights
-(``MasterWeightAdamW``, Algorithm 1's OPTIMIZE step at lr 1e-5). A tiny agent is a real
-``Qwen3ForCausalLM`` with a real (character-level) ``PreTrainedTokenizerFast`` and chat template: it
-goes through exactly the same code as a downloaded checkpoint.
+A bf16 agent trains on fp32 master weights (``MasterWeightAdamW``). A tiny agent is a real
+``Qwen3ForCausalLM`` with a real (character-level) tokenizer and chat template: it goes through
+exactly the same code as a downloaded checkpoint.
 """
 from __future__ import annotations
 
@@ -37,18 +26,16 @@ from grading import extract_answer, majority_vote
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
 from tasks import Problem, noisy_label
 
-# Special tokens of the tiny character tokenizer; its chat template uses the role markers as a real chat model does.
+# The tiny character tokenizer's specials; its chat template uses the role markers as a real chat model does.
 TINY_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|unk|>"]
 TINY_CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+ENCODE_CACHE_SIZE = 1 << 16  # entries per agent and cache
 
 
-# ---------------------------------------------------------------------------
-# Tiny agents: a Qwen3-shaped model from a config and a character tokenizer
-# ---------------------------------------------------------------------------
 def build_char_tokenizer():
     """A character-level tokenizer built offline, wrapped like a hub tokenizer: BPE with an empty
     merge list splits text into characters; the role markers are added tokens (atomic)."""
@@ -76,13 +63,9 @@ def build_tiny_model(tokenizer, layers: int = 4, seed: int = 0, hidden: int = 12
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # same seed -> bit-identical weights
-        model = Qwen3ForCausalLM(config)
-    return model
+        return Qwen3ForCausalLM(config)
 
 
-# ---------------------------------------------------------------------------
-# Agent
-# ---------------------------------------------------------------------------
 class Agent:
     """One team member: a causal LM, its tokenizer, and (only while it is the agent being trained)
     an optimizer. Frozen agents hold no gradients and no optimizer state: SAT's memory advantage."""
@@ -99,7 +82,6 @@ class Agent:
         self._text_cache: dict = {}  # text -> ids
         self.freeze()
 
-    # -- loading / saving ---------------------------------------------------
     @classmethod
     def load(cls, spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
              seed: int = 0) -> "Agent":
@@ -124,13 +106,11 @@ class Agent:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Agent":
-        """Load an agent saved by ``save``; its spec keeps the original name (``checkpoint_spec``)."""
-        spec = checkpoint_spec(path)
-        model, tokenizer = _load_pretrained(spec.source, dtype)
-        model.to(device=device, dtype=dtype)
-        return cls(spec, model, prepare_tokenizer(tokenizer, spec.name, spec.source))
+        """Load an agent saved by ``save``: a local source under its original name."""
+        path = Path(path)
+        meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
+        return cls.load(AgentSpec(name=meta["name"], kind="local", source=str(path)), device, dtype)
 
-    # -- training state -----------------------------------------------------
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -140,15 +120,13 @@ class Agent:
         return next(self.model.parameters()).dtype
 
     def grad_parameters(self) -> list[torch.Tensor]:
-        """The tensors that hold this agent's gradients while it trains (for gradient clipping): the
-        fp32 master weights of a bf16 agent, else the model's own parameters."""
+        """The tensors holding this agent's gradients (for clipping): a bf16 agent's fp32 masters, else its own."""
         if isinstance(self.optimizer, MasterWeightAdamW):
             return self.optimizer.master
         return list(self.model.parameters())
 
     def freeze(self, offload_optimizer: bool = False) -> None:
-        """No gradients, no optimizer on the accelerator. With ``offload_optimizer`` the AdamW moments
-        are kept on the host for the agent's next turn; otherwise they are dropped."""
+        """No gradients, no optimizer on the accelerator; ``offload_optimizer`` keeps the moments on the host."""
         if offload_optimizer and self.optimizer is not None:
             self.saved_optimizer_state = _to_cpu(self.optimizer.state_dict())
         if isinstance(self.optimizer, MasterWeightAdamW):
@@ -183,49 +161,44 @@ class Agent:
                 group["lr"] = group_lr
         return self.optimizer
 
-    # -- prompting ------------------------------------------------------------
     def render_prompt(self, messages: list[dict], enable_thinking: bool = False) -> str:
-        """The agent's own chat template; Qwen3's thinking switch is passed through (templates without
-        it ignore the variable)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-        )
+        """The agent's own chat template; Qwen3's thinking switch is passed through (others ignore it)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=enable_thinking)
 
     def encode_prompt(self, messages: list[dict], enable_thinking: bool = False) -> list[int]:
-        """Token ids of the rendered chat prompt, cached per agent: the same problems come back every
-        stage and in every evaluation (rendering plus tokenizing is a fifth of the tiny warm start)."""
+        """Token ids of the rendered chat prompt, cached: the same problems come back every stage and evaluation."""
         key = (tuple((m["role"], m["content"]) for m in messages), enable_thinking)
-        ids = self._prompt_cache.get(key)
-        if ids is None:
-            ids = self.tokenizer(self.render_prompt(messages, enable_thinking), add_special_tokens=False)["input_ids"]
-            _bounded_put(self._prompt_cache, key, ids)
-        return list(ids)  # a copy: callers may extend it
+        return self._encode(self._prompt_cache, key, lambda: self.render_prompt(messages, enable_thinking))
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens), cached like prompts."""
-        ids = self._text_cache.get(text)
-        if ids is None:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            _bounded_put(self._text_cache, text, ids)
-        return list(ids)
+        return self._encode(self._text_cache, text, lambda: text)
+
+    def _encode(self, cache: dict, key, render) -> list[int]:
+        """Token ids of ``render()`` through a bounded cache (dicts keep insertion order: the oldest half
+        goes when full); a copy, since callers may extend it."""
+        if key not in cache:
+            if len(cache) >= ENCODE_CACHE_SIZE:
+                for old in list(cache)[: ENCODE_CACHE_SIZE // 2]:
+                    del cache[old]
+            cache[key] = self.tokenizer(render(), add_special_tokens=False)["input_ids"]
+        return list(cache[key])
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW on fp32 master weights of a low-precision (bf16) model.
 
     At the paper's lr 1e-5 an AdamW step moves a weight by about 1e-5, less than half a bf16 rounding
-    step for any |w| > 2.6e-3, so stepping bf16 parameters directly rounds most updates away. Mixed
-    precision with master weights, in the form that keeps ONE policy function: the forward and
-    backward run on the bf16 weights (the trained agent, its frozen reference pi_j,cur and the
-    behaviour log-probs are the same bf16 computation, so log r = 0 before the first step); each bf16
-    gradient is added into an fp32 gradient on the master as soon as backward produces it; AdamW
-    steps the master with fp32 moments; the master is rounded into the bf16 weights. (fp32 weights
-    under bf16 autocast would make the trained forward a different function from the reference's.)
+    step for any |w| > 2.6e-3, so stepping bf16 parameters directly rounds most updates away. Forward
+    and backward run on the bf16 weights, so the trained agent, its frozen reference pi_j,cur and the
+    behaviour log-probs are ONE function (log r = 0 before the first step; fp32 weights under bf16
+    autocast would not be). Each bf16 gradient is added into an fp32 gradient on the master as backward
+    produces it, AdamW steps the master with fp32 moments, the master is rounded into the bf16 weights.
 
-    Between the agent's turns the master waits on the host (``release``), so updates smaller than a
-    bf16 step accumulate across stages; an element whose bf16 weight no longer equals round(master)
-    (a backtracked or rejected step, weights loaded anew) restarts from its bf16 value. Per trained
-    parameter: bf16 weight 2 B + fp32 master 4 B + fp32 gradient 4 B + fp32 m, v 8 B (memory.py)."""
+    Between turns the master waits on the host (``release``), so sub-bf16-step updates accumulate across
+    stages; an element whose bf16 weight no longer equals round(master) (a backtracked or rejected step,
+    weights loaded anew) restarts from its bf16 value. Bytes per trained parameter: 2 + 4 + 4 + 8."""
 
     def __init__(self, params: list[torch.Tensor], master: list[torch.Tensor] | None, extra: list[torch.Tensor],
                  lr: float, weight_decay: float = 0.0):
@@ -266,17 +239,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
         return [m.detach().to("cpu", copy=True) if m.is_cuda else m.detach() for m in self.master]
 
 
-ENCODE_CACHE_SIZE = 1 << 16  # entries per agent and cache; the oldest half is dropped when full
-
-
-def _bounded_put(cache: dict, key, ids: list[int]) -> None:
-    """Insert into a dict used as a bounded cache (dicts keep insertion order)."""
-    if len(cache) >= ENCODE_CACHE_SIZE:
-        for old in list(cache)[: ENCODE_CACHE_SIZE // 2]:
-            del cache[old]
-    cache[key] = ids
-
-
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):  # a DTensor (FSDP2 under torchrun) keeps this rank's shard
         return (obj.to_local() if hasattr(obj, "to_local") else obj).detach().to("cpu", copy=True)
@@ -288,39 +250,30 @@ def _to_cpu(obj):
 
 
 def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
-    """Stage-0 mixes per-token distributions, so both agents must index the same tokens the same way
-    (tokenizer map and the LM head's width)."""
+    """Stage-0 mixes per-token distributions: both agents must share the tokenizer map and the LM head's width."""
     v_inc, v_new = incumbent.tokenizer.get_vocab(), replacement.tokenizer.get_vocab()
     w_inc = incumbent.model.get_output_embeddings().weight.shape[0]
     w_new = replacement.model.get_output_embeddings().weight.shape[0]
     if v_inc != v_new or w_inc != w_new:
-        raise ValueError(
-            f"cannot project '{replacement.spec.name}' onto '{incumbent.spec.name}' per token: their "
-            f"vocabularies differ ({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; "
-            f"{replacement.spec.name}: {len(v_new)} tokens, LM head {w_new}); choose a replacement that "
-            "shares the incumbent's tokenizer"
-        )
+        raise ValueError(f"cannot project '{replacement.spec.name}' onto '{incumbent.spec.name}' per token: their "
+                         f"vocabularies differ ({incumbent.spec.name}: {len(v_inc)} tokens, LM head {w_inc}; "
+                         f"{replacement.spec.name}: {len(v_new)} tokens, LM head {w_new}); choose a replacement "
+                         "that shares the incumbent's tokenizer")
 
 
 def prepare_tokenizer(tokenizer, name: str, source: str):
-    """Every agent's tokenizer, wherever it was loaded from (``Agent.load``, ``scale.shard_load``): a
-    chat template (``check_chat_template``), a pad token (the EOS where the checkpoint ships none:
-    padding is masked out everywhere) and left padding (batched prompts end where generation starts)."""
-    check_chat_template(tokenizer, name, source)
+    """Every agent's tokenizer, wherever it was loaded from (``Agent.load``, ``scale.shard_load``): its own
+    chat template (a base model without one is refused, not guessed at), a pad token (the EOS where the
+    checkpoint ships none: padding is masked out everywhere) and left padding (prompts end where generation
+    starts)."""
+    if not getattr(tokenizer, "chat_template", None):
+        where = f"{source}/tokenizer_config.json" if os.path.isdir(source) else f"a local copy of {source}"
+        raise ValueError(f"agent '{name}' ({source}): its tokenizer has no chat template, so its prompts cannot be "
+                         f"built; use a chat/instruct checkpoint, or add a \"chat_template\" to {where}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def check_chat_template(tokenizer, name: str, source: str) -> None:
-    """Prompts are built with the agent's own chat template (``Team.prompt_ids``): a base model
-    without one is refused in one line rather than guessed at."""
-    if getattr(tokenizer, "chat_template", None):
-        return
-    where = f"{source}/tokenizer_config.json" if os.path.isdir(source) else f"a local copy of {source}"
-    raise ValueError(f"agent '{name}' ({source}): its tokenizer has no chat template, so its prompts cannot be built; "
-                     f"use a chat/instruct checkpoint, or add a \"chat_template\" to {where}")
 
 
 _OFFLINE: list[bool] = []  # probed once per process
@@ -329,35 +282,33 @@ _OFFLINE: list[bool] = []  # probed once per process
 def hub_offline() -> bool:
     """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or one TCP connection to
     the endpoint fails within 3 s (probed once per process), so an offline run fails in seconds."""
-    if not _OFFLINE:
-        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-            _OFFLINE.append(True)
-        elif any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-            _OFFLINE.append(False)  # behind a proxy a direct connection says nothing: let the client try
-        else:
-            import socket
-            from urllib.parse import urlparse
+    if _OFFLINE:
+        return _OFFLINE[0]
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        offline = True
+    elif any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        offline = False  # behind a proxy a direct connection says nothing: let the client try
+    else:
+        import socket
+        from urllib.parse import urlparse
 
-            host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-            try:
-                socket.create_connection((host, 443), timeout=3).close()
-                _OFFLINE.append(False)
-            except OSError:
-                _OFFLINE.append(True)
-    return _OFFLINE[0]
-
-
-def _hub_cached(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on it
-        return False
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+        host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+            offline = False
+        except OSError:
+            offline = True
+    _OFFLINE.append(offline)
+    return offline
 
 
 def check_hub_available(spec: AgentSpec) -> None:
     """Before any work: a hub model that is neither cached nor reachable is one clear line."""
-    if spec.kind == "hub" and not _hub_cached(spec.source) and hub_offline():
+    if spec.kind != "hub":
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(spec.source, "config.json"), str) and hub_offline():
         raise RuntimeError(f"model '{spec.source}' is not in the local cache and the hub cannot be reached (offline); "
                            f"download it where there is network (huggingface-cli download {spec.source}) or pass a "
                            "local checkpoint folder")
@@ -377,9 +328,6 @@ def _load_pretrained(source: str, dtype: torch.dtype):
     return model, tokenizer
 
 
-# ---------------------------------------------------------------------------
-# Team
-# ---------------------------------------------------------------------------
 @dataclass
 class TeamConfig:
     protocol: str = "independent"  # independent | chain
@@ -388,8 +336,7 @@ class TeamConfig:
 
 
 class Team:
-    """Ordered agents + a protocol. Agent k's prompt is built with agent k's own tokenizer and chat
-    template, so mixed teams just work."""
+    """Ordered agents + a protocol; agent k's prompt is built with its own tokenizer and chat template."""
 
     def __init__(self, agents: list[Agent], config: TeamConfig | None = None):
         self.agents = agents
@@ -407,8 +354,8 @@ class Team:
         return self.config.protocol
 
     def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
-        """The text agent k reads. In the chain protocol it includes the extracted answers of the
-        agents before it (answers, not whole responses: a thinking model's can be 30k tokens)."""
+        """The text agent k reads; chain: with the earlier agents' extracted answers (a thinking model's
+        whole response can be 30k tokens)."""
         text = problem.problem + self.config.instruction
         if self.config.protocol == "chain" and previous_answers:
             lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
@@ -427,8 +374,7 @@ class Team:
         return answers[-1]
 
     def swap(self, slot: int, new_agent: Agent) -> Agent:
-        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based); returns the incumbent. Refuses a
-        replacement whose vocabulary differs: Stage-0's per-token projection would be undefined."""
+        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based, same vocabulary); returns the incumbent."""
         if not 0 <= slot < len(self.agents):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(self.agents)}")
         check_same_vocabulary(self.agents[slot], new_agent)
@@ -436,11 +382,9 @@ class Team:
         return incumbent
 
     def extract(self, text: str) -> str | None:
-        """An agent's answer. When the team is asked for a \\boxed{} answer (the math tasks), only a
-        complete final answer counts (``extract_answer`` with final_only): a truncated response has none."""
+        """An agent's answer; asked for a \\boxed{} answer, only a complete final one counts (not a truncated one)."""
         return extract_answer(text, final_only="\\boxed" in self.config.instruction)
 
-    # -- persistence ------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         path = Path(path)
         for k, agent in enumerate(self.agents):
@@ -457,7 +401,7 @@ class Team:
 
     @classmethod
     def load(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Team":
-        """A team saved by ``save``, each agent whole (``read_team`` gives the folders to load sharded)."""
+        """A team saved by ``save``, each agent whole (sharded: ``read_team``'s folders)."""
         folders, cfg = read_team(path)
         return cls([Agent.from_checkpoint(f, device, dtype) for f in folders], cfg)
 
@@ -466,28 +410,16 @@ def read_team(path: str | Path) -> tuple[list[Path], TeamConfig]:
     """(the agents' checkpoint folders in slot order, the team's config) of a folder written by ``Team.save``."""
     path = Path(path)
     meta = json.loads((path / "team.json").read_text())
-    cfg = TeamConfig(protocol=meta["protocol"], enable_thinking=meta["enable_thinking"],
-                     instruction=meta["instruction"])
+    cfg = TeamConfig(meta["protocol"], meta["enable_thinking"], meta["instruction"])
     return [path / f"agent_{k}" for k in range(len(meta["agents"]))], cfg
 
 
-def checkpoint_spec(path: str | Path) -> AgentSpec:
-    """The spec of an agent folder written by ``Agent.save``: a local source under its original name."""
-    path = Path(path)
-    meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
-    return AgentSpec(name=meta["name"], kind="local", source=str(path))
-
-
-# ---------------------------------------------------------------------------
-# Warm start of tiny agents: a short supervised phase standing in for pretraining
-# ---------------------------------------------------------------------------
 def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
                batch: int = 64, slots: list[int] | None = None) -> None:
-    """Teach tiny agents the answer format on labels that are wrong with probability ``p_wrong``
-    (off by 1, 2 or 10), so they start weak but not at zero reward: a sparse exact-match reward gives
-    no gradient at zero accuracy. Each agent sees its real prompt format (chain protocol: noisy
-    earlier answers). One random stream from ``seed`` draws agent 1's batches, then agent 2's, ...
-    (training draws no random numbers)."""
+    """A short supervised phase standing in for pretraining: teach tiny agents the answer format on labels
+    wrong with probability ``p_wrong`` (off by 1, 2 or 10), so they start weak but not at zero reward (a
+    sparse exact-match reward gives no gradient at zero accuracy). Each agent sees its real prompt format
+    (chain: noisy earlier answers). One stream from ``seed`` draws agent 1's batches, then agent 2's, ..."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
