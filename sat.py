@@ -40,29 +40,12 @@ from pathlib import Path
 
 import torch
 
+import records
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from bounds import stage_certificate, turn_certificate
 from config import Config, parse_agents, resolve_agent_spec
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
-from records import (
-    STAGE_HEADER,
-    atomic_write,
-    check_out_folder,
-    clear_run_files,
-    fmt_list,
-    latest_checkpoint,
-    load_checkpoint,
-    plot_run,
-    read_metrics,
-    record_upgrades,
-    rollout_record,
-    run_folder_of,
-    save_checkpoint,
-    stage_line,
-    stage_row,
-    write_metrics,
-)
 from rollout import (
     HF,
     REWARD_RANGE,
@@ -121,7 +104,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     n_agents, t0 = len(team), time.time()
     batch = team_rollout(team, problems, cfg.group_size, sampling, cfg, backend)  # line 4: B <- ROLLOUT(pi_cur)
     backend.sleep()
-    record = rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
+    record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
     if cfg.update == "joint":
@@ -171,11 +154,11 @@ def joint_update(team: Team, sigma: list[int], batch: TeamBatch, cfg: Config, co
     references = {j: distributed.frozen_copy(team.agents[j].model) for j in sigma}
     stats = train_sharded(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
                                                             references))
-    records = [None] * len(team)
+    agent_records = [None] * len(team)
     for j in sigma:
-        records[j] = finish_update(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j], batch)[0]
+        agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j], batch)[0]
         backend.sync(team.agents[j])
-    return records
+    return agent_records
 
 
 def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
@@ -187,7 +170,7 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
     ... until the (1 - alpha) quantile of the exact per-state KL is inside
     delta; the anchor is pi_j,cur, or the last iterate the in-loop check found
     inside (``stats.anchor``). After the budget the anchor is restored: a
-    violating step is never kept. The KL and log rho are then measured at the
+    violating step is never kept. The record's KL and log rho are those of the
     weights kept."""
     agent, turn = team.agents[j], inputs.turn
     params = distributed.local_parameters(agent.model)  # this rank's shards of a sharded agent (elementwise below)
@@ -198,12 +181,16 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
         distributed.reshard(agent.model)  # a sharded agent gathers the new shards at its next forward
         interpolate_parameters(params, anchor, proposal, frac)
 
-    def measured_quantile() -> float:
-        return kl_quantile(measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)[0], cfg.quantile)
+    def measure() -> tuple[torch.Tensor, torch.Tensor]:  # per-state KL [M], log rho [N, Lr] of the weights in place
+        kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
+        return kl, log_rho
 
-    search = backtracking_line_search(step_to, measured_quantile, cfg.delta, max_backtracks=cfg.max_backtracks)
+    # an early-stopped proposal was measured outside by the in-loop check: the search starts at its first halving
+    search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
+                                      first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,
+                                      quantile_of=lambda m: kl_quantile(m[0], cfg.quantile))
     accepted = search["accepted"] or stats.anchor is not None  # the anchor was measured inside: keep it
-    kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)  # [M], _, [N, Lr]
+    kl, log_rho = search["measurement"] if search["accepted"] else measure()  # [M], [N, Lr] at the weights kept
     beta_used = controller.beta
     controller.update(kl_quantile(kl, cfg.quantile) if accepted else math.inf)  # a rejection counts as a violation
     record = {"agent": j + 1, "kl_mean": float(kl.mean()), "kl_quantile": kl_quantile(kl, cfg.quantile),
@@ -300,7 +287,7 @@ def resolve(cfg: Config) -> Path | None:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
                                  f"processes ({distributed.STATE.world}) so every rank trains on as many rows")
     cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
-    return latest_checkpoint(cfg.resume) if cfg.resume else None
+    return records.latest_checkpoint(cfg.resume) if cfg.resume else None
 
 
 def validate_run_inputs(cfg: "Config") -> None:
@@ -320,7 +307,7 @@ def validate_run_inputs(cfg: "Config") -> None:
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:
-        n_agents = len(json.loads((latest_checkpoint(cfg.resume) / "team" / "team.json").read_text())["agents"])
+        n_agents = len(json.loads((records.latest_checkpoint(cfg.resume) / "team" / "team.json").read_text())["agents"])
         for item in cfg.upgrade:
             slot, _, model = item.partition("=")
             if not slot.strip().isdigit() or not model.strip():
@@ -357,18 +344,18 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
     from a checkpoint (the run's metrics of stages 0..k kept), or new (tiny
     agents warm-started: it stands in for pretraining)."""
     if resume_from is not None:
-        team, state, rng, controllers = load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
+        team, state, rng, controllers = records.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                         shard=cfg.shard_frozen)
-        start, run_dir = state["stage"], run_folder_of(resume_from) or Path(cfg.resume)
-        records = [r for r in read_metrics(run_dir) if r["stage"] <= start]
-        if [r["stage"] for r in records] != list(range(start + 1)):
+        start, run_dir = state["stage"], records.run_folder_of(resume_from) or Path(cfg.resume)
+        rows = [r for r in records.read_metrics(run_dir) if r["stage"] <= start]
+        if [r["stage"] for r in rows] != list(range(start + 1)):
             raise ValueError(f"{run_dir / 'metrics.jsonl'} lacks the records of stages 0..{start} that {resume_from} "
                              "continues; resume from the run folder that holds both")
         log(f"resumed from {resume_from} at stage {start}")
         cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
         rng = distributed.seed_everything(cfg.seed)
-        team, state, records = build_team(cfg, instruction), {}, []
+        team, state, rows = build_team(cfg, instruction), {}, []
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
@@ -385,7 +372,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             value_heads[k] = make_value_head(agent)
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
-    return team, controllers, value_heads, rng, state, records
+    return team, controllers, value_heads, rng, state, rows
 
 
 def run(cfg: Config, log=None) -> list[dict]:
@@ -401,24 +388,24 @@ def run_resolved(cfg: Config, resume_from: Path | None, log=None) -> list[dict]:
     hf_logging.disable_progress_bar()
     log = (log or tqdm.write) if distributed.is_main() else (lambda *args: None)  # rank 0 speaks and writes
     out = Path(cfg.out)
-    resume_run = (run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
-    replaced = check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
+    resume_run = (records.run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
+    replaced = records.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     distributed.barrier()  # torchrun: every rank has looked before rank 0 writes anything
     train, heldout, instruction = load_problems(cfg)
     if distributed.is_main():
-        clear_run_files(replaced)  # --overwrite: only now that the input is valid
+        records.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    team, controllers, value_heads, rng, state, records = start_team(cfg, train, instruction, resume_from, log)
+    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, log)
     backend = make_backend(cfg.backend, len(team), cfg.seed, train_fraction=memory.check_run(cfg, team, log),
                            tensor_parallel=cfg.vllm_tensor_parallel)
     try:
-        return train_team(cfg, team, train, heldout, controllers, value_heads, rng, state, records, backend, log)
+        return train_team(cfg, team, train, heldout, controllers, value_heads, rng, state, rows, backend, log)
     finally:
         backend.close()
 
 
 def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem], controllers: dict,
-               value_heads: dict, rng: random.Random, state: dict, records: list[dict], backend, log) -> list[dict]:
+               value_heads: dict, rng: random.Random, state: dict, rows: list[dict], backend, log) -> list[dict]:
     """Plug-and-play upgrades, if asked for, then Algorithm 1's stages; after
     each, the held-out evaluation, its metrics row and a checkpoint."""
     from tqdm import tqdm
@@ -441,19 +428,19 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
     how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}
-    atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
+    records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
 
     def close(row: dict) -> None:  # the metrics row on disk before the checkpoint that continues from it
-        records.append(row)
-        write_metrics(out, records)
-        save_checkpoint(out, row["stage"], team, controllers, value_heads, rng, {})
-        log(stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
-            f"{row['eval_accuracy']:.3f} agents {fmt_list(row['eval_agent_accuracy'])}\n{STAGE_HEADER}")
+        rows.append(row)
+        records.write_metrics(out, rows)
+        records.save_checkpoint(out, row["stage"], team, controllers, value_heads, rng, {})
+        log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
+            f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n{records.STAGE_HEADER}")
 
-    if not records:
+    if not rows:
         close({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg, backend, "0"), **how})
     else:
-        log(STAGE_HEADER)
+        log(records.STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
                 disable=not distributed.is_main())
@@ -461,14 +448,14 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend, str(stage))
-        close(stage_row(rec, evaluation, how, stage, baseline or records[-1], pending))
+        close(records.stage_row(rec, evaluation, how, stage, baseline or rows[-1], pending))
         baseline, pending = None, []
-    if len(records) > 1:
-        plot_run(out, records)
-    plot = f", plot in {out / 'progress.png'}" if len(records) > 1 else " (no plot: no stage trained)"
-    log(f"held-out team accuracy: {records[0]['eval_accuracy']:.3f} -> {records[-1]['eval_accuracy']:.3f}; "
+    if len(rows) > 1:
+        records.plot_run(out, rows)
+    plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
+    log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {rows[-1]['eval_accuracy']:.3f}; "
         f"metrics in {out / 'metrics.jsonl'}{plot}")
-    return records
+    return rows
 
 
 def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem], start: int,
@@ -482,11 +469,11 @@ def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem
     baseline = evaluate(team, heldout, sampling, cfg, backend, f"{start} upgraded")
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
-    record_upgrades(out, events)
+    records.record_upgrades(out, events)
     pending = pending + events
     cfg.agents = ", ".join(a.spec.name for a in team.agents)
     cfg.upgrade = []  # done: a later --resume must not upgrade again
-    save_checkpoint(out, start, team, controllers, value_heads, rng,
+    records.save_checkpoint(out, start, team, controllers, value_heads, rng,
                     {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
     log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     return baseline, pending
@@ -514,7 +501,7 @@ def parse_args(argv=None) -> Config:
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
         cfg_path = (saved if (saved / "config.json").exists()
-                    else latest_checkpoint(saved).parent.parent) / "config.json"
+                    else records.latest_checkpoint(saved).parent.parent) / "config.json"
         if not cfg_path.exists():
             p.error(f"--resume {saved}: no config.json there; pass the run folder written by sat.py")
         args = {**json.loads(cfg_path.read_text()), "upgrade": [], "overwrite": False, "out": str(cfg_path.parent),

@@ -1,15 +1,7 @@
-"""Trust-region machinery: everything that keeps one agent's update inside its KL ball (paper, Sections 3-5).
+"""Trust-region machinery: what keeps one agent's update inside its KL ball (paper, Sections 3-5).
 
-- `per_state_kl`        exact KL(pi_new(.|s) || pi_cur(.|s)) over the whole vocabulary
-- `kl_penalty`          per-token sampled KL estimators for the loss penalty
-- `quantile`            masked quantile that works past torch.quantile's size limit
-- `QuantileController`  adapts the penalty weight beta from the KL quantile
-- `backtracking_line_search` / `interpolate_parameters`  shrink or reject a step
-- `geometric_mixture_projection`  Stage-0 projection of a plug-in model (section 5)
-- `exponential_tilt_step`         exact KL-constrained improvement step per state
-
-The monotonic-improvement bounds (the certificate) are in `bounds.py`. All functions are plain PyTorch on
-tensors of shape [rows, vocab]; callers flatten (batch, position) into rows.
+Plain PyTorch on [rows, vocab] tensors; callers flatten (batch, position) into rows. The certificate is in
+`bounds.py`.
 """
 from __future__ import annotations
 
@@ -20,9 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 
-# ---------------------------------------------------------------------------
-# Exact per-state KL
-# ---------------------------------------------------------------------------
+# -- Exact per-state KL --------------------------------------------------------------------------------------------
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     # bf16/fp16 logits lose too much in exp/log; float64 callers (tests, toy MDPs) keep float64.
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -38,20 +28,17 @@ def _kl_rows(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Tensor:
 
 def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature: float = 1.0,
                  chunk_size: int = 1024) -> torch.Tensor:
-    """Exact KL(pi_new(.|s) || pi_cur(.|s)) for every state (row), paper, Section 3:
+    """Exact KL(pi_new(.|s) || pi_cur(.|s)) per state (row), the direction of the trust region and the
+    certificate (paper, Sections 3-4):
 
         KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
 
-    The direction the trust region and the certificate (Section 4) use. Both distributions are
-    available in full at every position of the active agent's tokens, so the sum runs over the
-    vocabulary instead of a sampled proxy, ``chunk_size`` rows at a time (V ~ 150k for Qwen).
-    [N, V] logits or log-probs, any float dtype (bf16/fp16 computed in fp32, fp64 kept) -> [N] KL >= 0;
-    +inf where pi_new puts mass on a token pi_cur cannot emit."""
+    Both distributions are known in full at every position, so the sum runs over the vocabulary, not a
+    sampled proxy, ``chunk_size`` rows at a time (V ~ 150k for Qwen). [N, V] logits or log-probs, any float
+    dtype -> [N] KL >= 0; +inf where pi_new puts mass on a token pi_cur cannot emit."""
     if new_logits.shape != cur_logits.shape or new_logits.dim() != 2:
-        raise ValueError(
-            f"per_state_kl expects two [N, V] tensors of equal shape, got {tuple(new_logits.shape)} "
-            f"and {tuple(cur_logits.shape)}"
-        )
+        raise ValueError(f"per_state_kl expects two [N, V] tensors of equal shape, got {tuple(new_logits.shape)} "
+                         f"and {tuple(cur_logits.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
@@ -59,10 +46,8 @@ def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature
     dtype = _compute_dtype(new_logits)
     out = []
     for start in range(0, new_logits.shape[0], chunk_size):
-        new = new_logits[start : start + chunk_size].to(dtype) / temperature  # [n, V]
-        cur = cur_logits[start : start + chunk_size].to(dtype) / temperature  # [n, V]
-        logp_new = torch.log_softmax(new, dim=-1)  # [n, V]
-        logp_cur = torch.log_softmax(cur, dim=-1)  # [n, V]
+        logp_new = torch.log_softmax(new_logits[start : start + chunk_size].to(dtype) / temperature, dim=-1)  # [n, V]
+        logp_cur = torch.log_softmax(cur_logits[start : start + chunk_size].to(dtype) / temperature, dim=-1)  # [n, V]
         out.append(_kl_rows(logp_new, logp_cur))  # [n]
     if not out:
         return torch.zeros(0, dtype=dtype, device=new_logits.device)  # [0]
@@ -70,26 +55,20 @@ def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature
     return torch.cat(out).clamp_min(0.0)  # [N]
 
 
-# ---------------------------------------------------------------------------
-# Sampled per-token KL estimators (for the loss penalty)
-# ---------------------------------------------------------------------------
+# -- Sampled per-token KL estimators (for the loss penalty) --------------------------------------------------------
 def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a).
-    J. Schulman's estimators ("Approximating KL Divergence", 2020):
+    """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a)
+    (J. Schulman, "Approximating KL Divergence", 2020):
 
-        k1 = -log r              E_cur[k1] = KL(cur || new)   unbiased, can be < 0
-        k2 = (log r)^2 / 2       E_cur[k2] = KL(cur || new) + O(|new - cur|^3)   biased, >= 0, low variance
-        k3 = (r - 1) - log r     E_cur[k3] = KL(cur || new)   unbiased, >= 0
+        k1 = -log r                  E_cur[k1] = KL(cur || new)   unbiased, can be < 0
+        k2 = (log r)^2 / 2           E_cur[k2] = KL(cur || new) + O(|new - cur|^3)   biased, >= 0, low variance
+        k3 = (r - 1) - log r         E_cur[k3] = KL(cur || new)   unbiased, >= 0
+        k3_new = r log r - (r - 1)   E_cur[.]  = KL(new || cur)   unbiased, >= 0, importance-weighted (more variance)
 
-    With samples from pi_cur they estimate the *reverse* KL(cur || new). The trust region's own
-    direction KL(new || cur) needs an importance weight (higher variance far from pi_cur):
-
-        k3_new = r log r - (r - 1)   E_cur[.] = KL(new || cur)   unbiased, >= 0
-
-    The two KLs agree to second order near pi_new = pi_cur, where a trust-region step stays, and the
-    accept/reject test uses the exact ``per_state_kl``, so the penalty only has to pull the right way.
-    Every kind is zero with zero gradient at pi_new = pi_cur, so ``beta * masked_mean(kl_penalty(...))``
-    is added to the loss directly. logp_new [...] carries the gradient; logp_cur [...] none. -> [...]"""
+    The reverse KL(cur || new) agrees with the trust region's KL(new || cur) to second order near
+    pi_new = pi_cur, and accept/reject uses the exact ``per_state_kl``, so the penalty only has to pull the
+    right way. Every kind is zero with zero gradient at pi_new = pi_cur, so it enters the loss directly.
+    logp_new [...] carries the gradient; logp_cur [...] none. -> [...]"""
     log_r = logp_new - logp_cur  # [...]  log(pi_new / pi_cur)
     if kind == "k1":
         return -log_r  # [...]
@@ -105,12 +84,9 @@ def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3")
     raise ValueError(f"unknown KL estimator kind {kind!r}; expected 'k1', 'k2', 'k3' or 'k3_new'")
 
 
-# ---------------------------------------------------------------------------
-# Quantile of a masked tensor
-# ---------------------------------------------------------------------------
+# -- Quantile of a masked tensor -----------------------------------------------------------------------------------
 def kl_quantile(kl: torch.Tensor, level: float) -> float:
-    """The trust region's statistic: the ``level``-quantile of the per-state KL over the agent's tokens
-    (0.0 when the turn has none)."""
+    """The trust region's statistic: the ``level``-quantile of the per-state KL (0.0 when there is none)."""
     return quantile(kl, level) if kl.numel() else 0.0
 
 
@@ -121,8 +97,7 @@ def beyond(kl_quantile_value: float, delta: float) -> bool:
 
 
 def outside_trust_region(kl: torch.Tensor, level: float, delta: float) -> bool:
-    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies beyond delta (``beyond``,
-    the line search's and the controller's test)."""
+    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies beyond delta."""
     return beyond(kl_quantile(kl, level), delta)
 
 
@@ -163,27 +138,21 @@ def dkw_slack(n: int, eta: float) -> float:
 
 
 def dkw_upper_quantile(x: torch.Tensor, q: float, eta: float = 0.05) -> float:
-    """High-probability upper bound on the true q-quantile: the empirical quantile at level
-    min(1, q + dkw_slack(N, eta)). Per-state KLs along one response are not independent, so on LLM
-    batches this is a relaxation, not a guarantee."""
+    """Upper bound on the true q-quantile w.p. 1 - eta: the empirical quantile at min(1, q + dkw_slack(N, eta)).
+    Per-state KLs along one response are not independent: on LLM batches a relaxation, not a guarantee."""
     return quantile(x, min(1.0, q + dkw_slack(x.numel(), eta)))
 
 
-# ---------------------------------------------------------------------------
-# Adaptive penalty from the KL quantile
-# ---------------------------------------------------------------------------
+# -- Adaptive penalty from the KL quantile -------------------------------------------------------------------------
 @dataclass
 class QuantileController:
     """Adapts the KL penalty weight beta from the measured KL quantile kq (paper, Section 5), ``update(kq)``:
 
     - kq > delta (or non-finite): beta <- min(beta_max, max(beta_min, beta * beta_up)); a beta of 0
       (penalty off) jumps to beta_min, since 0 * beta_up would never switch it on.
-    - kq < far_inside * delta (the step used little of its budget): beta <- beta * beta_down, set to 0
-      below beta_min, so an over-cautious penalty switches itself off again.
+    - kq < far_inside * delta: beta <- beta * beta_down, 0 below beta_min (an over-cautious penalty turns off).
     - otherwise beta is kept.
-
-    The hard guarantee comes from the line search, not from beta: beta only makes the optimiser's
-    proposals land inside the ball more often, saving backtracks."""
+    The hard guarantee comes from the line search; beta only makes proposals land inside more often."""
 
     delta: float = 0.05
     quantile: float = 0.99
@@ -227,8 +196,7 @@ class QuantileController:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        names = {f.name for f in fields(self)}
-        unknown = set(state) - names
+        unknown = set(state) - {f.name for f in fields(self)}
         if unknown:
             raise KeyError(f"unknown QuantileController keys: {sorted(unknown)}")
         for name, value in state.items():
@@ -236,9 +204,7 @@ class QuantileController:
         self.__post_init__()
 
 
-# ---------------------------------------------------------------------------
-# Backtracking line search
-# ---------------------------------------------------------------------------
+# -- Backtracking line search --------------------------------------------------------------------------------------
 @torch.no_grad()
 def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Sequence[torch.Tensor],
                            new_params: Sequence[torch.Tensor], frac: float) -> None:
@@ -258,53 +224,64 @@ def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Seq
             p.copy_(torch.lerp(c.to(p.dtype), n.to(p.dtype), frac))
 
 
-def backtracking_line_search(apply_step: Callable[[float], None], measure_kl_quantile: Callable[[], float],
-                             delta: float, max_backtracks: int = 5, shrink: float = 0.5) -> dict:
+def backtracking_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
+                             max_backtracks: int = 5, shrink: float = 0.5, first_try: int = 0,
+                             quantile_of: Callable[[object], float] = float) -> dict:
     """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur (paper, Section 5).
 
-    Tries fractions 1, shrink, ..., shrink^max_backtracks: ``apply_step(frac)`` sets the agent to
-    cur + frac * (new - cur) (``interpolate_parameters``), ``measure_kl_quantile()`` measures what is in
-    place; the first fraction inside delta stays. If none is, apply_step(0.0) restores pi_cur: a
-    violating step is never left in place (unlike the released reference code), which the per-step
-    guarantee needs; also when measuring raises. Returns {"accepted", "fraction" (0.0 when rejected),
-    "backtracks", "kl_quantile" (of the policy left in place; 0.0 after a restore), "history": [{"fraction",
-    "kl_quantile"} per try]}."""
+    Tries fractions shrink^k for k = first_try, ..., max_backtracks (k = 0 is the proposal itself; a caller
+    that already measured it outside starts at 1): ``apply_step(frac)`` puts cur + frac * (new - cur) in
+    place, ``measure()`` measures it and ``quantile_of`` reads its KL quantile; the first fraction inside
+    delta stays. Otherwise, or when measuring raises, apply_step(0.0) restores pi_cur: the per-step
+    guarantee needs that a violating step is never left in place. Returns {"accepted", "fraction" (0.0 when
+    rejected), "backtracks", "kl_quantile" (of the policy left in place; 0.0 after a restore),
+    "measurement" (what ``measure`` returned for the step kept; None after a restore),
+    "history": [{"fraction", "kl_quantile"}]}."""
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
-    if max_backtracks < 0:
-        raise ValueError(f"max_backtracks must be >= 0, got {max_backtracks}")
+    if not 0 <= first_try <= max_backtracks:
+        raise ValueError(f"need 0 <= first_try <= max_backtracks, got {first_try} and {max_backtracks}")
     if not 0.0 < shrink < 1.0:
         raise ValueError(f"shrink must be in (0, 1), got {shrink}")
     history = []
-    frac = 1.0
     try:
-        for attempt in range(max_backtracks + 1):
+        for attempt in range(first_try, max_backtracks + 1):
+            frac = shrink ** attempt
             apply_step(frac)
-            kl = float(measure_kl_quantile())
+            measured = measure()
+            kl = float(quantile_of(measured))
             history.append({"fraction": frac, "kl_quantile": kl})
             if not beyond(kl, delta):
                 return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl,
-                        "history": history}
-            frac *= shrink
+                        "measurement": measured, "history": history}
     except BaseException:
         apply_step(0.0)
         raise
     apply_step(0.0)
-    return {"accepted": False, "fraction": 0.0, "backtracks": max_backtracks, "kl_quantile": 0.0, "history": history}
+    return {"accepted": False, "fraction": 0.0, "backtracks": max_backtracks, "kl_quantile": 0.0,
+            "measurement": None, "history": history}
 
 
-# ---------------------------------------------------------------------------
-# Stage-0 projection (plug-and-play) and the exact tilt step
-# ---------------------------------------------------------------------------
-def _weighted(t: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """t * logp with 0 * (-inf) read as 0 (a zero exponent makes pi^0 = 1 even where pi = 0)."""
-    return torch.where(t == 0, torch.zeros_like(logp), t * logp)  # [N, V]
-
-
+# -- Stage-0 projection (plug-and-play) and the exact tilt step ----------------------------------------------------
 def _geometric_mixture(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Normalised log of pi_pre^t * pi_cur^(1-t) per row; t is [N, 1]."""
-    mixed = _weighted(t, logp_pre) + _weighted(1 - t, logp_cur)  # [N, V]
+    """Normalised log of pi_pre^t * pi_cur^(1-t) per row; t is [N, 1]. A zero exponent gives pi^0 = 1 even
+    where pi = 0, so 0 * (-inf) is read as 0."""
+    s = 1 - t  # [N, 1]
+    zero = torch.zeros_like(logp_pre)  # [N, V]
+    mixed = torch.where(t == 0, zero, t * logp_pre) + torch.where(s == 0, zero, s * logp_cur)  # [N, V]
     return torch.log_softmax(mixed, dim=-1)  # [N, V]
+
+
+def _bisect(kl_at: Callable[[torch.Tensor], torch.Tensor], lo: torch.Tensor, hi: torch.Tensor, delta: float,
+            iters: int) -> torch.Tensor:
+    """Per-row bisection for the largest x in [lo, hi] [N, 1] with kl_at(x) <= delta (kl_at increasing, lo
+    feasible): returns the feasible end."""
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)  # [N, 1]
+        ok = (kl_at(mid) <= delta)[:, None]  # [N, 1]
+        lo = torch.where(ok, mid, lo)  # [N, 1]
+        hi = torch.where(ok, hi, mid)  # [N, 1]
+    return lo
 
 
 def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor, delta: float,
@@ -316,10 +293,10 @@ def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor,
 
         pi_new ∝ pi_pre^(1/(1+lam)) * pi_cur^(lam/(1+lam)),   lam >= 0,
 
-    lam = 0 when pi_pre is already inside, else the lam that makes the constraint tight. With
-    t = 1/(1+lam), pi_t is an exponential family in t and d/dt KL(pi_t || pi_cur) =
-    t * Var_{pi_t}(log pi_pre - log pi_cur) >= 0, so one batched bisection finds the largest feasible
-    t; the feasible end of the bracket is returned, so KL(pi_new || pi_cur) <= delta for every row.
+    lam = 0 when pi_pre is already inside, else the lam that makes the constraint tight. With t = 1/(1+lam),
+    pi_t is an exponential family in t and d/dt KL(pi_t || pi_cur) = t * Var_{pi_t}(log pi_pre - log pi_cur)
+    >= 0, so a batched bisection finds the largest feasible t; returning the bracket's feasible end keeps
+    KL(pi_new || pi_cur) <= delta for every row.
     [N, V] normalised log-probs -> (logp_new [N, V], lam [N]; inf where only t = 0, i.e. pi_cur, fits)."""
     if logp_pre.shape != logp_cur.shape or logp_pre.dim() != 2:
         raise ValueError(f"expected two [N, V] tensors of equal shape, got {tuple(logp_pre.shape)}, "
@@ -327,8 +304,7 @@ def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor,
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     dtype = _compute_dtype(logp_pre)
-    pre = torch.log_softmax(logp_pre.to(dtype), dim=-1)  # [N, V] renormalise defensively
-    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [N, V]
+    pre, cur = (torch.log_softmax(x.to(dtype), dim=-1) for x in (logp_pre, logp_cur))  # [N, V] renormalised
     n = pre.shape[0]
     if delta == 0:
         # Only pi_cur fits; bisection would creep to t ~ 1e-8, where the KL rounds to 0: answer exactly.
@@ -337,29 +313,21 @@ def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor,
     def kl_at(t: torch.Tensor) -> torch.Tensor:  # t [N, 1] -> [N]
         return _kl_rows(_geometric_mixture(pre, cur, t), cur).clamp_min(0.0)
 
-    lo = torch.zeros(n, 1, dtype=dtype, device=pre.device)  # [N, 1] always feasible (pi_cur)
     hi = torch.ones(n, 1, dtype=dtype, device=pre.device)  # [N, 1]
     inside = kl_at(hi) <= delta  # [N] pi_pre already in the ball: lam = 0
-    lo = torch.where(inside[:, None], hi, lo)  # [N, 1]
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)  # [N, 1]
-        ok = (kl_at(mid) <= delta)[:, None]  # [N, 1]
-        lo = torch.where(ok, mid, lo)  # [N, 1]
-        hi = torch.where(ok, hi, mid)  # [N, 1]
-    t = lo.squeeze(-1)  # [N]
+    lo = torch.where(inside[:, None], hi, torch.zeros_like(hi))  # [N, 1] t = 0 (pi_cur) is always feasible
+    t = _bisect(kl_at, lo, hi, delta, iters).squeeze(-1)  # [N]
     lam = torch.where(t > 0, (1 - t) / t, torch.full_like(t, math.inf))  # [N]
-    return _geometric_mixture(pre, cur, lo), lam
+    return _geometric_mixture(pre, cur, t[:, None]), lam
 
 
 def geometric_mixture_at(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The Stage-0 target of Eq. (7) for given exponents: normalised pi_pre^t * pi_cur^(1-t) per row,
-    t = 1/(1+lambda(s)) in [0, 1] ([N]; 0 is pi_cur, 1 is pi_pre). Stage-0 solves t once per state
-    (``geometric_mixture_projection``) and reuses it for fixed targets. [N, V]"""
+    """The Stage-0 target of Eq. (7) for given exponents t = 1/(1+lambda(s)) in [0, 1] ([N]; 0 is pi_cur,
+    1 is pi_pre): Stage-0 solves t once per state and reuses it for fixed targets. [N, V]"""
     if t.dim() != 1 or t.shape[0] != logp_pre.shape[0]:
         raise ValueError(f"t must be [N] with N = {logp_pre.shape[0]} rows, got {tuple(t.shape)}")
     dtype = _compute_dtype(logp_pre)
-    pre = torch.log_softmax(logp_pre.to(dtype), dim=-1)  # [N, V]
-    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [N, V]
+    pre, cur = (torch.log_softmax(x.to(dtype), dim=-1) for x in (logp_pre, logp_cur))  # [N, V]
     return _geometric_mixture(pre, cur, t.to(dtype)[:, None])
 
 
@@ -380,22 +348,21 @@ def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delt
         raise ValueError(f"delta must be >= 0, got {delta}")
     dtype = _compute_dtype(logp_cur)
     cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [S, A]
+    if delta == 0:
+        return cur  # [S, A] only pi_cur fits (bisection would drift by float rounding)
     support = torch.isfinite(cur)  # [S, A] actions pi_cur can take; others stay at zero
     adv = torch.where(support, advantages.to(dtype), torch.zeros_like(cur))  # [S, A]
     neg_inf = torch.full_like(cur, -math.inf)  # [S, A]
-    if delta == 0:
-        return cur  # [S, A] only pi_cur fits (bisection would drift by float rounding)
 
     # The eta -> inf limit: pi_cur restricted to its best supported actions.
     top = torch.where(support, adv, neg_inf).amax(dim=-1, keepdim=True)  # [S, 1]
-    best = support & (adv == top)  # [S, A]
-    limit = torch.log_softmax(torch.where(best, cur, neg_inf), dim=-1)  # [S, A]
+    limit = torch.log_softmax(torch.where(support & (adv == top), cur, neg_inf), dim=-1)  # [S, A]
     saturated = _kl_rows(limit, cur) <= delta  # [S] the constraint never binds
 
     # Centre and scale so eta brackets start at a sensible size for every row.
-    centred = adv - torch.where(support, adv, torch.zeros_like(adv)).mean(dim=-1, keepdim=True)  # [S, A]
-    spread = torch.where(support, adv, neg_inf).amax(-1) - torch.where(support, adv, -neg_inf).amin(-1)  # [S]
-    spread = torch.where(spread > 0, spread, torch.ones_like(spread))[:, None]  # [S, 1]
+    centred = adv - adv.mean(dim=-1, keepdim=True)  # [S, A]
+    spread = top - torch.where(support, adv, -neg_inf).amin(dim=-1, keepdim=True)  # [S, 1]
+    spread = torch.where(spread > 0, spread, torch.ones_like(spread))  # [S, 1]
 
     def tilt(eta: torch.Tensor) -> torch.Tensor:  # eta [S, 1] -> [S, A]
         return torch.log_softmax(cur + eta * centred / spread, dim=-1)
@@ -407,14 +374,9 @@ def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delt
     lo = torch.zeros_like(spread)  # [S, 1]
     hi = torch.ones_like(spread)  # [S, 1]
     for _ in range(80):
-        grow = (~saturated)[:, None] & (kl_at(hi) <= delta)[:, None]  # [S, 1]
+        grow = (~saturated & (kl_at(hi) <= delta))[:, None]  # [S, 1]
         if not grow.any():
             break
         lo = torch.where(grow, hi, lo)  # [S, 1] a feasible eta is a valid lower end
         hi = torch.where(grow, 2 * hi, hi)  # [S, 1]
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)  # [S, 1]
-        ok = (kl_at(mid) <= delta)[:, None]  # [S, 1]
-        lo = torch.where(ok, mid, lo)  # [S, 1]
-        hi = torch.where(ok, hi, mid)  # [S, 1]
-    return torch.where(saturated[:, None], limit, tilt(lo))  # [S, A]
+    return torch.where(saturated[:, None], limit, tilt(_bisect(kl_at, lo, hi, delta, iters)))  # [S, A]

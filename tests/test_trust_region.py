@@ -325,6 +325,22 @@ def test_backtracking_restores_when_measure_raises():
         tr.backtracking_line_search(pol.apply_step, pol.measure, delta=0.1, shrink=1.0)
 
 
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 5.0), delta=st.floats(1e-3, 0.5), budget=st.integers(1, 6))
+def test_backtracking_from_the_first_halving_returns_the_kept_measurement(seed, scale, delta, budget):
+    """first_try=1 (the proposal already measured outside) never puts the full step in place; the measurement
+    handed back is the one of the step kept (None after a restore), and a violating step is never left."""
+    pol = LinearPolicy(seed, scale)
+    out = tr.backtracking_line_search(pol.apply_step, lambda: (pol.measure(), pol.params()), delta,
+                                      max_backtracks=budget, first_try=1, quantile_of=lambda m: m[0])
+    assert 1.0 not in pol.applied and pol.measure() <= delta
+    assert [h["fraction"] for h in out["history"]] == [0.5 ** k for k in range(1, len(out["history"]) + 1)]
+    if out["accepted"]:
+        quantile, params = out["measurement"]
+        assert quantile == out["kl_quantile"] and all(torch.equal(a, b) for a, b in zip(params, pol.params()))
+    else:
+        assert out["measurement"] is None and all(torch.equal(p, c) for p, c in zip(pol.params(), pol.cur))
+
+
 def test_interpolate_parameters_matches_formula():
     gen = torch.Generator().manual_seed(7)
     cur = [torch.randn(3, 2, generator=gen, dtype=D), torch.randn(4, generator=gen, dtype=D)]
