@@ -30,6 +30,7 @@ from logprobs import (
     turn_rows,
 )
 from scale import distributed
+from scale.rollout_vllm import VLLMBackend  # vLLM itself is imported only when an engine starts
 from scale.vllm_ranks import engine_blocks
 from tasks import Problem
 from team import Team
@@ -235,8 +236,6 @@ def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | N
         raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
     if name == "hf":
         return HF
-    from scale.rollout_vllm import VLLMBackend  # an optional extra (CUDA or CPU vLLM)
-
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
     return VLLMBackend(n_engines=n_engines, seed=seed, health_logprobs=health, tensor_parallel=tensor_parallel,
                        **extra)
