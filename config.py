@@ -234,7 +234,7 @@ def default_backend(device: str) -> str:
 
 # Tiny agents on the synthetic task, sized for two CPU cores.
 TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8,
-                   batch_size=128, max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=64,
+                   batch_size=512, max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128,
                    token_budget=1 << 16, kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False,
                    eval_size=256, warmup_steps=300)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
