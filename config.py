@@ -9,6 +9,7 @@ and runs Algorithm 1 with it.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -91,6 +92,22 @@ def opt(default, help: str, choices: tuple | None = None):
     if isinstance(default, list):
         return field(default_factory=list, metadata={"help": help, "choices": choices})
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def add_options(parser: argparse.ArgumentParser, cls) -> None:
+    """One ``--option`` per field of the dataclass ``cls``, with the help and choices ``opt`` recorded (the
+    parser should have ``argument_default=argparse.SUPPRESS``: an option not given keeps the field's default)."""
+    types = {"str": str, "int": int, "float": float}
+    for f in fields(cls):
+        kind = str(f.type).split(" |")[0]
+        kw = {"dest": f.name, "help": f.metadata["help"]}
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind == "list[str]":
+            kw["action"] = "append"
+        else:
+            kw.update(type=types[kind], choices=f.metadata["choices"])
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 # ---------------------------------------------------------------------------

@@ -30,16 +30,16 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from config import default_backend
+from config import BACKENDS, add_options, default_backend, opt
 from grading import answers_match, majority_vote, normalize_answer
 from records import folder_digests, latest_checkpoint, verify_checkpoint
-from rollout import BACKENDS, SamplingConfig, TeamBatch, make_backend, rollout
+from rollout import SamplingConfig, TeamBatch, make_backend, rollout
 from tasks import BOXED_INSTRUCTION, Problem, canonical_dataset_name, load_dataset_by_name, load_jsonl
 from team import PROTOCOLS, Agent, Team, TeamConfig, check_hub_available, parse_agents
 
@@ -49,11 +49,6 @@ BOOTSTRAP_SEED = 0
 
 
 # -- Configuration ---------------------------------------------------------------------------------------
-def opt(default, help: str, choices: tuple | None = None):
-    """An EvalConfig field with its command-line help and choices (``parse_args`` builds the options)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
-
-
 @dataclass
 class EvalConfig:
     """Every knob of an evaluation; ``None`` is decided at run time."""
@@ -508,16 +503,9 @@ def evaluate(cfg: EvalConfig, log=print) -> dict:
 # -- CLI -------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> EvalConfig:
     p = argparse.ArgumentParser(prog="eval_aime.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    types = {"str": str, "int": int, "float": float}
-    for f in fields(EvalConfig):
-        kind = str(f.type).split(" |")[0]
-        kw = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
-        if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw.update(type=types[kind], choices=f.metadata["choices"])
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                argument_default=argparse.SUPPRESS)
+    add_options(p, EvalConfig)
     return EvalConfig(**vars(p.parse_args(argv)))
 
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from config import TOP_P_TRAINING_ERROR
+from config import BACKENDS, TOP_P_TRAINING_ERROR
 from grading import answers_match, vote_reward
 from logprobs import (
     batched_response_logprobs,
@@ -35,7 +35,6 @@ from scale.vllm_ranks import engine_blocks
 from tasks import Problem
 from team import Team
 
-BACKENDS = ("hf", "vllm")
 REWARD_RANGE = (0.0, 1.0)  # (R_min, R_max) of the team reward: the certificate's A_max = R_max - R_min
 
 

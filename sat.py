@@ -43,7 +43,7 @@ import torch
 import records
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from bounds import stage_certificate, turn_certificate
-from config import Config, parse_agents, resolve_agent_spec
+from config import Config, add_options, parse_agents, resolve_agent_spec
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
 from rollout import (
@@ -486,17 +486,7 @@ def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(prog="sat.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 argument_default=argparse.SUPPRESS)
-    types = {"str": str, "int": int, "float": float}
-    for f in fields(Config):
-        flag, kind = "--" + f.name.replace("_", "-"), str(f.type).split(" |")[0]
-        kw = {"dest": f.name, "help": f.metadata["help"]}
-        if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        elif kind == "list[str]":
-            kw["action"] = "append"
-        else:
-            kw.update(type=types[kind], choices=f.metadata["choices"])
-        p.add_argument(flag, **kw)
+    add_options(p, Config)
     args = vars(p.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     if "resume" in args:  # continue with the saved configuration; explicit flags override it
         saved = Path(args["resume"])
