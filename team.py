@@ -11,9 +11,12 @@ exactly the same code as a downloaded checkpoint.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +90,7 @@ class Agent:
              seed: int = 0) -> "Agent":
         """The agent of ``spec``, whole on ``device`` (straight into FSDP2 shards under torchrun:
         ``scale.shard_load.load_agent_sharded``). A tiny agent is built from ``seed``."""
-        spec = resolve_agent_spec(spec) if isinstance(spec, str) else spec
+        spec = folder_spec(resolve_agent_spec(spec) if isinstance(spec, str) else spec)
         if spec.kind == "tiny":
             tokenizer = build_char_tokenizer()
             model = build_tiny_model(tokenizer, layers=spec.tiny_layers, seed=seed)
@@ -303,7 +306,10 @@ def hub_offline() -> bool:
 
 
 def check_hub_available(spec: AgentSpec) -> None:
-    """Before any work: a hub model that is neither cached nor reachable is one clear line."""
+    """Before any work: a hub model that is neither cached nor reachable, or a GGUF file not converted yet without
+    the packages that convert it, is one clear line."""
+    if spec.kind == "gguf" and not gguf_cache_folder(spec.source).is_dir():
+        check_gguf_packages()
     if spec.kind != "hub":
         return
     from huggingface_hub import try_to_load_from_cache
@@ -326,6 +332,71 @@ def _load_pretrained(source: str, dtype: torch.dtype):
         raise RuntimeError(f"could not load model '{source}' ({first}); download it first "
                            f"(huggingface-cli download {source}) or pass a local checkpoint folder") from err
     return model, tokenizer
+
+
+def folder_spec(spec: AgentSpec) -> AgentSpec:
+    """A GGUF spec as the local spec of its converted folder (``gguf_to_folder``; the name kept), so the agent
+    loads, checkpoints and starts vLLM engines as any local checkpoint; any other spec as it is."""
+    if spec.kind != "gguf":
+        return spec
+    return AgentSpec(name=spec.name, kind="local", source=str(gguf_to_folder(spec.source)))
+
+
+def gguf_cache_folder(path: str | Path) -> Path:
+    """Where ``gguf_to_folder`` keeps the conversion of ``path``: ``$SAT_CACHE/gguf`` (default
+    ``~/.cache/sat/gguf``), one folder per file version (stem, size, mtime), so a changed file is converted anew."""
+    path = Path(path)
+    stat = path.stat()
+    root = Path(os.environ.get("SAT_CACHE") or Path.home() / ".cache" / "sat")
+    return root / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def check_gguf_packages() -> None:
+    """One line naming the install when the packages that read a GGUF file are missing."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RuntimeError(f"reading a GGUF model file needs the package(s) {', '.join(missing)}: "
+                           "pip install gguf accelerate")
+
+
+def gguf_to_folder(path: str | Path) -> Path:
+    """The GGUF file ``path`` as an ordinary Hugging Face folder (config, fp32 safetensors, tokenizer with its chat
+    template), converted on first use and cached (``gguf_cache_folder``). Why: checkpoints, vLLM engines, the
+    sharded loader and eval_aime.py all read a folder, and the dequantisation (~25 s for SmolLM2-135M) is paid once.
+
+    Transformers refuses ``save_pretrained`` on a GGUF-loaded model (and under torchrun writes weights on rank 0
+    only), so the weights are written here: each parameter once (a tied head under its embedding's name, as
+    ``save_pretrained`` does), the config without its GGUF ``quantization_config`` (else the folder would load as a
+    GGUF model again). Written into a temporary folder next to the cache and renamed into place, so a folder that
+    exists is complete; processes converting at once all end with the same folder."""
+    folder = gguf_cache_folder(path)
+    if folder.is_dir():
+        return folder
+    check_gguf_packages()
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # as save_pretrained writes it (vLLM reads it)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        os.chmod(tmp, 0o755)  # an ordinary folder, not mkdtemp's private one
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.replace(tmp, folder)
+    except OSError:
+        if not folder.is_dir():  # not another process's conversion that got there first
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 @dataclass
