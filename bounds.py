@@ -1,13 +1,16 @@
-"""The monotonic-improvement guarantee as numbers a run can log: the certificate.
+"""The monotonic-improvement guarantee: the paper's bound, and the lower bounds a run logs.
 
 Paper, Section 4: Lemma 4.1 (occupancy shift), Theorem 4.2 (single-step
 bound), Lemma 4.3 (a product policy's KL is the sum of its factors'),
 Theorem 4.4 (joint-stage bound, any order), Theorems 4.7 / 4.9 (the
-finite-sample term). ``certificate`` is the paper's per-step bound with its
-occupancy penalty; ``turn_certificate`` is the per-step bound this project
-logs for whole-response actions (each agent acts once per episode, so the
-finite-horizon difference lemma is exact and no occupancy term appears);
-``stage_certificate`` sums per-step bounds over a stage.
+finite-sample term). ``certificate`` and ``stage_certificate`` are Theorems
+4.2 and 4.4 with exact quantities (the toy-MDP tests check them exactly).
+
+What a run logs as a lower bound must be one at any response length, from
+what the run samples: ``paired_change_bound`` per step (``--reuse
+regenerate``: fresh draws before and after the step, no importance ratio) and
+``heldout_change_bound`` per stage (every mode). The paper's sample estimate
+of L_i is logged as an estimate (``sat.step_estimates``), never as a bound.
 """
 from __future__ import annotations
 
@@ -78,45 +81,70 @@ def certificate(surrogate_advantage: float, kl_max: float, adv_max: float, gamma
     }
 
 
-def turn_certificate(surrogate_advantage: float, adv_max: float, zeta: float = 0.0, n_samples: int | None = None,
-                     n_agents: int = 1, delta_conf: float = 0.05) -> dict:
-    """Per-step lower bound for an LLM team, in episode (reward) units, both protocols.
+def hoeffding_radius(n: int, value_range: float, delta: float) -> float:
+    """t such that the mean of n independent variables, each in an interval of width ``value_range``, exceeds
+    the mean of their expectations by t with probability at most delta (Hoeffding, one-sided)."""
+    return value_range * math.sqrt(math.log(1.0 / delta) / (2.0 * n))
 
-    Here each agent acts exactly once per joint trajectory: agent k answers at
-    turn k. Write s_k for the state at turn k (the problem, plus in the chain
-    protocol the answers a_1..a_{k-1}; in the independent protocol just the
-    problem), d_k for its distribution, and R(tau) in [R_min, R_max] for the
-    team reward at the end. Step i of a stage changes only agent j = sigma(i),
-    from pi_j (in pi_hat^{i-1}) to pi_j' (in pi_hat^i); every other agent is
-    the same in both policies.
 
-    Finite-horizon difference lemma, exact (no discount, no occupancy term):
-      - d_j is produced by agents 1..j-1 (chain) or by nobody (independent): the
-        same under pi_hat^{i-1} and pi_hat^i, so the state distribution at the
-        changed agent's turn does not shift (this replaces Lemma 4.1's
-        occupancy-shift term, which is where 1/(1-gamma) and the KL enter
-        Theorem 4.2);
-      - Q_j(s_j, a) = E[R | s_j, a_j = a] is taken over agents j+1..n (chain; in
-        the independent protocol over the other agents' independent answers),
-        also the same under both policies.
-    Hence J(pi_hat^i) - J(pi_hat^{i-1}) = E_{s~d_j}[ E_{a~pi_j'} Q_j(s, a) - E_{a~pi_j} Q_j(s, a) ]
-                                       = E_{tau~pi_hat^{i-1}}[ (r_j(tau) - 1) (R(tau) - b(s_1)) ]
-    for any baseline b of the problem alone (E[r_j - 1 | s_j] = 0), with r_j the
-    sequence ratio of agent j's response. That right-hand side is the surrogate
-    L_i^SEQ of Section 3 computed by ``sat.finish_update`` (group-mean baseline,
-    truncated weights for pi_hat^{i-1}), already one episode's worth: it is not
-    multiplied by a horizon 1/(1-gamma).
+def paired_change_bound(before: list[float], after: list[float], reward_range: tuple[float, float],
+                        delta_conf: float) -> dict:
+    """A valid (1 - delta_conf) lower confidence bound on one SAT step's change in expected team reward.
 
-    What remains is the estimation error: the truncation bias zeta_i
-    (Theorem 4.2's zeta term) and the finite-sample term of Theorems 4.7/4.9,
-    A_max sqrt(log(2n/delta_conf) / (2N)), with A_max = R_max - R_min (an
-    advantage R - b with b a mean of rewards lies in [-(R_max - R_min),
-    R_max - R_min]; the sample maximum of |A| could understate it). This is
-    ``certificate`` at gamma = 0, which is what it returns; the occupancy penalty
-    is 0 by the argument above, whatever the KL.
+    What the run samples (``sat.sat_stage`` with ``--reuse regenerate``): step i changes agent j = sigma(i)
+    from pi_j (in pi_hat^{i-1}) to pi_j' (in pi_hat^i). Row k of the stage's batch fixes a context c_k: the
+    problem and the turns step i does not change (independent protocol: the other agents' answers; chain:
+    the turns before agent j's). Right before the step, the turns it will change are drawn afresh under
+    pi_hat^{i-1} on every c_k (reward ``before[k]``); right after it, under pi_hat^i (``after[k]``, the next
+    step's batch). Write H for everything drawn or computed before the first of these draws. pi_hat^{i-1}
+    is a function of H and pi_hat^i a function of H and the training's own randomness, and neither sees the
+    two draws, so given H the differences D_k = after[k] - before[k] are independent, each in
+    [-(R_max - R_min), R_max - R_min], with means
+        E[D_k | H] = E_{pi_hat^i}[R | c_k] - E_{pi_hat^{i-1}}[R | c_k].
+    Their average over the rows, T_i, is the step's change in expected team reward on the contexts the
+    stage sampled. Hoeffding gives P(mean(D) - t > T_i | H) <= delta_conf with
+    t = 2 (R_max - R_min) sqrt(log(1/delta_conf) / (2N)), at every response length: no importance ratio
+    enters. Since T_i >= -(R_max - R_min), max(mean(D) - t, -(R_max - R_min)) is valid as well, and it
+    never exceeds R_max - R_min.
+
+    Why not the paper's L_i with Hoeffding (Theorems 4.7/4.9): the estimate mean(w (r_j - 1) A) uses the
+    rows the step was trained on, so pi_j' is chosen to make it large, and r_j, a whole response's ratio,
+    is unbounded, so A's range does not bound its terms (tests/test_certificate.py measures how often it
+    exceeds the exact change). ``sat`` logs it as ``surrogate_estimate``.
+
+    Returns mean_change (mean(D), an unbiased estimate of T_i), sample_penalty (t), lower_bound, n,
+    delta_conf.
     """
-    return certificate(surrogate_advantage, 0.0, adv_max, 0.0, zeta=zeta, n_samples=n_samples,
-                       n_agents=n_agents, delta_conf=delta_conf)
+    if len(before) != len(after) or not before:
+        raise ValueError(f"need the same positive number of rewards before and after, got {len(before)} "
+                         f"and {len(after)}")
+    if not 0.0 < delta_conf < 1.0:
+        raise ValueError(f"delta_conf must be in (0, 1), got {delta_conf}")
+    width = reward_range[1] - reward_range[0]
+    diffs = [float(b) - float(a) for a, b in zip(before, after)]
+    if any(abs(d) > width + 1e-9 for d in diffs):
+        raise ValueError(f"a reward lies outside {reward_range}: the bound needs the reward range")
+    mean_change = sum(diffs) / len(diffs)
+    penalty = hoeffding_radius(len(diffs), 2.0 * width, delta_conf)
+    return {"mean_change": mean_change, "sample_penalty": penalty,
+            "lower_bound": max(mean_change - penalty, -width), "n": len(diffs), "delta_conf": delta_conf}
+
+
+def heldout_change_bound(acc_before: float, n_before: int, acc_after: float, n_after: int,
+                         reward_range: tuple[float, float], delta_conf: float) -> float:
+    """The stage's certificate: a valid (1 - delta_conf) lower confidence bound on the change of the team's
+    expected reward on the held-out problems between two evaluations, in every mode (``--reuse weights``,
+    ``regenerate``, ``--update joint``). Each evaluation draws one joint trajectory per held-out problem
+    afresh from a team fixed before the draw and never trained on, so Hoeffding bounds each mean
+    (delta_conf / 2 each): acc_after - acc_before - t_before - t_after. Clamped at -(R_max - R_min); it
+    cannot exceed R_max - R_min, since both accuracies lie in [R_min, R_max].
+
+    Why not the per-step bounds summed: each step's bound (``paired_change_bound``) is about the change on
+    the contexts that step sampled, and those differ from step to step, so their sum bounds no single
+    quantity of the stage (it can exceed R_max - R_min)."""
+    width = reward_range[1] - reward_range[0]
+    penalty = (hoeffding_radius(n_before, width, delta_conf / 2) + hoeffding_radius(n_after, width, delta_conf / 2))
+    return max(acc_after - acc_before - penalty, -width)
 
 
 def stage_certificate(steps: list[dict]) -> dict:

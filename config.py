@@ -166,6 +166,11 @@ class Config:
     update: str = opt("sequential", "sequential (SAT) or joint (every agent at once: the baseline)", UPDATES)
     delta: float | None = opt(None, "trust-region radius on the per-state KL quantile")
     quantile: float = opt(0.99, "1 - alpha: the KL quantile held to delta")
+    delta_conf: float = opt(0.05, "1 - confidence of the logged lower bounds (bounds.py): each holds with "
+                            "probability at least 1 - delta_conf")
+    step_bounds: bool = opt(True, "with --reuse regenerate, draw the turns each step changes afresh before "
+                            "the step too, for a valid per-step lower bound (one more draw of those turns "
+                            "per step)")
     beta: float | None = opt(None, "initial KL-penalty weight (adapted per agent)")
     lr: float | None = opt(None, "learning rate (AdamW)")
     group_size: int | None = opt(None, "G joint trajectories per prompt")
@@ -244,6 +249,8 @@ class Config:
         if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
             raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): "
                              "a share of the start value, e.g. 0.1")
+        if not 0 < self.delta_conf < 1:
+            raise ValueError(f"--delta-conf must be in (0, 1) (got {self.delta_conf})")
         if not 0 < self.quantile <= 1:
             raise ValueError(f"--quantile must be in (0, 1] (got {self.quantile})")
         if not 0 < self.top_p <= 1:

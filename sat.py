@@ -6,8 +6,10 @@ Plug-and-Play Multi-LLM Training with Monotonic Improvement Guarantees"
 one factorized policy (Section 3). Each stage rolls the team out once, then
 updates the agents one at a time in an order sigma, each inside its own KL
 trust region, with advantages reweighted by truncated importance weights of
-the agents already updated in this stage; Theorems 4.2 and 4.4 bound the
-improvement of every step and of the stage (the certificate logged per stage).
+the agents already updated in this stage. Theorems 4.2 and 4.4 bound the
+improvement of every step and of the stage with exact quantities; a run logs
+lower bounds that hold with probability 1 - delta_conf from what it samples
+(bounds.py): per step with --reuse regenerate, per stage on the held-out set.
 
     python sat.py                                     # tiny team, CPU, a few minutes
     python sat.py --protocol chain                    # agents speak in turn
@@ -42,7 +44,7 @@ import torch
 
 import records
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
-from bounds import stage_certificate, turn_certificate
+from bounds import paired_change_bound
 from config import Config, add_options, parse_agents, resolve_agent_spec
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
@@ -107,31 +109,48 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
+    bounded = step_bounds_kind(cfg).startswith("each")
     if cfg.update == "joint":
-        agents = joint_update(team, sigma, batch, cfg, controllers, value_heads, backend)
+        agents = [{**a, "step_bound": None} for a in joint_update(team, sigma, batch, cfg, controllers, value_heads,
+                                                                  backend)]
     else:
         agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
             if pbar is not None:
                 pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
+            t_gen = time.time()
+            if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
+                before, generated = redraw(team, batch, j, sampling, cfg, backend)
+                generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             agents[j], log_rho = update_agent(team, j, batch, cached, cfg, controllers[j], value_heads)
             backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
-            if i == n_agents - 1:
-                break
-            if cfg.reuse == "regenerate":
-                t_gen = time.time()
+            t_gen = time.time()
+            if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
                 batch, generated = redraw(team, batch, j, sampling, cfg, backend)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
-            else:
+            elif i < n_agents - 1:
                 cached.append((log_rho, batch.turns[j].response_mask))
-    # line 14: pi_cur <- the assembled team; the stage certificate (Theorem 4.4)
+            agents[j]["step_bound"] = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
+                                                           REWARD_RANGE, cfg.delta_conf / n_agents)
+                                       if bounded else None)
+    # line 14: pi_cur <- the assembled team; the stage's certificate is records.stage_row's held-out bound
     record.update(order=[k + 1 for k in sigma], agents=agents, generations=generations,
-                  generation_seconds=generation_seconds,
-                  certificate=stage_certificate([a["certificate"] for a in agents]))
-    if cfg.update == "joint":  # Theorem 4.4 telescopes over sequential steps; a simultaneous update has no such sum
-        record["certificate"]["kind"] = "sum of per-agent bounds: not a bound for a simultaneous update"
+                  generation_seconds=generation_seconds, step_bounds=step_bounds_kind(cfg))
     record["seconds"] = time.time() - t0
     return record
+
+
+def step_bounds_kind(cfg: Config) -> str:
+    """What each agent's ``step_bound`` in a stage record is, or why it is None."""
+    if cfg.update == "joint":
+        return "none: a simultaneous update makes no sequence of steps to bound"
+    if cfg.reuse != "regenerate":
+        return ("none: --reuse weights never samples the stepped team, and the importance-weighted estimate is "
+                "not a bound at real response lengths; use --reuse regenerate")
+    if not cfg.step_bounds:
+        return "none: --no-step-bounds"
+    return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the contexts "
+            "the stage sampled (bounds.paired_change_bound)")
 
 
 def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
@@ -164,7 +183,7 @@ def joint_update(team: Team, sigma: list[int], batch: TeamBatch, cfg: Config, co
 def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
                   controller: QuantileController, batch: TeamBatch) -> tuple[dict, torch.Tensor]:
     """Lines 10-11: the trust-region check with backtracking, beta's update and
-    the step's certificate; returns the record and log rho on agent j's tokens.
+    the step's estimates; returns the record and log rho on agent j's tokens.
 
     The line search tries anchor + f (proposal - anchor) for f = 1, 1/2, 1/4,
     ... until the (1 - alpha) quantile of the exact per-state KL is inside
@@ -197,15 +216,18 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
               "kl_max": float(kl.max()), "kl_quantile_dkw": dkw_upper_quantile(kl, cfg.quantile),
               "delta": cfg.delta, "beta": beta_used, "beta_next": controller.beta, "backtracks": search["backtracks"],
               "accepted": accepted, "step_fraction": search["fraction"] if search["accepted"] else 0.0,
-              **step_certificate(inputs, log_rho, kl, batch, j, len(team)), **stats.logged()}
+              **step_estimates(inputs, log_rho, kl, batch, j), **stats.logged()}
     return record, log_rho
 
 
-def step_certificate(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor, batch: TeamBatch, j: int,
-                     n_agents: int) -> dict:
-    """The step's surrogate L_i (Eq. (5) at the step kept, in reward units),
-    the truncation bias zeta, the bound of Theorem 4.2 (``bounds.turn_certificate``)
-    and the effective sample size of the weights."""
+def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor, batch: TeamBatch, j: int) -> dict:
+    """The paper's surrogate L_i (Section 3, Eq. (5) at the step kept, in reward units), an ESTIMATE of the
+    step's change: agent j acts once per joint trajectory and the states at its turn come from agents the
+    step does not change, so J(pi_hat^i) - J(pi_hat^{i-1}) = E_{pi_hat^{i-1}}[(r_j - 1)(R - b)] exactly, for
+    any baseline b of the problem; the sample mean of w (r_j - 1) A estimates it. It is not a bound: the
+    rows are those the step was trained on, and r_j, a whole response's ratio, is heavy-tailed at real
+    response lengths (``surrogate_ess``: the effective sample size of w r_j). Also the truncation bias
+    zeta of the weights and their effective sample size."""
     mask = inputs.turn.response_mask  # [N, Lr]
     log_r_seq = masked_sum(log_rho, mask, dim=1).clamp(-20, 20)  # [N] sequence ratio of the step kept
     w = inputs.log_w.exp()  # [N] truncated weights of the agents promoted before j
@@ -213,15 +235,15 @@ def step_certificate(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tens
     zeta = truncation_bias(inputs.log_w_full, inputs.log_w, log_r_seq.exp(), inputs.raw_adv)
     # the response is the agent's action: its KL is the sum of its tokens' per-state KLs
     seq_kl = torch.zeros(mask.shape).masked_scatter_(mask.bool(), kl).sum(1)  # [N]
-    n = len(batch)
+    n, wr = len(batch), w * log_r_seq.exp()  # wr: [N] the estimate's importance weights
     ess = float(w.sum() ** 2 / (w ** 2).sum())
     if ess < ESS_WARN_RATIO * n:
         warnings.warn(f"the effective sample size of the sequence-aware weights fell below {ESS_WARN_RATIO:.0%} of N: "
                       "later agents get little gradient; consider --reuse regenerate", stacklevel=2)
-    cert = turn_certificate(surrogate, REWARD_RANGE[1] - REWARD_RANGE[0], zeta=zeta, n_samples=n, n_agents=n_agents)
-    return {"surrogate": surrogate, "zeta": zeta, "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()),
-            "N": n, "ess": ess, "ess_ratio": ess / n, "seq_kl_max": float(seq_kl.max()),
-            "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j]), "certificate": cert}
+    return {"surrogate_estimate": surrogate, "surrogate_ess": float(wr.sum() ** 2 / (wr ** 2).sum()), "zeta": zeta,
+            "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()), "N": n, "ess": ess,
+            "ess_ratio": ess / n, "seq_kl_max": float(seq_kl.max()),
+            "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j])}
 
 
 def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, cfg: Config,
@@ -258,7 +280,8 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
         torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed} {label}").getrandbits(63))
         batch = team_rollout(team, problems, 1, sampling, cfg, backend, score=False)
     acc = float(batch.rewards.mean())
-    return {"eval_accuracy": acc, "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
+    return {"eval_accuracy": acc, "eval_n": len(batch),
+            "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist()}
 
 
@@ -448,7 +471,7 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend, str(stage))
-        close(records.stage_row(rec, evaluation, how, stage, baseline or rows[-1], pending))
+        close(records.stage_row(rec, evaluation, how, stage, baseline or rows[-1], pending, cfg.delta_conf))
         baseline, pending = None, []
     if len(rows) > 1:
         records.plot_run(out, rows)

@@ -159,7 +159,7 @@ def test_cli_reuse_and_its_preset_defaults():
     assert sat.Config(agents="Qwen3-4B x3").apply_preset().reuse == "regenerate"
 
 
-# -- the certificate in episode units: brute force on a two-agent team -------------------------
+# -- the surrogate L_i in episode units: brute force on a two-agent team -----------------------
 def two_agent_team(seed, protocol, n_prompts=2, vocab=3):
     """Prompts s ~ mu; agent 1 answers a1 ~ pi1(.|s); agent 2 answers a2 ~ pi2(.|s, a1) (chain)
     or pi2(.|s) (independent, broadcast over a1); reward R(s, a1, a2) in [0, 1]. One token each."""
@@ -190,7 +190,8 @@ def exact_surrogate(mu, pi1, pi2, R, agent, new):
 
 @pytest.mark.parametrize("protocol", ["chain", "independent"])
 @pytest.mark.parametrize("seed", range(6))
-def test_turn_certificate_matches_brute_force_on_two_agents(protocol, seed):
+def test_surrogate_identity_matches_brute_force_on_two_agents(protocol, seed):
+    """sat.step_estimates' identity: with exact quantities the surrogate IS the step's change."""
     mu, pi1, pi2, R = two_agent_team(seed, protocol)
     g = torch.Generator().manual_seed(100 + seed)
     tilt = lambda p: torch.softmax(p.log() + torch.randn(p.shape, generator=g, dtype=torch.float64), -1)  # noqa: E731
@@ -206,7 +207,7 @@ def test_turn_certificate_matches_brute_force_on_two_agents(protocol, seed):
             before = J(*cur)
             cur[j] = new
             change = J(*cur) - before
-            cert = bounds.turn_certificate(surrogate, adv_max=1.0)  # exact quantities: no bias, no sample term
+            cert = bounds.certificate(surrogate, 0.0, 1.0, gamma=0.0)  # exact quantities: no bias, no sample term
             assert cert["gain"] == pytest.approx(change, abs=1e-12)  # the finite-horizon lemma is an equality
             assert cert["occupancy_penalty"] == 0.0 and cert["lower_bound"] <= change + 1e-12
             # the turn-level MDP's units (gamma = 1 - 1/n) count the same episode n = 2 times
@@ -215,19 +216,16 @@ def test_turn_certificate_matches_brute_force_on_two_agents(protocol, seed):
         assert total_gain == pytest.approx(J(new1, new2) - J(pi1, pi2), abs=1e-12)  # Theorem 4.4 telescopes
 
 
-def test_turn_certificate_sample_term_uses_the_reward_range():
-    c = bounds.turn_certificate(0.1, adv_max=1.0, zeta=0.02, n_samples=512, n_agents=3)
-    assert c["sample_penalty"] == pytest.approx((torch.log(torch.tensor(2 * 3 / 0.05)) / (2 * 512)).sqrt().item())
-    assert c["lower_bound"] == pytest.approx(0.1 - 0.02 - c["sample_penalty"])
-
-
-def test_joint_stage_certificate_is_labelled(tmp_path):
-    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
-                     warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
-                     update="joint").apply_preset()
-    rec = sat.run(cfg, log=lambda *_: None)[-1]
-    assert "not a bound" in rec["certificate"]["kind"]
-    assert all(0.0 < a["ess_ratio"] <= 1.0 for a in rec["agents"])
+def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
+    for update, reuse in (("joint", "regenerate"), ("sequential", "weights")):
+        cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                         warmup_steps=10, eval_size=8, out=str(tmp_path / update), device="cpu", update=update,
+                         reuse=reuse).apply_preset()
+        rec = sat.run(cfg, log=lambda *_: None)[-1]
+        assert rec["step_bounds"].startswith("none:") and all(a["step_bound"] is None for a in rec["agents"])
+        assert "surrogate_estimate" in rec["agents"][0] and "lower_bound" not in rec["agents"][0]
+        assert -1.0 <= rec["certificate"]["lower_bound"] <= rec["measured_change"]  # the held-out stage bound
+        assert all(0.0 < a["ess_ratio"] <= 1.0 for a in rec["agents"])
 
 
 def test_regenerate_run_keeps_weights_at_one(tmp_path):
@@ -236,7 +234,18 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
                      reuse="regenerate").apply_preset()
     rec = sat.run(cfg, log=lambda *_: None)[-1]
     assert [a["ess_ratio"] for a in rec["agents"]] == [1.0, 1.0, 1.0] and all(a["zeta"] == 0.0 for a in rec["agents"])
-    assert rec["generations"] == 16 * 3 + 16 * 2  # the rollout, then one turn per promotion except the last
+    # the rollout, then per step the turn it changes drawn before it (the bound's "before") and after it
+    assert rec["generations"] == 16 * 3 + 16 * 3 * 2
+    assert rec["step_bounds"].startswith("each")
+    for a in rec["agents"]:
+        b = a["step_bound"]
+        assert b["n"] == 16 and b["delta_conf"] == pytest.approx(cfg.delta_conf / 3)
+        assert b["lower_bound"] == pytest.approx(max(b["mean_change"] - b["sample_penalty"], -1.0))
+        assert -1.0 <= b["lower_bound"] < 1.0
+    no_bounds = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                           warmup_steps=10, eval_size=8, out=str(tmp_path / "plain"), device="cpu",
+                           reuse="regenerate", step_bounds=False).apply_preset()
+    assert sat.run(no_bounds, log=lambda *_: None)[-1]["generations"] == 16 * 3 + 16 * 2  # no draw for a bound
 
 
 

@@ -170,11 +170,12 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
     assert [json.loads(line)["stage"] for line in lines] == [0, 1, 2]
     for rec in records[1:]:
         assert 0.0 <= rec["team_reward"] <= 1.0 and 0.0 <= rec["eval_accuracy"] <= 1.0
-        assert set(rec["certificate"]) >= {"gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound"}
+        assert set(rec["certificate"]) >= {"lower_bound", "delta_conf", "kind"}
+        assert -1.0 <= rec["certificate"]["lower_bound"] <= rec["measured_change"]
         assert sorted(rec["order"]) == [1, 2]
         for a in rec["agents"]:
             for key in ("agent", "kl_mean", "kl_quantile", "kl_max", "delta", "beta", "backtracks", "accepted",
-                        "surrogate", "zeta", "N", "clip_fraction"):
+                        "surrogate_estimate", "surrogate_ess", "step_bound", "zeta", "N", "clip_fraction"):
                 assert key in a
             if a["accepted"]:
                 assert a["kl_quantile"] <= cfg.delta  # never keep a violating step

@@ -1,0 +1,214 @@
+"""A lower bound that is never false, checked exactly on an enumerable team with multi-token responses.
+
+Each agent answers with L = 10 tokens from a vocabulary of 2 (1,024 responses, every one enumerable); its
+answer is how many of its tokens are 1, in three bins (0-2, 3-5, 6-10), and the gold answer is 0. The
+independent protocol scores the joint answer with the project's vote (``grading.vote_reward``), the chain
+protocol by the last agent's answer, given having seen the answer before it. A policy is a table of
+per-position logits for each state (chain: the previous agent's answer), so J and every step's change
+are exact sums over the enumerated responses.
+
+A stage runs as ``sat.sat_stage`` does with ``--reuse regenerate``: for each agent in turn, the turns its
+step will change are drawn afresh (the bound's "before"), the agent is updated on the batch with the
+project's clipped sequence-ratio surrogate (``update.clipped_surrogate``) and held inside the trust region by
+its exact per-state KL and line search (``trust_region``), then the changed turns are drawn again under the
+new team ("after", the next step's batch). Over hundreds of steps, the fraction whose logged lower bound
+(``bounds.paired_change_bound``) exceeds the exact change may not exceed delta_conf beyond binomial noise.
+The paper's estimate with Hoeffding on the advantage's range, which the project logged as a bound before,
+fails the same check.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import bounds
+from grading import vote_reward
+from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
+from update import clipped_surrogate
+
+V, L, CLASSES = 2, 10, 3
+RESPONSES = torch.tensor(list(itertools.product(range(V), repeat=L)))  # [1024, L] every response
+ANSWER = torch.bucketize(RESPONSES.sum(1), torch.tensor([3, 6]), right=True)  # [1024] 0-2 ones, 3-5, 6-10
+N, G = 64, 8  # rows of a batch, group size (one problem: the groups only set the baselines)
+DELTA, QUANTILE, DELTA_CONF = 0.5, 0.99, 0.1
+
+
+def answer_probs(theta: torch.Tensor) -> torch.Tensor:
+    """[S, CLASSES]: exact P(answer | state), summing the 1,024 responses' probabilities."""
+    return torch.zeros(theta.shape[0], CLASSES, dtype=theta.dtype).index_add_(1, ANSWER, response_logp(theta).exp())
+
+
+def response_logp(theta: torch.Tensor) -> torch.Tensor:
+    """[S, 1024] log-probability of every response in every state; theta is [S, L, V]."""
+    logp = theta.log_softmax(-1)  # [S, L, V]
+    return logp[:, torch.arange(L), RESPONSES].sum(-1)  # [S, 1024]
+
+
+def vote_table(n: int) -> torch.Tensor:
+    """[CLASSES] * n: the independent protocol's team reward of every joint answer."""
+    table = torch.zeros([CLASSES] * n, dtype=torch.float64)
+    for joint in itertools.product(range(CLASSES), repeat=n):
+        table[joint] = vote_reward([str(c) for c in joint], "0")
+    return table
+
+
+class Team:
+    """n tabular agents; agent k's state is 0 (independent, and chain's first agent) or the previous answer."""
+
+    def __init__(self, n: int, protocol: str, g: torch.Generator, rows: int = N):
+        self.n, self.protocol, self.rows = n, protocol, rows
+        states = lambda k: CLASSES if protocol == "chain" and k else 1  # noqa: E731
+        self.thetas = [0.7 * torch.randn(states(k), L, V, generator=g, dtype=torch.float64) for k in range(n)]
+        self.votes = vote_table(n) if protocol == "independent" else None
+
+    def J(self, thetas=None) -> float:
+        """Exact expected team reward."""
+        q = [answer_probs(t) for t in (thetas or self.thetas)]
+        if self.protocol == "independent":
+            p = q[0][0]
+            for k in range(1, self.n):
+                p = torch.einsum("...,c->...c", p, q[k][0])
+            return float((p * self.votes).sum())
+        p = q[0][0]  # [CLASSES] distribution of the current speaker's answer
+        for k in range(1, self.n):
+            p = p @ q[k]
+        return float(p[0])
+
+    def draw(self, k: int, states: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """[rows] response indices of agent k, one per row, given each row's state."""
+        probs = response_logp(self.thetas[k])[states].exp()  # [N, 1024]
+        return torch.multinomial(probs, 1, generator=g)[:, 0]
+
+    def state(self, k: int, turns: list) -> torch.Tensor:
+        return ANSWER[turns[k - 1]] if self.protocol == "chain" and k else torch.zeros(self.rows, dtype=torch.long)
+
+    def rollout(self, g, turns=None, redo=None) -> list:
+        """Every turn (turns None), or the turns in ``redo`` drawn again given the rest."""
+        turns = list(turns) if turns is not None else [None] * self.n
+        for k in (range(self.n) if redo is None else redo):
+            turns[k] = self.draw(k, self.state(k, turns), g)
+        return turns
+
+    def rewards(self, turns: list) -> torch.Tensor:
+        answers = [ANSWER[t] for t in turns]  # n x [N]
+        if self.protocol == "independent":
+            return self.votes[tuple(answers)]  # [N]
+        return (answers[-1] == 0).double()
+
+    def changed(self, j: int) -> list[int]:
+        return list(range(j, self.n)) if self.protocol == "chain" else [j]
+
+    def change_on_contexts(self, j: int, new: torch.Tensor, turns: list) -> float:
+        """Exact T_i: the mean over rows of E_new[R | row's context] - E_old[R | row's context]."""
+        q_old, q_new = answer_probs(self.thetas[j]), answer_probs(new)  # [S, CLASSES]
+        states = self.state(j, turns)
+        if self.protocol == "independent":
+            others = [ANSWER[t] for t in turns]
+            values = torch.stack([self.votes[tuple(torch.full((self.rows,), c) if k == j else others[k]
+                                                   for k in range(self.n))] for c in range(CLASSES)], 1)  # [N, C]
+        else:  # the value of each answer of agent j: the later agents' chance to end on 0
+            tail = torch.eye(CLASSES, dtype=torch.float64)
+            for k in range(j + 1, self.n):
+                tail = tail @ answer_probs(self.thetas[k])
+            values = tail[:, 0][None].expand(self.rows, CLASSES)  # [N, C]
+        return float(((q_new[states] - q_old[states]) * values).sum(1).mean())
+
+
+def sat_step(team: Team, j: int, turns: list, rewards: torch.Tensor, g: torch.Generator) -> tuple:
+    """Agent j's update on the batch: Adam on the clipped sequence-ratio surrogate with group advantages,
+    then the line search that holds the (1 - alpha) quantile of the exact per-state KL inside DELTA.
+    Returns the new table and the paper's estimate mean((r - 1) A) (reward units) at the step kept."""
+    states, resp = team.state(j, turns), RESPONSES[turns[j]]  # [N], [N, L]
+    adv_raw = rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)  # [N] R - group mean
+    adv = adv_raw / (rewards.view(-1, G).std(1).repeat_interleave(G) + 1e-4)  # [N]
+    cur = team.thetas[j]
+    logp_cur = cur.log_softmax(-1)[states[:, None], torch.arange(L), resp]  # [N, L]
+    theta = cur.clone().requires_grad_(True)
+    opt = torch.optim.Adam([theta], lr=0.15)
+    mask = torch.ones(len(states), L, dtype=torch.float64)
+    for _ in range(15):
+        logp = theta.log_softmax(-1)[states[:, None], torch.arange(L), resp]  # [N, L]
+        surr, _, _ = clipped_surrogate(logp - logp_cur, mask, adv, "seq", 0.2)
+        opt.zero_grad()
+        (-surr.mean()).backward()
+        opt.step()
+    proposal, params = theta.detach().clone(), [theta.detach().clone()]
+    visited = (states[:, None] * L + torch.arange(L)).flatten()  # [N * L] the batch's states (state, position)
+
+    def measure():
+        new_logits = params[0].reshape(-1, V)[visited]  # [N * L, V]
+        return per_state_kl(new_logits, cur.reshape(-1, V)[visited])
+
+    search = backtracking_line_search(lambda f: interpolate_parameters(params, [cur], [proposal], f), measure, DELTA,
+                                      max_backtracks=8, quantile_of=lambda kl: kl_quantile(kl, QUANTILE))
+    new = params[0]
+    log_r = (new.log_softmax(-1)[states[:, None], torch.arange(L), resp] - logp_cur).sum(1).clamp(-20, 20)  # [N]
+    estimate = float(((log_r.exp() - 1) * adv_raw).mean())
+    return new, estimate, search["accepted"]
+
+
+def old_bound(estimate: float, n_agents: int, rows: int) -> float:
+    """What the project logged as a bound before: the estimate minus Hoeffding on A's range (R_max - R_min)."""
+    return estimate - math.sqrt(math.log(2 * n_agents / DELTA_CONF) / (2 * rows))
+
+
+def run_steps(protocol: str, n_agents: int, stages: int, seed: int, rows: int = N) -> list[dict]:
+    """Stages as sat.sat_stage runs them with --reuse regenerate; one dict per step."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(stages):
+        team = Team(n_agents, protocol, g, rows)
+        turns = team.rollout(g)
+        for j in range(n_agents):
+            before = team.rewards(team.rollout(g, turns, team.changed(j)))  # fresh under pi_hat^{i-1}
+            new, estimate, accepted = sat_step(team, j, turns, team.rewards(turns), g)
+            exact_j, exact_t = team.J(), team.change_on_contexts(j, new, turns)
+            team.thetas[j] = new
+            exact_j = team.J() - exact_j
+            turns = team.rollout(g, turns, team.changed(j))  # fresh under pi_hat^i: the next step's batch
+            bound = bounds.paired_change_bound(before.tolist(), team.rewards(turns).tolist(), (0.0, 1.0), DELTA_CONF)
+            out.append({"bound": bound["lower_bound"], "mean": bound["mean_change"], "on_contexts": exact_t,
+                        "change": exact_j, "old": old_bound(estimate, n_agents, rows), "accepted": accepted})
+    return out
+
+
+def tolerance(count: int) -> float:
+    return DELTA_CONF + 3 * math.sqrt(DELTA_CONF * (1 - DELTA_CONF) / count)
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {(p, n): run_steps(p, n, stages=240 if n == 2 else 120, seed=11 * n + len(p))
+            for p in ("independent", "chain") for n in (2, 3)}
+
+
+@pytest.mark.parametrize("protocol", ["independent", "chain"])
+@pytest.mark.parametrize("n_agents", [2, 3])
+def test_step_bound_holds_at_its_confidence(steps, protocol, n_agents):
+    rows = steps[(protocol, n_agents)]
+    assert len(rows) >= 360 and all(r["accepted"] for r in rows)
+    assert sum(abs(r["change"]) > 0.01 for r in rows) > len(rows) / 4  # the steps move J: not a vacuous check
+    for target in ("on_contexts", "change"):  # what the bound states, and the population change itself
+        rate = sum(r["bound"] > r[target] + 1e-12 for r in rows) / len(rows)
+        assert rate <= tolerance(len(rows)), (target, rate)
+    assert all(-1.0 <= r["bound"] < 1.0 for r in rows)  # never beyond R_max - R_min
+    # the check has power: the unbiased estimate alone (no penalty) lies above the exact value about half the time
+    assert sum(r["mean"] > r["on_contexts"] for r in rows) / len(rows) > 2 * tolerance(len(rows))
+
+
+def test_the_old_bound_fails_the_same_check(steps):
+    """The estimate mean((r - 1) A) on the rows the step was trained on, with Hoeffding on A's range: a
+    'bound' above the exact change far more often than its confidence allows."""
+    rows = [r for key in steps for r in steps[key]]
+    rate = sum(r["old"] > r["change"] for r in rows) / len(rows)
+    assert rate > tolerance(len(rows)), rate
+
+
+def test_step_bound_can_certify_a_gain():
+    """With enough rows the bound is positive where a step gains, and still below the exact change."""
+    rows = run_steps("chain", 2, stages=12, seed=5, rows=1024)
+    assert any(r["bound"] > 0 for r in rows)
+    assert all(r["bound"] <= r["on_contexts"] for r in rows)
