@@ -206,6 +206,7 @@ class Config:
     keep_optimizer_state: bool | None = opt(None, "keep each agent's AdamW moments on the host between its turns")
     kl_check_every: int | None = opt(None, "exact KL check every k gradient steps, stop at delta (0: only at the end)")
     eval_size: int | None = opt(None, "held-out problems per evaluation")
+    samples: int = opt(4, "joint trajectories per stage written to samples.jsonl (what each agent said); one printed")
     warmup_steps: int | None = opt(None, "supervised warm start of tiny agents (stands in for pretraining)")
     warmup_p_wrong: float = opt(0.5, "share of wrong labels in the tiny agents' warm start")
     shard_rollouts: bool = opt(False, "roll out in seeded blocks (always under torchrun; with one process: "
@@ -249,6 +250,8 @@ class Config:
         if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
             raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): "
                              "a share of the start value, e.g. 0.1")
+        if self.samples < 0:
+            raise ValueError(f"--samples must be >= 0 (got {self.samples})")
         if not 0 < self.delta_conf < 1:
             raise ValueError(f"--delta-conf must be in (0, 1) (got {self.delta_conf})")
         if not 0 < self.quantile <= 1:

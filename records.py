@@ -6,6 +6,7 @@ folder holds
 
     config.json            the run's configuration
     metrics.jsonl          one object per stage (stage 0 = before training)
+    samples.jsonl          what the agents said: a few joint trajectories of each stage's rollout
     progress.png           held-out accuracy per stage, the measured change and its lower bound
     upgrades.json          plug-and-play events, if any
     latest.json            points at the newest complete checkpoint
@@ -117,6 +118,41 @@ def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, up
                           "kind": "held-out: lower bound on the change in expected team reward on the held-out "
                                   "problems since the previous row"}
     return rec
+
+
+def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
+    """What the agents said: the first joint trajectory of each of the stage rollout's first ``count`` groups
+    (problem, gold answer, each agent's response, extracted answer, whether it is right, its length, whether it
+    was cut at the token limit; the team's answer and reward)."""
+    rows = range(0, min(len(batch), count * group_size), group_size)
+    return [{"stage": stage, "problem": batch.problems[r].problem, "gold": batch.problems[r].answer,
+             "agents": [{"response": t.texts[r], "answer": t.answers[r], "correct": bool(batch.agent_correct[k, r]),
+                         "tokens": int(t.response_mask[r].sum()), "truncated": bool(t.truncated[r])}
+                        for k, t in enumerate(batch.turns)],
+             "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r])} for r in rows]
+
+
+def write_samples(out: Path, stage: int, samples: list[dict]) -> None:
+    """samples.jsonl: every stage's samples; a resumed run's later stages are replaced, as in metrics.jsonl."""
+    path = out / "samples.jsonl"
+    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+            if line.strip() and json.loads(line)["stage"] < stage]
+    atomic_write(path, "".join(line + "\n" for line in kept + [json.dumps(s) for s in samples]))
+
+
+def sample_text(sample: dict, width: int = 160) -> str:
+    """A sample on a few console lines: the problem, then each agent's response (cut to ``width``)."""
+    def cut(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    lines = [f"  sample, stage {sample['stage']}: {cut(sample['problem'])}  (gold {sample['gold']}; team "
+             f"{sample['team_answer']}, reward {sample['reward']:.2f})"]
+    for k, a in enumerate(sample["agents"]):
+        mark = "right" if a["correct"] else "wrong"
+        lines.append(f"    agent {k + 1} [{a['tokens']} tok{', cut' if a['truncated'] else ''}] -> {a['answer']} "
+                     f"({mark}): {cut(a['response'])}")
+    return "\n".join(lines)
 
 
 def stage_key(folder: Path) -> tuple[int, str]:

@@ -102,9 +102,9 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     region and promote it; then either cache log rho on its tokens for the
     later agents' weights (``--reuse weights``, the paper) or redraw the turns
     the promotion changed (``--reuse regenerate``: the batch stays on-policy for
-    pi_hat^i). Returns the stage's metrics record."""
+    pi_hat^i). Returns the stage's metrics record and its rollout B (what the team said)."""
     n_agents, t0 = len(team), time.time()
-    batch = team_rollout(team, problems, cfg.group_size, sampling, cfg, backend)  # line 4: B <- ROLLOUT(pi_cur)
+    batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, cfg, backend)  # line 4: B <- ROLLOUT
     backend.sleep()
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
@@ -137,7 +137,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     record.update(order=[k + 1 for k in sigma], agents=agents, generations=generations,
                   generation_seconds=generation_seconds, step_bounds=step_bounds_kind(cfg))
     record["seconds"] = time.time() - t0
-    return record
+    return record, rollout_b
 
 
 def step_bounds_kind(cfg: Config) -> str:
@@ -469,9 +469,13 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
                 disable=not distributed.is_main())
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
-        rec = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
+        rec, rollout_b = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend, str(stage))
+        samples = records.stage_samples(rollout_b, stage, cfg.samples, cfg.group_size)
+        records.write_samples(out, stage, samples)
         close(records.stage_row(rec, evaluation, how, stage, baseline or rows[-1], pending, cfg.delta_conf))
+        if samples:
+            log(records.sample_text(samples[0]))
         baseline, pending = None, []
     if len(rows) > 1:
         records.plot_run(out, rows)

@@ -180,6 +180,13 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
             if a["accepted"]:
                 assert a["kl_quantile"] <= cfg.delta  # never keep a violating step
     assert (tmp_path / "run" / "progress.png").stat().st_size > 1000
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["stage"] for s in samples] == [1] * cfg.samples + [2] * cfg.samples
+    for s in samples:  # what each agent said, its answer as the grader read it, and the team's outcome
+        assert len(s["agents"]) == 2 and 0.0 <= s["reward"] <= 1.0
+        for a in s["agents"]:
+            assert isinstance(a["response"], str) and a["tokens"] >= 1
+            assert (a["answer"] == s["gold"]) <= a["correct"] <= (a["answer"] is not None)
 
 
 def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
