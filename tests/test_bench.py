@@ -20,6 +20,11 @@ RUNS = {
                           r"(?m)^\s+4 +regenerate \| +1\.000/1\.000/1\.000 \| .* \| +\d+ +[\d.]+ +[\d.]+$"),
     "rollout.py": (["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
                    r"(?m)^median speed-up of the batched rollout: [\d.]+x$"),
+    "backends.py": (["--agents", "tiny x2", "--prompts", "4", "--max-new-tokens", "4", "--repeats", "1", "--backends",
+                     "hf"], r"(?m)^hf +[\d.]+ +\d+ +[\d.]+ +[\d.]+$"),
+    "real_stage.py": (["--agents", "tiny x2", "--batch-size", "8", "--minibatch-size", "8", "--eval-size", "4",
+                       "--warmup-steps", "0", "--reuse", "regenerate"],
+                      r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s"),
 }
 
 
