@@ -339,6 +339,7 @@ def validate_run_inputs(cfg: "Config") -> None:
                 raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
             check_hub_available(resolve_agent_spec(model))
     if not cfg.resume:
+        memory.check_team_ram(cfg, parse_agents(cfg.agents))  # CPU: a team too large for the RAM, before the hub
         for spec in parse_agents(cfg.agents):
             check_hub_available(spec)
 
@@ -415,11 +416,12 @@ def run_resolved(cfg: Config, resume_from: Path | None, log=None) -> list[dict]:
     replaced = records.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     distributed.barrier()  # torchrun: every rank has looked before rank 0 writes anything
     train, heldout, instruction = load_problems(cfg)
+    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, log)
+    train_fraction = memory.check_run(cfg, team, log)  # a team that cannot fit is refused before anything is written
     if distributed.is_main():
         records.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, log)
-    backend = make_backend(cfg.backend, len(team), cfg.seed, train_fraction=memory.check_run(cfg, team, log),
+    backend = make_backend(cfg.backend, len(team), cfg.seed, train_fraction=train_fraction,
                            tensor_parallel=cfg.vllm_tensor_parallel)
     try:
         return train_team(cfg, team, train, heldout, controllers, value_heads, rng, state, rows, backend, log)

@@ -1,4 +1,4 @@
-"""Accelerator memory of a SAT run, estimated from the model config before anything is loaded.
+"""Accelerator memory of a SAT run (on CPU: RAM), estimated from the model config before anything is loaded.
 
 SAT's memory claim (paper, Section 5: agents are updated one at a time) is concrete: only the agent being updated
 holds gradients, optimizer state and a frozen reference copy. ``estimate_memory`` gives bytes per component (per rank
@@ -26,6 +26,11 @@ vLLM sleeps during training and the optimizer is gone during rollouts, so two pe
 
 Parameters are counted exactly (Qwen3 layout; tested against ``Qwen3ForCausalLM``); activations are an estimate,
 good to tens of percent.
+
+On CPU the same plan is held against this machine's RAM (MemTotal of /proc/meminfo; nothing is checked where it
+cannot be read): ``check_team_ram`` before any weights are loaded, from the configs that can be read without them,
+and ``check_run`` once the team is built; the CPU build of vLLM has no sleep mode, so there its engines count in
+the training peak too (CPU_VLLM_PEAKS).
 
     python -m scale.memory --model qwen3-4b --n-agents 3                 # one GPU: the table per component
     python -m scale.memory --model qwen3-8b --rows 2 --gpus 1,2,4,8      # per-rank plan under torchrun
@@ -278,32 +283,38 @@ def stage0_rank_bytes(team_config, replacement_config, n_agents: int, gpus: int 
 
 
 # -- verdicts and tables -----------------------------------------------------------------------------------------
-def check_fits(estimate: dict[str, int], available_bytes: int) -> None:
+def check_fits(estimate: dict[str, int], available_bytes: int, memory: str = "accelerator memory",
+               peaks: dict | None = None, notes: dict | None = None, fixes: dict | None = None) -> None:
     """A one-line ValueError naming the peak that does not fit, its largest component and the fix; None if it fits.
-    The component blamed is the largest one a flag can shrink (the weights only when they alone do not fit)."""
-    for peak, parts in PEAKS.items():
+    The component blamed is the largest one a flag can shrink (the weights only when they alone do not fit).
+    ``memory`` names what ran out ("memory (RAM)" on CPU); ``peaks``, ``notes``, ``fixes`` replace PEAKS,
+    PHASE_NOTES and FIXES (a CPU run: ``cpu_plan``)."""
+    peaks, notes, fixes = peaks or PEAKS, notes or PHASE_NOTES, fixes or FIXES
+    for peak, parts in peaks.items():
         need = estimate[peak]
         if need <= available_bytes:
             continue
         movable = [p for p in parts if p != "weights" and estimate[p] > 0]
         worst = "weights" if estimate["weights"] > available_bytes or not movable else max(movable, key=estimate.get)
         raise ValueError(
-            f"not enough accelerator memory: {peak.replace('peak_', '')} needs about {need / GiB:.1f} GiB "
+            f"not enough {memory}: {peak.replace('peak_', '')} needs about {need / GiB:.1f} GiB "
             f"but {available_bytes / GiB:.1f} GiB are available; largest part: {worst} "
-            f"{estimate[worst] / GiB:.1f} GiB ({PHASE_NOTES[worst]}); fix: {FIXES[worst]}"
+            f"{estimate[worst] / GiB:.1f} GiB ({notes[worst]}); fix: {fixes[worst]}"
         )
 
 
-def format_table(estimate: dict[str, int], available: int | None = None) -> str:
-    """GiB per component and peak, for the start of a run."""
+def format_table(estimate: dict[str, int], available: int | None = None, peaks: dict | None = None,
+                 notes: dict | None = None) -> str:
+    """GiB per component and peak, for the start of a run (``peaks``, ``notes``: as in ``check_fits``)."""
+    peaks, notes = peaks or PEAKS, notes or PHASE_NOTES
     rows = [f"{'memory phase':<20} {'GiB':>9}  note"]
-    rows += [f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {PHASE_NOTES[phase]}" for phase in PHASES]
-    rows += [f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}" for peak, parts in PEAKS.items()]
+    rows += [f"{phase:<20} {estimate[phase] / GiB:>9.2f}  {notes[phase]}" for phase in PHASES]
+    rows += [f"{peak:<20} {estimate[peak] / GiB:>9.2f}  = {' + '.join(parts)}" for peak, parts in peaks.items()]
     if "peak_stage0" in estimate:  # a plug-and-play upgrade (stage0_rank_bytes)
         rows.append(f"{'peak_stage0':<20} {estimate['peak_stage0'] / GiB:>9.2f}  = team + pi_pre + replacement + "
                     f"LM-head blocks + max(train state + gathered + activations, sharding) (Stage-0 of --upgrade)")
     if available is not None:
-        verdict = "fits" if max(estimate[p] for p in PEAKS) <= available else "does NOT fit"
+        verdict = "fits" if max(estimate[p] for p in peaks) <= available else "does NOT fit"
         rows.append(f"{'available':<20} {available / GiB:>9.2f}  {verdict}")
     return "\n".join(rows)
 
@@ -370,40 +381,181 @@ QWEN3_DIMS = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=17408, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-32b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=25600, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 
 
-def check_run(cfg, team, log) -> float | None:
-    """For a run on CUDA (``config.Config`` and its team): log what each phase needs against what the GPU has, and
-    refuse in one line if it cannot fit. Returns the fraction of the GPU that training keeps during rollouts (what
-    the vLLM engines are sized from), or None off CUDA."""
-    if not cfg.device.startswith("cuda"):
-        return None
-    biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
+def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
+    """``estimate_memory`` of a run (``config.Config``) of ``n_agents`` agents, each taken as large as
+    ``model_config`` (the biggest agent), per rank; with --upgrade also Stage-0's (``stage0_rank_bytes``, the
+    replacement taken to be as large as the biggest agent)."""
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if cfg.dtype == "float32" else 2
     seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
     rows = max(1, min(cfg.minibatch_size, cfg.token_budget // seq))  # rows of a training micro-batch
-    est = estimate_memory(biggest.model.config, len(team), cfg.update, dtype_bytes=dtype_bytes,
+    est = estimate_memory(model_config, n_agents, cfg.update, dtype_bytes=dtype_bytes,
                           micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq), max_seq_len=seq,
                           gradient_checkpointing=cfg.gradient_checkpointing, backend=cfg.backend,
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=head_chunk_tokens(rows, seq),
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=gpus, engine_tensor_parallel=cfg.vllm_tensor_parallel,
                           shard_frozen=bool(cfg.shard_frozen))
-    available = available_bytes(cfg.device)
     if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
-        est.update(stage0_rank_bytes(biggest.model.config, biggest.model.config, len(team), gpus=gpus,
+        est.update(stage0_rank_bytes(model_config, model_config, n_agents, gpus=gpus,
                                      dtype_bytes=dtype_bytes, micro_batch_tokens=cfg.token_budget,
                                      gradient_checkpointing=cfg.gradient_checkpointing,
                                      shard_frozen=bool(cfg.shard_frozen)))
+    return est
+
+
+def _stage0_error(memory: str, est: dict[str, int], available: int) -> ValueError:
+    return ValueError(f"not enough {memory} for Stage-0 of --upgrade: about "
+                      f"{est['peak_stage0'] / GiB:.1f} GiB but {available / GiB:.1f} GiB are available; "
+                      "fix: use a smaller --token-budget or a smaller replacement")
+
+
+def check_run(cfg, team, log) -> float | None:
+    """For a run on CUDA (``config.Config`` and its team): log what each phase needs against what the GPU has, and
+    refuse in one line if it cannot fit. On CPU the same against this machine's RAM (``check_ram``). Returns the
+    fraction of the GPU that training keeps during rollouts (what the vLLM engines are sized from), or None off
+    CUDA."""
+    if on_cpu(cfg.device):
+        biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
+        check_ram(cfg, biggest.model.config, len(team), log)
+        return None
+    if not cfg.device.startswith("cuda"):
+        return None
+    biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
+    est = run_estimate(cfg, biggest.model.config, len(team))
+    available = available_bytes(cfg.device)
     log(format_table(est, available))
     if available is not None:
         check_fits(est, available)
         if est.get("peak_stage0", 0) > available:
-            raise ValueError(f"not enough accelerator memory for Stage-0 of --upgrade: about "
-                             f"{est['peak_stage0'] / GiB:.1f} GiB but {available / GiB:.1f} GiB are available; "
-                             "fix: use a smaller --token-budget or a smaller replacement")
+            raise _stage0_error("accelerator memory", est, available)
     return min(0.9, est["peak_training"] / max(available or 1, 1))
+
+
+# -- CPU runs: the plan against this machine's RAM -------------------------------------------------------------------
+RAM = "memory (RAM)"  # what check_fits says ran out on CPU
+CPU_FIXES = {**FIXES,
+             "weights": "put fewer or smaller agents in the team, or use --dtype bfloat16 (half the bytes of float32)",
+             "gathered": "use a smaller model (FSDP2 gathers whole layers; the processes of a machine share its RAM)",
+             "gathered_rollout": "use a smaller model (FSDP2 gathers whole layers; the processes of a machine share "
+                                 "its RAM)"}
+CPU_VLLM_NOTES = {**PHASE_NOTES,
+                  "kv_cache": "the vLLM engines' KV caches (cpu_kv_cache_bytes each, resident)",
+                  "engine_weights": "vLLM engines' copy (resident: no sleep mode on CPU)"}
+CPU_VLLM_FIXES = {**CPU_FIXES,
+                  "kv_cache": "use --backend hf (each resident vLLM engine keeps its own KV cache)",
+                  "engine_weights": "use --backend hf (no second copy of the weights in vLLM engines)"}
+# The CPU build of vLLM has no sleep mode: the engines' weights and KV caches stay resident through training.
+CPU_VLLM_PEAKS = {"peak_training": PEAKS["peak_training"] + ("engine_weights", "kv_cache"),
+                  "peak_rollout": PEAKS["peak_rollout"]}
+
+
+def on_cpu(device) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+def ram_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """This machine's RAM: MemTotal of /proc/meminfo, in bytes. None where it cannot be read (no /proc/meminfo, as
+    on macOS or Windows, or a MemTotal line in another form); then the CPU checks (``check_ram``,
+    ``check_team_ram``) check nothing."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * 1024 if unit == "kB" else None
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def ram_per_process() -> int | None:
+    """``ram_bytes`` shared by the processes torchrun starts on this machine ($LOCAL_WORLD_SIZE; 1 without it):
+    each holds its own copy of what ``run_estimate`` counts per rank."""
+    ram = ram_bytes()
+    return None if ram is None else ram // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def cpu_plan(cfg, model_config, n_agents: int) -> tuple[dict[str, int], dict, dict, dict]:
+    """(estimate, peaks, notes, fixes) of a CPU run. With --backend vllm (the CPU build) each agent has an engine
+    whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the model's
+    max_position_embeddings, 32768 without it), and engines stay resident in training (CPU_VLLM_PEAKS)."""
+    est = run_estimate(cfg, model_config, n_agents)
+    if cfg.backend != "vllm":
+        return est, PEAKS, PHASE_NOTES, CPU_FIXES
+    max_len = (model_config.get("max_position_embeddings") if isinstance(model_config, dict)
+               else getattr(model_config, "max_position_embeddings", None)) or 32768
+    est["kv_cache"] = n_agents * cpu_kv_cache_bytes(model_config, 4 if cfg.dtype == "float32" else 2, max_len)
+    for peak, parts in CPU_VLLM_PEAKS.items():
+        est[peak] = sum(est[p] for p in parts)
+    return est, CPU_VLLM_PEAKS, CPU_VLLM_NOTES, CPU_VLLM_FIXES
+
+
+def check_ram(cfg, model_config, n_agents: int, log=None) -> None:
+    """A CPU run (``config.Config``) of ``n_agents`` agents as large as ``model_config``: log its memory table
+    against this machine's RAM (``ram_per_process``) and refuse in one line if a peak does not fit. Where the RAM
+    cannot be read, nothing is checked (and the log says so)."""
+    available = ram_per_process()
+    if available is None:
+        if log:
+            log("memory: this machine's RAM cannot be read (no MemTotal in /proc/meminfo): no memory check")
+        return
+    est, peaks, notes, fixes = cpu_plan(cfg, model_config, n_agents)
+    if log:
+        log(format_table(est, available, peaks, notes))
+    check_fits(est, available, RAM, peaks, notes, fixes)
+    if est.get("peak_stage0", 0) > available:
+        raise _stage0_error(RAM, est, available)
+
+
+def spec_model_config(spec):
+    """The model config of an agent spec (``config.AgentSpec``), read without loading any weights, or None: a
+    Qwen3 short name or Qwen/Qwen3-* hub id from QWEN3_DIMS, another hub id whose config.json is in the local
+    Hugging Face cache, a local folder's config.json. None for tiny agents (built in code), GGUF files (converted
+    on first load) and a config that cannot be read or lacks what ``model_dims`` needs: the check after loading
+    (``check_run``) covers those."""
+    if spec.kind == "hub":
+        name = spec.source.split("/")[-1].lower()
+        if spec.source.lower().startswith("qwen/") and name in QWEN3_DIMS:
+            return QWEN3_DIMS[name]
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec.source, "config.json")
+        if not isinstance(cached, str):
+            return None
+        folder = os.path.dirname(cached)
+    elif spec.kind == "local":
+        folder = spec.source
+    else:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        count_parameters(config)  # the dimensions are there
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return config
+
+
+def check_team_ram(cfg, specs) -> None:
+    """Before any weights are loaded (``sat.validate_run_inputs``), on CPU: refuse in one line a team
+    (``config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
+    loading it could exhaust the RAM. The team is estimated as ``check_run`` estimates it after loading, every
+    slot as large as the agent with the most parameters, taken among the agents whose config
+    ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading). Nothing is checked off
+    CPU, or where the RAM cannot be read."""
+    if not on_cpu(cfg.device) or ram_bytes() is None:
+        return
+    configs = [c for c in map(spec_model_config, dict.fromkeys(specs)) if c is not None]
+    if configs:
+        check_ram(cfg, max(configs, key=count_parameters), len(specs))
 
 
 def main(argv=None) -> None:

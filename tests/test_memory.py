@@ -1,4 +1,5 @@
 """scale/memory.py: exact parameter counts, the sequential-vs-joint accounting, check_fits, the CLI."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,152 @@ def test_cli_runs_as_a_module_and_refuses_in_one_line():
     assert ok.returncode == 0 and ok.stdout.startswith("ESTIMATES (not measured): qwen3-0.6b x3"), ok.stderr
     bad = run("--n-agents", "0")
     assert bad.returncode == 2 and bad.stderr == "python -m scale.memory: error: --n-agents must be >= 1 (got 0)\n"
+
+
+# -- CPU runs: the plan against this machine's RAM --------------------------------------------------------------------
+QWEN3_8B_SHAPED = dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+RAM_FIX = "fix: put fewer or smaller agents in the team, or use --dtype bfloat16 (half the bytes of float32)"
+
+
+def fake_ram(monkeypatch, gib: float) -> None:
+    monkeypatch.setattr(memory, "ram_bytes", lambda meminfo="/proc/meminfo": int(gib * memory.GiB))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+def sat_main(argv, capsys) -> tuple[int, list[str]]:
+    import sat
+
+    rc = sat.main(argv)
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+def test_ram_bytes_reads_memtotal_or_says_none(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683584 kB\nMemFree:         1000 kB\n")
+    assert memory.ram_bytes(str(meminfo)) == 24683584 * 1024
+    assert memory.ram_bytes(str(tmp_path / "missing")) is None  # no /proc (macOS, Windows): no check
+    meminfo.write_text("MemFree: 1000 kB\n")
+    assert memory.ram_bytes(str(meminfo)) is None
+    meminfo.write_text("MemTotal: lots\n")
+    assert memory.ram_bytes(str(meminfo)) is None
+
+
+def test_the_memory_noun_of_a_refusal():
+    est = estimate()
+    with pytest.raises(ValueError, match=r"^not enough accelerator memory: training needs about "):
+        memory.check_fits(est, available_bytes=est["weights"] // 2)  # the CUDA line, as before
+    with pytest.raises(ValueError, match=r"^not enough memory \(RAM\): training needs about ") as err:
+        memory.check_fits(est, est["weights"] // 2, memory.RAM, fixes=memory.CPU_FIXES)
+    assert "accelerator" not in str(err.value) and str(err.value).endswith(RAM_FIX)
+
+
+def test_cpu_vllm_engines_stay_resident_in_training():
+    """The CPU build of vLLM has no sleep mode: its engines' weights and KV caches (cpu_kv_cache_bytes each, as
+    rollout_vllm sizes them) count in the training peak too."""
+    from config import Config
+
+    dims = memory.QWEN3_DIMS["qwen3-0.6b"]
+    hf_cfg = Config(agents="Qwen3-0.6B x3", device="cpu", backend="hf").apply_preset()
+    vllm_cfg = Config(agents="Qwen3-0.6B x3", device="cpu", backend="vllm").apply_preset()
+    hf, peaks, _, _ = memory.cpu_plan(hf_cfg, dims, 3)
+    assert peaks is memory.PEAKS and hf == memory.run_estimate(hf_cfg, dims, 3)
+    est, peaks, notes, fixes = memory.cpu_plan(vllm_cfg, dims, 3)
+    assert est["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(dims, 4, 32768)
+    assert est["engine_weights"] == est["weights"] > 0
+    for peak, parts in peaks.items():
+        assert est[peak] == sum(est[p] for p in parts)
+    assert est["peak_training"] == hf["peak_training"] + est["engine_weights"] + est["kv_cache"]
+    assert "resident" in notes["engine_weights"] and "--backend hf" in fixes["kv_cache"]
+    assert "engine_weights" in memory.format_table(est, None, peaks, notes).splitlines()[-2]  # peak_training's sum
+
+
+def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from transformers import LlamaConfig
+
+    from config import AgentSpec, resolve_agent_spec
+
+    assert memory.spec_model_config(resolve_agent_spec("Qwen3-8B")) is memory.QWEN3_DIMS["qwen3-8b"]
+    assert memory.spec_model_config(resolve_agent_spec("Qwen/Qwen3-32B")) is memory.QWEN3_DIMS["qwen3-32b"]
+    assert memory.spec_model_config(resolve_agent_spec("tiny")) is None
+    assert memory.spec_model_config(AgentSpec(name="m.gguf", kind="gguf", source="m.gguf")) is None
+    folder = tmp_path / "big"
+    LlamaConfig(**QWEN3_8B_SHAPED).save_pretrained(folder)  # config.json only: no weights
+    read = memory.spec_model_config(resolve_agent_spec(str(folder)))
+    assert memory.count_parameters(read) == memory.count_parameters(QWEN3_8B_SHAPED)
+    (folder / "config.json").write_text("{}")  # no dimensions: left to the check after loading
+    assert memory.spec_model_config(resolve_agent_spec(str(folder))) is None
+    # a hub id whose config.json is in the local Hugging Face cache (and one that is not)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--someorg--cached-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    LlamaConfig(**{**QWEN3_8B_SHAPED, "num_hidden_layers": 2}).save_pretrained(repo / "snapshots" / "abc123")
+    cached = memory.spec_model_config(resolve_agent_spec("someorg/cached-model"))
+    assert cached.num_hidden_layers == 2
+    assert memory.spec_model_config(resolve_agent_spec("someorg/not-cached")) is None
+
+
+def test_cpu_team_that_cannot_load_is_refused_before_the_weights_and_the_hub(tmp_path, monkeypatch, capsys):
+    """3 x Qwen3-8B in fp32 on a 24 GiB machine: refused from QWEN3_DIMS alone (offline, before the hub check would
+    say the model is not cached), status 2, nothing written."""
+    import team as team_module
+
+    fake_ram(monkeypatch, 24)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(team_module, "_OFFLINE", [])
+    out = tmp_path / "run"
+    rc, lines = sat_main(["--agents", "Qwen3-8B x3", "--device", "cpu", "--out", str(out)], capsys)
+    assert rc == 2 and lines == ["sat.py: error: not enough memory (RAM): training needs about 340.9 GiB but 24.0 GiB "
+                                 "are available; largest part: weights 91.5 GiB (all agents, training copies); "
+                                 + RAM_FIX]
+    assert not out.exists()
+    fake_ram(monkeypatch, 2000)  # when it fits, the hub check speaks
+    rc, lines = sat_main(["--agents", "Qwen3-8B x3", "--device", "cpu", "--out", str(out)], capsys)
+    assert rc == 2 and len(lines) == 1 and "is not in the local cache" in lines[0]
+    assert not out.exists()
+
+
+def test_cpu_local_folder_too_large_is_refused_from_its_config_json(tmp_path, monkeypatch, capsys):
+    """A local folder holding only the config.json of a Qwen3-8B-shaped model: the check before loading reads it
+    (a load would fail: there are no weights), so the refusal is the memory line, status 2, --out not created."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path / "big"
+    LlamaConfig(**QWEN3_8B_SHAPED).save_pretrained(folder)
+    fake_ram(monkeypatch, 1)
+    out = tmp_path / "run"
+    rc, lines = sat_main(["--agents", f"{folder} x3", "--device", "cpu", "--out", str(out)], capsys)
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("sat.py: error: not enough memory (RAM): training needs about ")
+    assert " GiB but 1.0 GiB are available; largest part: weights 91.5 GiB " in lines[0] and lines[0].endswith(RAM_FIX)
+    assert not out.exists()
+    from config import Config, resolve_agent_spec
+
+    cfg = Config(agents=f"{folder} x3", device="cpu").apply_preset()
+    with pytest.raises(ValueError, match=r"^not enough memory \(RAM\)"):
+        memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
+    monkeypatch.setattr(memory, "ram_bytes", lambda meminfo="/proc/meminfo": None)  # RAM unknown: nothing checked
+    memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
+
+
+def test_cpu_team_refused_after_loading_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Tiny agents (no config before loading) whose plan does not fit: refused once the team is built, before
+    anything is written: no --out folder, and an --overwrite'd run is left as it was. Status 1 (after resolve)."""
+    fake_ram(monkeypatch, 1)
+    args = ["--agents", "tiny x2", "--device", "cpu", "--warmup-steps", "0", "--token-budget", str(1 << 20)]
+    pattern = (r"sat\.py: error: not enough memory \(RAM\): training needs about [\d.]+ GiB but 1\.0 GiB are "
+               r"available; largest part: activations [\d.]+ GiB \(one micro-batch \+ LM-head logits chunk\); fix: use "
+               r"a smaller --minibatch-size or --token-budget \(fewer tokens per micro-batch\)")
+    out = tmp_path / "new"
+    rc, lines = sat_main([*args, "--out", str(out)], capsys)
+    assert rc == 1 and len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
+    assert not out.exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"stage": 0}\n')
+    rc, lines = sat_main([*args, "--out", str(old), "--overwrite"], capsys)
+    assert rc == 1 and len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
+    assert [p.name for p in old.iterdir()] == ["metrics.jsonl"] and (old / "metrics.jsonl").read_text() == (
+        '{"stage": 0}\n')
