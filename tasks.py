@@ -70,6 +70,77 @@ def arithmetic_problems(n: int, seed: int, difficulty: int = 1, split: str = "tr
     return problems
 
 
+# -- Arithmetic as a chat problem (small real instruct models) ------------------------------------------
+# kind -> (operator, (a_min, a_max), (b_min, b_max)), inclusive; "-" keeps a - b >= 0. "sub1" is the
+# inverse of "add1" (a = b + c, b, c in 1..9), so the two are one fact family.
+CHAT_KINDS = {
+    "add1": ("+", (1, 9), (1, 9)),      # one-digit addition, 81 facts
+    "sub1": ("-", (2, 18), (1, 9)),     # a - b with a one-digit result 1..9, 81 facts
+    "mul1": ("*", (2, 9), (2, 9)),      # the times table, 64 facts
+    "add21": ("+", (10, 99), (1, 9)),   # two-digit + one-digit, 810 facts
+    "add2": ("+", (10, 99), (10, 99)),  # two-digit + two-digit
+    "sub2": ("-", (10, 99), (10, 99)),  # two-digit - two-digit
+}
+# arithmetic-chat's problems, one kind in turn: the kinds on which SmolLM2-135M-Instruct, sampled, earns some reward
+# (bench/smollm2_task.py at T 0.5, 32 train problems each: mul1 0.38; add1 0.03, 0.31 counting a bare "7 + 3 = 10";
+# sub1 and add21 0.00). Held out, 64 each: 0.23 for the mix at T 0.4 (add1 0.05, mul1 0.42).
+CHAT_MIX = ("add1", "mul1")
+# Appended to each problem by load_task: a short answer, boxed (16-18 tokens a response at T 0.5, against 27-30 for
+# "Put the answer in \boxed{}.", which is no more accurate).
+CHAT_INSTRUCTION = "\nGive the answer in the form \\boxed{answer}."
+
+
+def is_heldout_fact(a: int, op: str, b: int) -> bool:
+    """Whether the fact "a op b" is held out: a sha256 of the fact alone (not the seed or the kind), with
+    + and * facts in one order (3*4 and 4*3 are one fact, on one side of the split)."""
+    if op in "+*":
+        a, b = min(a, b), max(a, b)
+    digest = hashlib.sha256(f"chat {a}{op}{b}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
+
+
+@lru_cache(maxsize=None)
+def _chat_facts(kind: str, split: str) -> tuple[tuple[int, str, int], ...]:
+    """All facts (a, op, b) of one kind that fall in ``split``, in a fixed order."""
+    if kind not in CHAT_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(CHAT_KINDS)}, got {kind!r}")
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    op, (a_lo, a_hi), (b_lo, b_hi) = CHAT_KINDS[kind]
+    facts = []
+    for a in range(a_lo, a_hi + 1):
+        for b in range(b_lo, b_hi + 1):
+            if op == "-" and not (a >= b and (kind != "sub1" or 1 <= a - b <= 9)):
+                continue
+            if is_heldout_fact(a, op, b) == (split == "heldout"):
+                facts.append((a, op, b))
+    return tuple(facts)
+
+
+def chat_arithmetic_problems(n: int, seed: int, split: str = "train", kinds=CHAT_MIX) -> list[Problem]:
+    """``n`` problems "a op b = ?" -> str(value), the kinds in turn, deterministic in ``seed``: each kind's
+    facts drawn without replacement from the split, then from a reshuffle, repeats with ids suffixed
+    "-r1", "-r2", ... so that ids stay unique. The instruction (CHAT_INSTRUCTION) is added by load_task."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not kinds:
+        raise ValueError("kinds must name at least one of " + ", ".join(CHAT_KINDS))
+    rng = random.Random(seed)
+    pools = {kind: [] for kind in kinds}
+    rounds = dict.fromkeys(kinds, -1)
+    problems: list[Problem] = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if not pools[kind]:
+            pools[kind] = rng.sample(_chat_facts(kind, split), len(_chat_facts(kind, split)))[::-1]
+            rounds[kind] += 1
+        a, op, b = pools[kind].pop()
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        suffix = f"-r{rounds[kind]}" if rounds[kind] else ""
+        problems.append(Problem(f"chat-{kind}-{a}{op}{b}{suffix}", f"{a} {op} {b} = ?", str(value)))
+    return problems
+
+
 def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
     """A warm-start label (it stands in for pretraining tiny agents): right with prob 1 - p_wrong, else off
     by 1, 2 or 10 (never negative), a spread of answers around the truth for sparse reward to sharpen."""
@@ -264,18 +335,26 @@ def load_problems(spec: str) -> list[Problem]:
 BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
+SYNTHETIC_TASKS = ("arithmetic", "arithmetic-chat")
+
+
 def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
-    if cfg.data or cfg.task != "arithmetic":
+    synthetic = cfg.task in SYNTHETIC_TASKS and not cfg.data
+    if not synthetic:
         train = load_problems(cfg.data or cfg.task)
         instruction = BOXED_INSTRUCTION
-    else:
+    elif cfg.task == "arithmetic":
         train = arithmetic_problems(4096, seed=cfg.seed, split="train")
         instruction = ""  # tiny agents answer "23+15" with "38"
+    else:  # a chat model answers "7 * 8 = ?" with "... \boxed{56}"
+        train = chat_arithmetic_problems(4096, seed=cfg.seed, split="train")
+        instruction = CHAT_INSTRUCTION
     if cfg.eval_data:
         heldout = load_problems(cfg.eval_data)
-    elif cfg.task == "arithmetic" and not cfg.data:
-        heldout = arithmetic_problems(cfg.eval_size, seed=cfg.seed + 1, split="heldout")
+    elif synthetic:
+        make = arithmetic_problems if cfg.task == "arithmetic" else chat_arithmetic_problems
+        heldout = make(cfg.eval_size, seed=cfg.seed + 1, split="heldout")
     else:  # hold out the tail of the training set
         train = train[:]
         random.Random(cfg.seed).shuffle(train)

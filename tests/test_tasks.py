@@ -501,3 +501,75 @@ def test_offline_error_is_clear(monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg
     assert "HuggingFaceH4/aime_2024" in msg and "--data path/to.jsonl" in msg and "data/" in msg
+
+
+# ---------------------------------------------------------------------------
+# arithmetic-chat: the synthetic task phrased for chat models
+# ---------------------------------------------------------------------------
+def _chat_fact(p):
+    """(a, op, b) of an arithmetic-chat problem, read back from its text "a op b = ?"."""
+    a, op, b, eq, q = p.problem.split(" ")
+    assert (eq, q) == ("=", "?") and op in "+-*"
+    return int(a), op, int(b)
+
+
+def test_chat_arithmetic_is_deterministic_and_its_answers_are_right():
+    from tasks import CHAT_KINDS, chat_arithmetic_problems
+
+    kinds = tuple(CHAT_KINDS)
+    a = chat_arithmetic_problems(300, seed=3, kinds=kinds)
+    assert a == chat_arithmetic_problems(300, seed=3, kinds=kinds)
+    assert a != chat_arithmetic_problems(300, seed=4, kinds=kinds)
+    assert len({p.id for p in a}) == 300
+    for i, p in enumerate(a):
+        x, op, y = _chat_fact(p)
+        kind = kinds[i % len(kinds)]  # the kinds in turn
+        assert p.id.startswith(f"chat-{kind}-{x}{op}{y}")
+        want_op, (a_lo, a_hi), (b_lo, b_hi) = CHAT_KINDS[kind]
+        assert op == want_op and a_lo <= x <= a_hi and b_lo <= y <= b_hi
+        assert p.answer == str(x + y if op == "+" else x - y if op == "-" else x * y)
+        assert int(p.answer) >= 0
+    mul1 = chat_arithmetic_problems(200, seed=0, split="heldout", kinds=("mul1",))  # 10 facts: reshuffled repeats
+    assert len({p.id for p in mul1}) == 200 and any(p.id.endswith("-r1") for p in mul1)
+
+
+def test_chat_arithmetic_train_and_heldout_do_not_overlap():
+    from tasks import CHAT_KINDS, CHAT_MIX, chat_arithmetic_problems, is_heldout_fact
+
+    def facts(split, kind):  # as one fact: 3*4 is 4*3
+        return {(min(x, y), op, max(x, y)) if op in "+*" else (x, op, y)
+                for seed in (0, 1) for x, op, y in map(_chat_fact, chat_arithmetic_problems(200, seed, split, (kind,)))}
+
+    for kind in ("add1", "sub1", "mul1"):  # small kinds: 200 draws cover each split
+        train, held = facts("train", kind), facts("heldout", kind)
+        assert train and held and not train & held
+        assert all(is_heldout_fact(*f) for f in held) and not any(is_heldout_fact(*f) for f in train)
+    assert set(CHAT_MIX) <= set(CHAT_KINDS)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        chat_arithmetic_problems(1, 0, kinds=("div1",))
+    with pytest.raises(ValueError, match="split must be"):
+        chat_arithmetic_problems(1, 0, split="test")
+
+
+def test_load_task_arithmetic_chat_asks_for_a_boxed_answer():
+    from config import Config
+    from tasks import CHAT_MIX, is_heldout_fact, load_task
+    from team import Team, TeamConfig
+
+    cfg = Config(agents="tiny x3", task="arithmetic-chat", eval_size=64, device="cpu").apply_preset()
+    train, held, instruction = load_task(cfg)
+    assert "\\boxed{" in instruction and len(held) == 64
+    assert {p.id.split("-")[1] for p in train} == set(CHAT_MIX)
+    assert not any(is_heldout_fact(*_chat_fact(p)) for p in train) and all(is_heldout_fact(*_chat_fact(p))
+                                                                           for p in held)
+    assert load_task(cfg) == (train, held, instruction)
+    team = Team([object()], TeamConfig(instruction=instruction))
+    assert team.user_message(train[0], []) == train[0].problem + instruction
+    # graded as the run grades: the last complete box (or "answer is X"); a bare equation does not count
+    right = {"7 * 8 = 56\n\nThe answer is \\boxed{56}.": True, "\\boxed{56}": True, "The answer is 56.": True,
+             "\\boxed{55}": False, "7 * 8 = 56\n\nThe answer is \\boxed{answer}.": False, "\\boxed{5": False,
+             "7 * 8 = 56": False}
+    for text, ok in right.items():
+        assert answers_match(team.extract(text), "56") is ok, text
+    arith = Config(agents="tiny x3", device="cpu").apply_preset()  # the tiny agents' task is unchanged
+    assert load_task(arith)[2] == "" and load_task(arith)[0][0].problem.count("+") == 1
