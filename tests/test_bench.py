@@ -25,6 +25,8 @@ RUNS = {
     "real_stage.py": (["--agents", "tiny x2", "--batch-size", "8", "--minibatch-size", "8", "--eval-size", "4",
                        "--warmup-steps", "0", "--reuse", "regenerate"],
                       r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s"),
+    "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
+                        r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }
 
 
