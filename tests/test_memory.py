@@ -360,7 +360,7 @@ def test_cpu_team_that_cannot_load_is_refused_before_the_weights_and_the_hub(tmp
     monkeypatch.setattr(team_module, "_OFFLINE", [])
     out = tmp_path / "run"
     rc, lines = sat_main(["--agents", "Qwen3-8B x3", "--device", "cpu", "--out", str(out)], capsys)
-    assert rc == 2 and lines == ["sat.py: error: not enough memory (RAM): training needs about 340.9 GiB but 24.0 GiB "
+    assert rc == 2 and lines == ["sat.py: error: not enough memory (RAM): training needs about 329.6 GiB but 24.0 GiB "
                                  "are available; largest part: weights 91.5 GiB (all agents, training copies); "
                                  + RAM_FIX]
     assert not out.exists()

@@ -233,3 +233,17 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert sat.main(["--resume", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "no checkpoint in" in err and "\n" not in err.strip()
+
+
+def test_preset_follows_the_agents_and_the_device(monkeypatch):
+    import config
+    from config import PAPER_PRESET, REAL_CPU_PRESET, TINY_PRESET, AgentSpec, preset_for
+
+    assert preset_for("tiny x2, tiny-6L", "cuda") is TINY_PRESET and preset_for("tiny x3", "cpu") is TINY_PRESET
+    assert preset_for("Qwen3-4B x3", "cuda") is PAPER_PRESET and preset_for("Qwen3-4B, tiny", "cuda:1") is PAPER_PRESET
+    assert preset_for("Qwen3-4B x3", "cpu") is REAL_CPU_PRESET
+    cfg = sat.Config(agents="Qwen3-0.6B x3", device="cpu", lr=3e-6).apply_preset()
+    assert (cfg.task, cfg.lr, cfg.gradient_checkpointing) == ("arithmetic-chat", 3e-6, False)  # an option wins
+    assert cfg.max_new_tokens == REAL_CPU_PRESET["max_new_tokens"] and cfg.reuse == "regenerate"
+    monkeypatch.setattr(config, "parse_agents", lambda agents: [AgentSpec(agents, "gguf", agents)])
+    assert preset_for("SmolLM2-135M", "cpu") is REAL_CPU_PRESET  # any kind but tiny is a real model
