@@ -211,7 +211,8 @@ def test_regenerate_and_gae_under_two_processes_match_one(runs):
     averages the agent's, so the trained value heads agree."""
     one, two = metrics(runs / "small_one"), metrics(runs / "small_two")
     assert [r["world_size"] for r in two] == [1, 2]
-    assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16  # the batch, then agent 1's turns redrawn
+    # the batch, then each agent's turn drawn before its step (the step bound's "before") and after it
+    assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16 * 2 * 2
     assert_same_run(one[1], two[1])
     heads = [torch.load(runs / name / "checkpoints" / "stage_0001" / "state.pt", weights_only=False)["value_heads"]
              for name in ("small_one", "small_two")]
