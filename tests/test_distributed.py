@@ -235,7 +235,7 @@ def test_frozen_agents_sharded_match_one_process(runs):
     (``shard_load``, the path of every non-tiny agent under --shard-frozen)."""
     one, two = metrics(runs / "small_one"), metrics(runs / "small_sharded")
     assert json.loads((runs / "small_sharded" / "config.json").read_text())["shard_frozen"] is True
-    assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16
+    assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16 * 2 * 2  # as in the test above
     assert_same_run(one[1], two[1])
     assert any(a["backtracks"] for a in two[1]["agents"])  # the line search ran on the shards
     resumed = runs / "sharded_then_one"
