@@ -109,7 +109,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
-    bounded = step_bounds_kind(cfg).startswith("each")
+    bounded = cfg.update == "sequential" and cfg.reuse == "regenerate" and cfg.step_bounds  # step_bounds_kind
     if cfg.update == "joint":
         agents = [{**a, "step_bound": None} for a in joint_update(team, sigma, batch, cfg, controllers, value_heads,
                                                                   backend)]
