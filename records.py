@@ -357,9 +357,6 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax2.plot(stages, [r["measured_change"] for r in trained], "k*", label="measured change (held-out)")
     ax2.plot(stages, [r["certificate"]["lower_bound"] for r in trained], "o-",
              label=f"lower bound ({1 - trained[-1]['certificate']['delta_conf']:.0%} confidence)")
-    steps = [sum(a["step_bound"]["lower_bound"] for a in r["agents"]) for r in trained if r["agents"][0]["step_bound"]]
-    if steps and len(steps) == len(trained):
-        ax2.plot(stages, steps, "^:", alpha=0.7, label="per-step bounds, summed (each on its own contexts)")
     ax2.axhline(0, color="grey", lw=0.5)
     ax2.set_xlabel("stage")
     ax2.set_title("held-out change per stage and its certificate (reward units)", fontsize=9)
