@@ -109,7 +109,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
-    bounded = cfg.update == "sequential" and cfg.reuse == "regenerate" and cfg.step_bounds  # step_bounds_kind
+    bounded = has_step_bounds(cfg)
     if cfg.update == "joint":
         agents = [{**a, "step_bound": None} for a in joint_update(team, sigma, batch, cfg, controllers, value_heads,
                                                                   backend)]
@@ -140,17 +140,22 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     return record, rollout_b
 
 
+def has_step_bounds(cfg: Config) -> bool:
+    """Whether a stage draws each step's changed turns before and after it (``bounds.paired_change_bound``)."""
+    return cfg.update == "sequential" and cfg.reuse == "regenerate" and cfg.step_bounds
+
+
 def step_bounds_kind(cfg: Config) -> str:
     """What each agent's ``step_bound`` in a stage record is, or why it is None."""
+    if has_step_bounds(cfg):
+        return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the "
+                "contexts the stage sampled (bounds.paired_change_bound)")
     if cfg.update == "joint":
         return "none: a simultaneous update makes no sequence of steps to bound"
     if cfg.reuse != "regenerate":
         return ("none: --reuse weights never samples the stepped team, and the importance-weighted estimate is "
                 "not a bound at real response lengths; use --reuse regenerate")
-    if not cfg.step_bounds:
-        return "none: --no-step-bounds"
-    return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the contexts "
-            "the stage sampled (bounds.paired_change_bound)")
+    return "none: --no-step-bounds"
 
 
 def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
