@@ -2,7 +2,8 @@
 
 The same agents, the same problems, the same sampler (the tempered softmax, nothing else); each backend draws
 the agents' turns of one joint rollout (``rollout.rollout`` with ``score=False``: generation only), repeated,
-alternating the backends so that a busy machine slows both alike. vLLM's engine start is timed apart.
+alternating the backends so that a busy machine slows both alike. The start (vLLM: the engines, which start at
+the first rollout) is one warm-up rollout of one prompt, timed apart.
 
     python bench/backends.py                                          # SmolLM2-135M x3, 64 prompts, 48 tokens
     python bench/backends.py --prompts 128 --dtype bfloat16           # a larger batch, bf16 weights
@@ -52,7 +53,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         backends[name] = make_backend(name, len(team), seed=0, health=False)
         for agent in team.agents:
-            backends[name].sync(agent)  # vLLM: the engines start and take the agents' weights
+            backends[name].sync(agent)
+        rollout(team, problems[:1], 1, sampling, backend=backends[name], score=False)  # vLLM: the engines start here
         started[name] = time.perf_counter() - t0
     seconds, tokens = {n: [] for n in names}, {n: 0 for n in names}
     try:

@@ -241,9 +241,21 @@ def test_preset_follows_the_agents_and_the_device(monkeypatch):
 
     assert preset_for("tiny x2, tiny-6L", "cuda") is TINY_PRESET and preset_for("tiny x3", "cpu") is TINY_PRESET
     assert preset_for("Qwen3-4B x3", "cuda") is PAPER_PRESET and preset_for("Qwen3-4B, tiny", "cuda:1") is PAPER_PRESET
-    assert preset_for("Qwen3-4B x3", "cpu") is REAL_CPU_PRESET
+    real_cpu = {k: v for k, v in preset_for("Qwen3-4B x3", "cpu").items() if k != "threads"}
+    assert real_cpu == REAL_CPU_PRESET
     cfg = sat.Config(agents="Qwen3-0.6B x3", device="cpu", lr=3e-6).apply_preset()
     assert (cfg.task, cfg.lr, cfg.gradient_checkpointing) == ("arithmetic-chat", 3e-6, False)  # an option wins
     assert cfg.max_new_tokens == REAL_CPU_PRESET["max_new_tokens"] and cfg.reuse == "regenerate"
     monkeypatch.setattr(config, "parse_agents", lambda agents: [AgentSpec(agents, "gguf", agents)])
-    assert preset_for("SmolLM2-135M", "cpu") is REAL_CPU_PRESET  # any kind but tiny is a real model
+    assert preset_for("SmolLM2-135M", "cpu")["task"] == "arithmetic-chat"  # any kind but tiny is a real model
+
+
+def test_threads_every_core_for_a_real_model_on_cpu_one_for_the_tiny_team(monkeypatch):
+    from config import cpu_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == cpu_cores() >= 1
+    assert sat.Config(agents="tiny x3", device="cpu").apply_preset().threads is None  # configure_threads: 1
+    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu", threads=1).apply_preset().threads == 1  # the option wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == 3  # then the environment
