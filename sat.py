@@ -447,7 +447,8 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
         for agent in team.agents:
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
     if not cfg.device.startswith("cuda"):
-        log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default 1)")
+        log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default: every core for a real model, "
+            "1 for the tiny team)")
     start = state.get("stage", 0)
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
