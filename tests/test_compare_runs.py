@@ -1,0 +1,44 @@
+"""tools/compare_runs.py: the start, end and change of each run, and the mean over runs, from metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from compare_runs import summary  # noqa: E402
+
+
+def write_run(folder: Path, accs: list[float], n: int = 64) -> Path:
+    folder.mkdir()
+    rows = [{"stage": s, "seconds": 0.0 if s == 0 else 60.0, "eval_accuracy": a,
+             "eval_stderr": math.sqrt(a * (1 - a) / n), "eval_agent_accuracy": [a / 2, a / 3]}
+            for s, a in enumerate(accs)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_summary_reads_the_first_and_last_evaluation(tmp_path):
+    s = summary(write_run(tmp_path / "a", [0.25, 0.5, 0.375]))
+    assert (s["stages"], s["start"], s["end"], s["change"], s["seconds"]) == (2, 0.25, 0.375, 0.125, 120.0)
+    assert s["change_se"] == pytest.approx(math.sqrt((0.25 * 0.75 + 0.375 * 0.625) / 64))
+    assert s["agents_end"] == [0.1875, 0.125]
+
+
+def test_cli_prints_every_run_and_the_mean_change_and_plots(tmp_path):
+    runs = [write_run(tmp_path / "a", [0.25, 0.5]), write_run(tmp_path / "b", [0.5, 0.25, 0.75])]
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_runs.py"), *map(str, runs), "--plot",
+                          str(tmp_path / "p.png")], capture_output=True, text=True, check=True).stdout
+    assert "mean change over 2 runs: +0.250 (se between runs 0.000)" in out  # both changed by +0.25
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_folder_without_metrics_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="no metrics.jsonl with a stage-0 row"):
+        summary(tmp_path)

@@ -1,0 +1,82 @@
+"""Several sat.py runs side by side (seeds, settings): held-out accuracy at the start and the end, and one plot.
+
+    python tools/compare_runs.py runs/s0 runs/s1 runs/s2 --plot docs/seeds.png
+
+Per run (its metrics.jsonl): stages trained, held-out team accuracy at stage 0 and at the last stage with their
+standard errors, the change and its standard error (the two evaluations draw independently), each agent's own
+accuracy at the start and the end, and the run's wall time in the stages (the sum of their ``seconds``). Then the
+mean change over the runs with the standard error of that mean (between runs; runs of different lengths are
+pooled as they are, so say so when reporting it). ``--plot`` draws held-out team accuracy per stage, one line per
+run, with +-1 standard error bands.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from records import read_metrics  # noqa: E402
+
+
+def summary(run: Path) -> dict:
+    """Start and end of one run's held-out evaluation (metrics.jsonl rows 0 and last)."""
+    rows = read_metrics(run)
+    if not rows or rows[0]["stage"] != 0:
+        raise ValueError(f"{run}: no metrics.jsonl with a stage-0 row; pass a sat.py run folder")
+    first, last = rows[0], rows[-1]
+    return {"run": str(run), "stages": last["stage"], "start": first["eval_accuracy"], "start_se": first["eval_stderr"],
+            "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
+            first["eval_accuracy"], "change_se": math.hypot(first["eval_stderr"], last["eval_stderr"]),
+            "agents_start": first["eval_agent_accuracy"], "agents_end": last["eval_agent_accuracy"],
+            "seconds": sum(r.get("seconds", 0.0) for r in rows), "rows": rows}
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for s in runs:
+        stage = [r["stage"] for r in s["rows"]]
+        acc = [r["eval_accuracy"] for r in s["rows"]]
+        se = [r["eval_stderr"] for r in s["rows"]]
+        line, = ax.plot(stage, acc, "o-", label=Path(s["run"]).name)
+        ax.fill_between(stage, [a - e for a, e in zip(acc, se)], [a + e for a, e in zip(acc, se)],
+                        color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("stage")
+    ax.set_ylabel("held-out team accuracy (+-1 se)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="sat.py run folders")
+    p.add_argument("--plot", type=Path, help="write the accuracy curves here (.png)")
+    args = p.parse_args(argv)
+    runs = [summary(r) for r in args.runs]
+    fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    print(f"{'run':<24} {'stages':>6} {'start':>13} {'end':>13} {'change':>14} {'agents start -> end':>30} {'min':>6}")
+    for s in runs:
+        print(f"{Path(s['run']).name:<24} {s['stages']:>6} {s['start']:>7.3f}+-{s['start_se']:.3f} "
+              f"{s['end']:>7.3f}+-{s['end_se']:.3f} {s['change']:>+8.3f}+-{s['change_se']:.3f} "
+              f"{fmt(s['agents_start']) + ' -> ' + fmt(s['agents_end']):>30} {s['seconds'] / 60:>6.1f}")
+    changes = [s["change"] for s in runs]
+    spread = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
+    print(f"mean change over {len(runs)} runs: {statistics.mean(changes):+.3f} (se between runs {spread:.3f})")
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
