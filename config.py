@@ -287,10 +287,15 @@ def preset_for(agents: str, device: str) -> dict:
         return TINY_PRESET
     if device.startswith("cuda"):
         return PAPER_PRESET
-    # every core unless $OMP_NUM_THREADS says otherwise: SmolLM2's forwards ran 2.0x and its sampling 1.7x faster
-    # on 2 threads than on 1 (docs/results.md); the tiny team keeps 1 thread, reproducible across machines
-    cores = os.environ.get("OMP_NUM_THREADS", "")
-    return {**REAL_CPU_PRESET, "threads": int(cores) if cores.isdigit() and int(cores) > 0 else cpu_cores()}
+    # every core unless $OMP_NUM_THREADS says otherwise: a SmolLM2 stage ran 1.99x faster on 2 threads than on 1
+    # (docs/results.md); the tiny team keeps 1 thread (scale.distributed.configure_threads), reproducible anywhere
+    return {**REAL_CPU_PRESET, "threads": threads_from_env() or cpu_cores()}
+
+
+def threads_from_env() -> int | None:
+    """$OMP_NUM_THREADS when it holds a positive count."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else None
 
 
 def cpu_cores() -> int:

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from config import threads_from_env
+
 STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu", mesh=None)  # this process's place in torchrun's group
 
 
@@ -432,8 +434,7 @@ def configure_threads(threads: int | None, device: str) -> int:
     process on a 2-core machine makes every parallel region wait for a descheduled thread. On CUDA the host
     threads only feed the GPU and are left alone."""
     if threads is None:
-        env = os.environ.get("OMP_NUM_THREADS", "")
-        threads = int(env) if env.isdigit() and int(env) > 0 else 1
+        threads = threads_from_env() or 1
     if not str(device).startswith("cuda"):
         torch.set_num_threads(threads)
     return threads
