@@ -32,7 +32,7 @@ def summary(run: Path) -> dict:
             "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
             first["eval_accuracy"], "change_se": math.hypot(first["eval_stderr"], last["eval_stderr"]),
             "agents_start": first["eval_agent_accuracy"], "agents_end": last["eval_agent_accuracy"],
-            "seconds": sum(r.get("seconds", 0.0) for r in rows), "rows": rows}
+            "seconds": sum(r["seconds"] for r in rows), "rows": rows}
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -65,11 +65,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     runs = [summary(r) for r in args.runs]
     fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"{'run':<24} {'stages':>6} {'start':>13} {'end':>13} {'change':>14} {'agents start -> end':>30} {'min':>6}")
+    print(f"{'run':<24} {'stages':>6} {'start':>13} {'end':>13} {'change':>14} {'agents start -> end':>30} "
+          f"{'stage min':>9}")
     for s in runs:
         print(f"{Path(s['run']).name:<24} {s['stages']:>6} {s['start']:>7.3f}+-{s['start_se']:.3f} "
               f"{s['end']:>7.3f}+-{s['end_se']:.3f} {s['change']:>+8.3f}+-{s['change_se']:.3f} "
-              f"{fmt(s['agents_start']) + ' -> ' + fmt(s['agents_end']):>30} {s['seconds'] / 60:>6.1f}")
+              f"{fmt(s['agents_start']) + ' -> ' + fmt(s['agents_end']):>30} {s['seconds'] / 60:>9.1f}")
     changes = [s["change"] for s in runs]
     spread = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
     print(f"mean change over {len(runs)} runs: {statistics.mean(changes):+.3f} (se between runs {spread:.3f})")
