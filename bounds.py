@@ -7,10 +7,14 @@ finite-sample term). ``certificate`` and ``stage_certificate`` are Theorems
 4.2 and 4.4 with exact quantities (the toy-MDP tests check them exactly).
 
 What a run logs as a lower bound must be one at any response length, from
-what the run samples: ``paired_change_bound`` per step (``--reuse
-regenerate``: fresh draws before and after the step, no importance ratio) and
-``heldout_change_bound`` per stage (every mode). The paper's sample estimate
-of L_i is logged as an estimate (``sat.step_estimates``), never as a bound.
+what the run samples: ``paired_change_bound`` on paired draws under common
+random numbers, per step (``--reuse regenerate``: the changed turns drawn
+before and after the step with one seed per row), per stage and for the whole
+run (the held-out evaluation: the same problems under the same seeds at every
+stage, against the previous evaluation and against stage 0). The bound is
+the larger of Hoeffding and a variance-adaptive Bernstein bound
+(``paired_lower_bound``). The paper's sample estimate of L_i is logged as an
+estimate (``sat.step_estimates``), never as a bound.
 """
 from __future__ import annotations
 
@@ -87,61 +91,100 @@ def hoeffding_radius(n: int, value_range: float, delta: float) -> float:
     return value_range * math.sqrt(math.log(1.0 / delta) / (2.0 * n))
 
 
+def bernstein_radius(diffs: list[float], width: float, delta: float) -> float:
+    """t such that mean(D) - t lower-bounds the mean of the D_i's expectations with probability >= 1 - delta,
+    for independent D_1..D_n in [-width, width] that need not be identically distributed.
+
+    Derivation. Write mu_i = E[D_i], S = sum_i D_i, M = sum_i E[D_i^2] / width^2, L = log(2 / delta).
+    (a) Bernstein's inequality needs only D_i - mu_i <= b (here b = 2 width) and Var(D_i) <= E[D_i^2]:
+        P(S - sum mu_i >= t') <= exp(-t'^2 / (2 (width^2 M + b t' / 3))), so with probability 1 - delta/2,
+        S - sum mu_i < t'(M) = b L / 3 + sqrt((b L / 3)^2 + 2 L width^2 M), increasing in M.
+    (b) The Y_i = D_i^2 / width^2 are independent in [0, 1], so E[Y_i^2] <= E[Y_i], and the lower tail of a
+        sum of non-negative variables (Maurer 2003; Boucheron, Lugosi, Massart, Ex. 2.9) gives
+        P(sum Y_i <= M - u) <= exp(-u^2 / (2 M)): with probability 1 - delta/2,
+        M <= M+ = (sqrt(L / 2) + sqrt(L / 2 + sum Y_i))^2.
+    On both events t'(M) <= t'(M+), so t = t'(M+) / n holds with probability 1 - delta. Where D is 0 in
+    most rows (paired draws under common random numbers), M+ is small and t falls like 1 / n rather than
+    Hoeffding's 1 / sqrt(n). Maurer and Pontil's empirical Bernstein (2009, Thm. 4) is as tight but
+    assumes identically distributed samples; the held-out rows are not (each asks its own problem)."""
+    n = len(diffs)
+    log_term = math.log(2.0 / delta)
+    squares = sum((d / width) ** 2 for d in diffs)
+    m_plus = (math.sqrt(log_term / 2) + math.sqrt(log_term / 2 + squares)) ** 2
+    b = 2.0 * width
+    return (b * log_term / 3 + math.sqrt((b * log_term / 3) ** 2 + 2 * log_term * width ** 2 * m_plus)) / n
+
+
+def paired_lower_bound(diffs: list[float], width: float, delta: float) -> dict:
+    """The rule every logged paired bound uses, fixed before any data: the larger of Hoeffding's and
+    ``bernstein_radius``'s lower bounds, each at delta / 2 (a union bound: both hold with probability
+    1 - delta), clamped at -width. Valid for independent D_i in [-width, width] with any means."""
+    mean = sum(diffs) / len(diffs)
+    hoeffding = mean - hoeffding_radius(len(diffs), 2.0 * width, delta / 2)
+    bernstein = mean - bernstein_radius(diffs, width, delta / 2)
+    return {"lower_bound": max(hoeffding, bernstein, -width), "hoeffding_lower_bound": hoeffding,
+            "bernstein_lower_bound": bernstein}
+
+
 def paired_change_bound(before: list[float], after: list[float], reward_range: tuple[float, float],
                         delta_conf: float) -> dict:
-    """A valid (1 - delta_conf) lower confidence bound on one SAT step's change in expected team reward.
+    """A valid (1 - delta_conf) lower confidence bound on a change in expected team reward, from paired
+    draws: row k was drawn once before the change (reward ``before[k]``) and once after it
+    (``after[k]``) on the same context, and D_k = after[k] - before[k].
 
-    What the run samples (``sat.sat_stage`` with ``--reuse regenerate``): step i changes agent j = sigma(i)
-    from pi_j (in pi_hat^{i-1}) to pi_j' (in pi_hat^i). Row k of the stage's batch fixes a context c_k: the
-    problem and the turns step i does not change (independent protocol: the other agents' answers; chain:
-    the turns before agent j's). Right before the step, the turns it will change are drawn afresh under
-    pi_hat^{i-1} on every c_k (reward ``before[k]``); right after it, under pi_hat^i (``after[k]``, the next
-    step's batch). Write H for everything drawn or computed before the first of these draws. pi_hat^{i-1}
-    is a function of H and pi_hat^i a function of H and the training's own randomness, and neither sees the
-    two draws, so given H the differences D_k = after[k] - before[k] are independent, each in
-    [-(R_max - R_min), R_max - R_min], with means
-        E[D_k | H] = E_{pi_hat^i}[R | c_k] - E_{pi_hat^{i-1}}[R | c_k].
-    Their average over the rows, T_i, is the step's change in expected team reward on the contexts the
-    stage sampled. Hoeffding gives P(mean(D) - t > T_i | H) <= delta_conf with
-    t = 2 (R_max - R_min) sqrt(log(1/delta_conf) / (2N)), at every response length: no importance ratio
-    enters. Since T_i >= -(R_max - R_min), max(mean(D) - t, -(R_max - R_min)) is valid as well, and it
-    never exceeds R_max - R_min.
+    What it bounds, and why the conditions hold. Write H for everything fixed before the first of the two
+    draws and c_k for row k's context. The two policies compared are functions of H and of randomness
+    that never sees the two draws (training's own), and row k's draws use only row k's random numbers,
+    so given H the D_k are independent, each in [-(R_max - R_min), R_max - R_min], with
+        E[D_k | H] = E_after[R | c_k] - E_before[R | c_k]
+    whether or not the two draws of a row share their random numbers (``rollout.SeededSampler``: a
+    coupling leaves each draw's distribution exactly as it was and only makes D_k = 0 more often). The
+    target T is the mean of these over the rows: the change on the contexts drawn, not on the problem
+    population. Rows of one problem (several samples, or a group) are independent given H too, since
+    each has its own random numbers, so n counts every row; T weights each problem by its number of
+    rows. ``paired_lower_bound`` then gives P(lower_bound > T | H) <= delta_conf, and the same rule on
+    -D gives ``upper_bound`` (P(upper_bound < T | H) <= delta_conf).
 
-    Why not the paper's L_i with Hoeffding (Theorems 4.7/4.9): the estimate mean(w (r_j - 1) A) uses the
-    rows the step was trained on, so pi_j' is chosen to make it large, and r_j, a whole response's ratio,
-    is unbounded, so A's range does not bound its terms (tests/test_certificate.py measures how often it
-    exceeds the exact change). ``sat`` logs it as ``surrogate_estimate``.
+    Uses: each SAT step (``sat.sat_stage`` with ``--reuse regenerate``: the turns step i changes drawn
+    before and after it on the stage's contexts, one seed per row for both), each stage and the whole run
+    (``records.stage_row``: the held-out evaluations, the same problems under the same seeds every stage).
+    Why not the paper's L_i with Hoeffding (Theorems 4.7/4.9) for a step: the estimate mean(w (r_j - 1) A)
+    uses the rows the step was trained on, so pi_j' is chosen to make it large, and r_j, a whole
+    response's ratio, is unbounded, so A's range does not bound its terms (tests/test_certificate.py
+    measures how often it exceeds the exact change). ``sat`` logs it as ``surrogate_estimate``.
 
-    Returns mean_change (mean(D), an unbiased estimate of T_i), sample_penalty (t), lower_bound, n,
-    delta_conf.
+    Returns mean_change (mean(D), unbiased for T), stderr (its standard error), nonzero (the fraction of
+    rows with D != 0), lower_bound, upper_bound, hoeffding_lower_bound, bernstein_lower_bound,
+    sample_penalty (mean_change - lower_bound), n, delta_conf.
     """
     if len(before) != len(after) or not before:
-        raise ValueError(f"need the same positive number of rewards before and after, got {len(before)} "
-                         f"and {len(after)}")
+        raise ValueError(f"need the same positive number of paired rewards before and after, got {len(before)} "
+                         f"and {len(after)} (the evaluations must ask the same rows)")
     if not 0.0 < delta_conf < 1.0:
         raise ValueError(f"delta_conf must be in (0, 1), got {delta_conf}")
     width = reward_range[1] - reward_range[0]
     diffs = [float(b) - float(a) for a, b in zip(before, after)]
     if any(abs(d) > width + 1e-9 for d in diffs):
         raise ValueError(f"a reward lies outside {reward_range}: the bound needs the reward range")
-    mean_change = sum(diffs) / len(diffs)
-    penalty = hoeffding_radius(len(diffs), 2.0 * width, delta_conf)
-    return {"mean_change": mean_change, "sample_penalty": penalty,
-            "lower_bound": max(mean_change - penalty, -width), "n": len(diffs), "delta_conf": delta_conf}
+    n, mean = len(diffs), sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / max(n - 1, 1)
+    lower = paired_lower_bound(diffs, width, delta_conf)
+    upper = -paired_lower_bound([-d for d in diffs], width, delta_conf)["lower_bound"]
+    return {"mean_change": mean, "stderr": math.sqrt(var / n), "nonzero": sum(d != 0 for d in diffs) / n, **lower,
+            "upper_bound": upper, "sample_penalty": mean - lower["lower_bound"], "n": n, "delta_conf": delta_conf}
 
 
 def heldout_change_bound(acc_before: float, n_before: int, acc_after: float, n_after: int,
                          reward_range: tuple[float, float], delta_conf: float) -> float:
-    """The stage's certificate: a valid (1 - delta_conf) lower confidence bound on the change of the team's
-    expected reward on the held-out problems between two evaluations, in every mode (``--reuse weights``,
-    ``regenerate``, ``--update joint``). Each evaluation draws one joint trajectory per held-out problem
-    afresh from a team fixed before the draw and never trained on, so Hoeffding bounds each mean
-    (delta_conf / 2 each): acc_after - acc_before - t_before - t_after. Clamped at -(R_max - R_min); it
-    cannot exceed R_max - R_min, since both accuracies lie in [R_min, R_max].
+    """The unpaired comparison: a valid (1 - delta_conf) lower confidence bound on the change of the
+    team's expected reward between two evaluations that each draw their rows independently, Hoeffding on
+    each mean (delta_conf / 2 each): acc_after - acc_before - t_before - t_after, clamped at
+    -(R_max - R_min). A run logs it beside the paired certificate (``unpaired_lower_bound``) to show what
+    pairing gains; it ignores that the evaluations share their draws, which only makes it looser.
 
-    Why not the per-step bounds summed: each step's bound (``paired_change_bound``) is about the change on
-    the contexts that step sampled, and those differ from step to step, so their sum bounds no single
-    quantity of the stage (it can exceed R_max - R_min)."""
+    Why not the per-step bounds summed for a stage: each step's bound is about the change on the contexts
+    that step sampled, and those differ from step to step, so their sum bounds no single quantity of the
+    stage (it can exceed R_max - R_min)."""
     width = reward_range[1] - reward_range[0]
     penalty = (hoeffding_radius(n_before, width, delta_conf / 2) + hoeffding_radius(n_after, width, delta_conf / 2))
     return max(acc_after - acc_before - penalty, -width)

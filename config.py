@@ -207,6 +207,8 @@ class Config:
     keep_optimizer_state: bool | None = opt(None, "keep each agent's AdamW moments on the host between its turns")
     kl_check_every: int | None = opt(None, "exact KL check every k gradient steps, stop at delta (0: only at the end)")
     eval_size: int | None = opt(None, "held-out problems per evaluation")
+    eval_samples: int | None = opt(None, "joint samples per held-out problem per evaluation, each under a seed "
+                                   "of its own that every evaluation reuses (the paired certificates' rows)")
     samples: int = opt(4, "joint trajectories per stage written to samples.jsonl (what each agent said); one printed")
     warmup_steps: int | None = opt(None, "supervised warm start of tiny agents (stands in for pretraining)")
     warmup_p_wrong: float = opt(0.5, "share of wrong labels in the tiny agents' warm start")
@@ -242,7 +244,7 @@ class Config:
                 raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} "
                                  f"is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
-                    "minibatch_size", "token_budget", "eval_size", "stage0_delta", "rollout_blocks"]
+                    "minibatch_size", "token_budget", "eval_size", "eval_samples", "stage0_delta", "rollout_blocks"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
@@ -318,12 +320,12 @@ def default_backend(device: str) -> str:
 TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8,
                    batch_size=512, max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128,
                    token_budget=1 << 16, kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False,
-                   eval_size=256, warmup_steps=300)
+                   eval_size=256, eval_samples=1, warmup_steps=300)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
 PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5,
                     group_size=4, batch_size=512, max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32,
                     token_budget=1 << 16, kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True,
-                    eval_size=64, warmup_steps=0)
+                    eval_size=64, eval_samples=4, warmup_steps=0)
 # Real models on a CPU, sized for SmolLM2-135M-Instruct x3 on two cores: the synthetic arithmetic-chat task (answers
 # in \boxed{}), 32 joint trajectories a stage (8 prompts x G 4), responses of at most 48 tokens (5% reach it; at
 # 64 no grade changed), no gradient checkpointing (the memory plan of 3 x SmolLM2-135M peaks at about 12 GiB).
@@ -334,4 +336,4 @@ PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0
 REAL_CPU_PRESET = dict(task="arithmetic-chat", reuse="regenerate", stages=8, delta=0.05, beta=0.01, lr=1e-6,
                        group_size=4, batch_size=32, max_new_tokens=48, temperature=0.4, epochs=1, minibatch_size=16,
                        token_budget=1 << 12, kl_check_every=0, keep_optimizer_state=False,
-                       gradient_checkpointing=False, eval_size=64, warmup_steps=0)
+                       gradient_checkpointing=False, eval_size=64, eval_samples=4, warmup_steps=0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bounds import heldout_change_bound
+from bounds import heldout_change_bound, paired_change_bound
 from rollout import REWARD_RANGE
 from scale import distributed
 from scale.checkpoint_state import load_sharded, optimizer_skeleton, save_sharded
@@ -100,24 +99,53 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     return final
 
 
-def stage_row(rec: dict, evaluation: dict, how: dict, stage: int, prev: dict, upgrades: list,
+def stage_row(rec: dict, evaluation: dict, stage: int, rows: list[dict], prev: dict, upgrades: list,
               delta_conf: float) -> dict:
-    """A stage's metrics row: its record, held-out evaluation, the change from ``prev`` and the stage's
-    certificate, a (1 - delta_conf) lower bound on that change (``bounds.heldout_change_bound``); a
-    violation (paper, Section 5) is a fall beyond noise (2 standard errors)."""
-    rec.update(evaluation, **how)
+    """A stage's metrics row: its record, the held-out evaluation, and its certificates from the paired
+    held-out rows (``bounds.paired_change_bound``; the rows of every evaluation share their seeds):
+    ``certificate`` on the change since ``prev`` (the previous row, or the evaluation right after an
+    upgrade), ``run_certificate`` on the change since stage 0 (``rows[0]``). A violation (paper, Section
+    5) is a paired fall beyond noise (2 standard errors); a certified fall, one whose upper bound is
+    below 0. ``violation_rate`` and ``certified_fall_rate`` count the trained stages so far."""
+    rec.update(evaluation)
     rec["stage"] = stage
     if upgrades:
         rec["upgrades"] = upgrades
     rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
-    noise = 2 * math.hypot(rec["eval_stderr"], prev["eval_stderr"])
-    rec["violation"] = rec["measured_change"] < -noise
-    bound = heldout_change_bound(prev["eval_accuracy"], prev["eval_n"], rec["eval_accuracy"], rec["eval_n"],
-                                 REWARD_RANGE, delta_conf)
-    rec["certificate"] = {"lower_bound": bound, "delta_conf": delta_conf,
-                          "kind": "held-out: lower bound on the change in expected team reward on the held-out "
-                                  "problems since the previous row"}
+    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, "the previous row")
+    rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)")
+    rec["violation"] = rec["certificate"]["mean_change"] < -2 * rec["certificate"]["stderr"]
+    rec["certified_fall"] = rec["certificate"]["upper_bound"] < 0
+    trained = [r for r in rows[1:] + [rec] if "certified_fall" in r]
+    rec["violation_rate"] = sum(r["violation"] for r in trained) / len(trained)
+    rec["certified_fall_rate"] = sum(r["certified_fall"] for r in trained) / len(trained)
     return rec
+
+
+def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str) -> dict:
+    """The paired certificate of the held-out change from ``before`` to ``after`` (two metrics rows),
+    with the unpaired Hoeffding bound on the same draws beside it (``unpaired_lower_bound``)."""
+    if "eval_rewards" not in before:
+        raise ValueError(f"the held-out row of {since} has no paired rewards (a run written before paired "
+                         "evaluations): start a new run with a new --out")
+    if len(before["eval_rewards"]) != len(after["eval_rewards"]):
+        raise ValueError(f"the held-out evaluation has {len(after['eval_rewards'])} rows, {since} had "
+                         f"{len(before['eval_rewards'])}: keep --eval-size and --eval-samples when resuming")
+    paired = paired_change_bound(before["eval_rewards"], after["eval_rewards"], REWARD_RANGE, delta_conf)
+    unpaired = heldout_change_bound(before["eval_accuracy"], before["eval_n"], after["eval_accuracy"],
+                                    after["eval_n"], REWARD_RANGE, delta_conf)
+    return {**paired, "unpaired_lower_bound": unpaired,
+            "kind": f"held-out, paired: lower bound on the change in expected team reward on the held-out rows "
+                    f"since {since}, with probability >= 1 - delta_conf"}
+
+
+def run_summary(row: dict) -> str:
+    """The run's guarantee in one sentence, from its last row."""
+    cert = row["run_certificate"]
+    return (f"certified gain >= {cert['lower_bound']:+.3f} with probability {1 - cert['delta_conf']:.2f} (held-out "
+            f"team reward since stage 0: measured {cert['mean_change']:+.3f} +- {cert['stderr']:.3f} over "
+            f"{cert['n']} paired rows); stages with a violation {row['violation_rate']:.0%}, with a certified fall "
+            f"{row['certified_fall_rate']:.0%}")
 
 
 def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
@@ -333,7 +361,8 @@ def write_metrics(out: Path, records: list[dict]) -> None:
 
 
 def plot_run(out: Path, records: list[dict]) -> None:
-    """progress.png: team reward and held-out accuracy per stage; the measured change and its lower bound."""
+    """progress.png: team reward and held-out accuracy per stage; the measured change per stage and since
+    stage 0, each beside its paired lower bound and the unpaired one."""
     if not distributed.is_main():
         return
     import matplotlib
@@ -343,7 +372,7 @@ def plot_run(out: Path, records: list[dict]) -> None:
 
     stages = [r["stage"] for r in records if r["stage"] > 0]
     trained = [r for r in records if r["stage"] > 0]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     ax1.plot([r["stage"] for r in records], [r["eval_accuracy"] for r in records], "o-", label="held-out team accuracy")
     ax1.plot(stages, [r["team_reward"] for r in trained], "s--", label="team reward (rollouts)")
     for k in range(len(records[-1]["eval_agent_accuracy"])):
@@ -354,13 +383,17 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax1.set_ylim(0, 1)
     ax1.legend(fontsize=8)
     ax1.set_title("SAT progress")
-    ax2.plot(stages, [r["measured_change"] for r in trained], "k*", label="measured change (held-out)")
-    ax2.plot(stages, [r["certificate"]["lower_bound"] for r in trained], "o-",
-             label=f"lower bound ({1 - trained[-1]['certificate']['delta_conf']:.0%} confidence)")
-    ax2.axhline(0, color="grey", lw=0.5)
-    ax2.set_xlabel("stage")
-    ax2.set_title("held-out change per stage and its certificate (reward units)", fontsize=9)
-    ax2.legend(fontsize=8)
+    confidence = f"{1 - trained[-1]['certificate']['delta_conf']:.0%} confidence"
+    for ax, key, title in ((ax2, "certificate", "held-out change per stage and its certificate"),
+                           (ax3, "run_certificate", "held-out change since stage 0: the run's certified gain")):
+        ax.plot(stages, [r[key]["mean_change"] for r in trained], "k*", label="measured change (paired rows)")
+        ax.plot(stages, [r[key]["lower_bound"] for r in trained], "o-", label=f"paired lower bound ({confidence})")
+        ax.plot(stages, [r[key]["unpaired_lower_bound"] for r in trained], "x:", alpha=0.6,
+                label="unpaired Hoeffding, same draws")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("stage")
+        ax.set_title(f"{title} (reward units)", fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "progress.png", dpi=110)
     plt.close(fig)
@@ -383,7 +416,7 @@ def rollout_record(batch, rollout_seconds: float, health=None) -> dict:
 
 
 STAGE_HEADER = (f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} "
-                f"{'kl_q':>14} {'bt':>6} {'acc':>6} {'bound':>8} {'sec':>5}")
+                f"{'kl_q':>14} {'bt':>6} {'acc':>6} {'bound':>8} {'run>=':>7} {'sec':>5}")
 
 
 def stage_line(rec: dict) -> str:
@@ -394,4 +427,5 @@ def stage_line(rec: dict) -> str:
     accepted = "".join("y" if a["accepted"] else "n" for a in ag)
     return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {rec['eval_accuracy']:>6.3f} "
             f"{rec['measured_change']:>+7.3f} {kl_q:>14} {backtracks:>6} {accepted:>6} "
-            f"{rec['certificate']['lower_bound']:>+8.3f} {rec['seconds']:>5.1f}")
+            f"{rec['certificate']['lower_bound']:>+8.3f} {rec['run_certificate']['lower_bound']:>+7.3f} "
+            f"{rec['seconds']:>5.1f}")

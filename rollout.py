@@ -9,9 +9,16 @@ The behaviour log-probabilities come from the training model's teacher-forced fo
 temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
 chosen once per run (``make_backend``): ``HFBackend`` or ``scale.rollout_vllm.VLLMBackend``. Sampling is the
 tempered softmax and nothing else; top_p < 1 is for evaluation only (the ratios and the KL use the full softmax).
+
+Common random numbers: every response is sampled under a seed of its own (``response_seeds``: a function of
+the call's base seed, the row and the agent), and its randomness is a function of that seed alone, whatever
+else is in the batch. Two policies sampled under the same seeds give the same response wherever they agree
+closely enough, while each draw keeps exactly its own distribution: the paired certificates (``bounds``) use
+that to pair the held-out evaluations of consecutive stages and a step's before/after redraws.
 """
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -92,6 +99,83 @@ class TeamBatch:
         return sum(t.num_tokens for t in self.turns)
 
 
+# -- Common random numbers ------------------------------------------------------------------------------
+SEED_BITS = 62  # seeds and base seeds lie in [0, 2**62)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
+
+
+def _int64(x: int) -> int:
+    """x modulo 2**64 as a signed int64 (torch's int64 arithmetic wraps the same way)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def draw_seed() -> int:
+    """A base seed from torch's global generator: a run seeded with --seed draws the same samples."""
+    return int(torch.randint(0, 1 << SEED_BITS, ()))
+
+
+def response_seeds(base: int, rows: int, agent: int) -> list[int]:
+    """One seed per response of agent ``agent`` in rows 0..rows-1 of a call with base seed ``base``: a hash
+    of (base, agent, row), so the agents of one row (and the rows) draw independent randomness, and a call
+    with the same base, rows and agent draws the same randomness whatever the batch around it."""
+    return [int.from_bytes(hashlib.blake2b(f"{base}:{agent}:{row}".encode(), digest_size=8).digest(), "little")
+            >> (64 - SEED_BITS) for row in range(rows)]
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical shift of an int64
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 words (multiplication wraps): a bijection whose outputs on
+    distinct inputs behave as independent uniform 64-bit words."""
+    x = (x ^ _shift_right(x, 30)) * _int64(_MIX1)
+    x = (x ^ _shift_right(x, 27)) * _int64(_MIX2)
+    return x ^ _shift_right(x, 31)
+
+
+def position_uniforms(seeds: torch.Tensor, position: int) -> torch.Tensor:
+    """[n] float64 uniforms in (0, 1), one per row, a function of (the row's seed, the position) alone."""
+    z = _splitmix64(_splitmix64(seeds) + _int64((position + 1) * _GOLDEN))  # [n]
+    return (_shift_right(z, 11).double() + 0.5) * 2.0 ** -53  # 53 random bits, never 0 or 1
+
+
+def tempered_probs(scores: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] float64 softmax(scores / T), restricted to the top-p nucleus (the smallest set of most likely
+    tokens whose mass reaches top_p, as transformers' TopPLogitsWarper keeps it) and renormalised."""
+    probs = (scores.double() / temperature).softmax(-1)  # [n, V]
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(-1, descending=True)  # [n, V]
+    outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # [n, V] the mass before the token already reaches top_p
+    probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))  # [n, V]
+    return probs / probs.sum(-1, keepdim=True)
+
+
+class SeededSampler:
+    """A logits processor for ``generate`` run greedily: at each position it picks, for every row, the
+    token of the tempered (nucleus) softmax that the row's uniform u falls on in the cumulative
+    distribution (inverse-CDF sampling), and leaves that token the only one with a finite score.
+
+    Exact: P(token v) = F(v) - F(v - 1) = p(v) for u uniform, so the draw is the tempered softmax's.
+    Coupled: u depends only on the row's seed and the position (``position_uniforms``), so two policies
+    sampled under one seed emit the same token wherever u falls in the same token's interval of both
+    cumulative distributions (probability at least 1 - sum_v |F_1(v) - F_2(v)|), and identical policies
+    give identical responses. One uniform per position, where Gumbel-max needs one per vocabulary entry:
+    its noise for SmolLM2's 49,152 tokens cost more than the model's forward on this CPU."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0):
+        self.seeds = torch.tensor(seeds, dtype=torch.int64)  # [n]
+        self.temperature, self.top_p, self.position = temperature, top_p, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [n, V]
+        cdf = tempered_probs(scores, self.temperature, self.top_p).cumsum(-1)  # [n, V]
+        u = position_uniforms(self.seeds, self.position) * cdf[:, -1]  # [n]
+        token = torch.searchsorted(cdf, u[:, None].contiguous()).clamp_max(scores.shape[-1] - 1)  # [n, 1]
+        self.position += 1
+        return torch.full_like(scores, -torch.inf).scatter_(-1, token.to(scores.device), 0.0)  # [n, V]
+
+
 # -- The HF sampler: the tempered softmax only -----------------------------------------------------------
 # Every GenerationConfig field that makes ``generate`` add a logits processor, with its neutral values.
 # transformers fills each field left at None from the checkpoint's generation_config.
@@ -106,18 +190,19 @@ NEUTRAL_SAMPLER_FIELDS = {
     "watermarking_config": (None,), "renormalize_logits": (None, False), "num_beams": (None, 1),
     "penalty_alpha": (None,), "dola_layers": (None,), "assistant_model": (None,), "prompt_lookup_num_tokens": (None,),
 }
-ALLOWED_PROCESSORS = {"TemperatureLogitsWarper", "TopPLogitsWarper"}  # plain tempered (nucleus) sampling
+ALLOWED_PROCESSORS = {"SeededSampler"}  # generate runs greedily on the SeededSampler's one finite score
 
 
 def sampler_config(agent, sampling: SamplingConfig):
-    """The GenerationConfig of every HF rollout: temperature (and top-p), every other processor at its
-    neutral value whatever the checkpoint ships (Qwen3: top_k=20, temperature=0.6). Built from the global
-    defaults and installed as the model's generation_config while sampling (``_sampler``)."""
+    """The GenerationConfig of every HF rollout: greedy on ``SeededSampler``'s output (which applies the
+    temperature and top-p), every other processor at its neutral value whatever the checkpoint ships
+    (Qwen3: top_k=20, temperature=0.6). Built from the global defaults and installed as the model's
+    generation_config while sampling (``_sampler``)."""
     from transformers import GenerationConfig
 
     tok = agent.tokenizer
     return GenerationConfig(
-        do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, min_p=None, typical_p=1.0,
+        do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=None, typical_p=1.0,
         epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
         no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, num_beams=1,
         remove_invalid_values=False, renormalize_logits=False, max_new_tokens=sampling.max_new_tokens,
@@ -139,7 +224,7 @@ def _sampler(model, gen_cfg):
 def check_sampler(agent, sampling: SamplingConfig) -> None:
     """Refuse, in one line naming the field, a sampler that is not the plain tempered softmax (plus
     top-p): every processor field neutral, and (where transformers exposes it) the processor list that
-    generate would build holds nothing but temperature and top-p."""
+    generate would build holds nothing but ``SeededSampler``."""
     gen_cfg = sampler_config(agent, sampling)
     model = getattr(agent.model, "lm", agent.model)  # a sharded agent (distributed.ShardedLM): the LM inside
     merge = getattr(model, "_prepare_generation_config", None)
@@ -163,7 +248,8 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
 
         try:
             procs = build(generation_config=gen_cfg, input_ids_seq_length=1, encoder_input_ids=None,
-                          prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device="cpu")
+                          prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(
+                              [SeededSampler([0], sampling.temperature, sampling.top_p)]), device="cpu")
         except TypeError:  # the private signature changed: the field check above still holds
             return
     extra = sorted({type(p).__name__ for p in procs} - ALLOWED_PROCESSORS)
@@ -173,9 +259,12 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
 
 
 @torch.no_grad()
-def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
-    """One sampled response per context (ids cut after the first eos): one left-padded ``generate`` per
-    token-budget chunk, contexts sorted by length so a chunk pads little."""
+def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[int]]:
+    """One sampled response per context (ids cut after the first eos), response i under ``seeds[i]``
+    (``SeededSampler``): one left-padded ``generate`` per token-budget chunk, contexts sorted by length so
+    a chunk pads little."""
+    from transformers import LogitsProcessorList
+
     tok = agent.tokenizer
     gen_cfg = sampler_config(agent, sampling)
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
@@ -184,23 +273,21 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig) -> l
     # a sharded agent: as many generate calls as the busiest rank (their all-gathers meet), agreed before the first
     extra = distributed.extra_calls(len(chunks)) if distributed.is_sharded(agent.model) else 0
 
-    def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # [n, Lc] -> [n, Lc + <= max_new_tokens]
+    def gen(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int]) -> torch.Tensor:  # [n, Lc + <= new]
+        sampler = LogitsProcessorList([SeededSampler(row_seeds, sampling.temperature, sampling.top_p)])
         with _sampler(inner, gen_cfg):
             return agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device),
-                                        generation_config=gen_cfg)
+                                        generation_config=gen_cfg, logits_processor=sampler)
 
     responses: list[list[int]] = [None] * len(contexts)
     for sl in chunks:
         idx = order[sl]
         ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
-        new = gen(ids, mask)[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
+        new = gen(ids, mask, [seeds[i] for i in idx])[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
         for row, i in enumerate(idx):
             responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
-    if extra:  # dummy calls under their own RNG: the batch's draws stay those of one process
-        ids, mask = left_pad([contexts[order[0]]], tok.pad_token_id)
-        for _ in range(extra):
-            with torch.random.fork_rng(devices=distributed.rng_devices(agent.device)):
-                gen(ids, mask)
+    for _ in range(extra):  # dummy calls, discarded: the batch's draws stay those of one process
+        gen(*left_pad([contexts[order[0]]], tok.pad_token_id), [0])
     return responses
 
 
@@ -212,8 +299,8 @@ class HFBackend:
     name = "hf"
     tensor_parallel = 1
 
-    def generate(self, agent, contexts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
-        return generate_hf(agent, contexts, sampling)
+    def generate(self, agent, contexts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[int]]:
+        return generate_hf(agent, contexts, sampling, seeds)
 
     def last_logprobs(self, agent) -> None: return None  # the sampler is the training model: nothing to compare
     def health(self, team: Team, batch: TeamBatch) -> None: return None
@@ -255,12 +342,14 @@ def behaviour_logprobs(agent, turn_like, sampling: SamplingConfig) -> torch.Tens
 
 
 def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig, backend=HF,
-               score: bool = True) -> Turn:
-    """Agent k answers every context: one batched generate, then (unless ``score=False``: evaluation
-    needs no log-probabilities) the behaviour log-probabilities."""
+               score: bool = True, seed: int | None = None) -> Turn:
+    """Agent k answers every context: one batched generate, row i under ``response_seeds(seed, .., k)[i]``
+    (None: a seed drawn from torch's global generator), then (unless ``score=False``: evaluation needs no
+    log-probabilities) the behaviour log-probabilities."""
     agent = team.agents[k]
     tok = agent.tokenizer
-    responses = backend.generate(agent, contexts, sampling)
+    seed = draw_seed() if seed is None else seed
+    responses = backend.generate(agent, contexts, sampling, response_seeds(seed, len(contexts), k))
     ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [N, Lc]
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
     texts = tok.batch_decode(responses, skip_special_tokens=True)
@@ -321,32 +410,37 @@ def score_team(team: Team, flat: list[Problem], turns: list[Turn], group_ids: to
 
 
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend=HF,
-            score: bool = True) -> TeamBatch:
-    """G joint trajectories for each of the B problems (paper, Section 3). ``score=False`` leaves the
-    behaviour log-probabilities at zero (evaluation)."""
+            score: bool = True, seed: int | None = None) -> TeamBatch:
+    """G joint trajectories for each of the B problems (paper, Section 3); row b * G + g is sample g of
+    problem b, agent k's response in it drawn under ``response_seeds(seed, N, k)`` (None: a seed drawn
+    from torch's global generator). ``score=False`` leaves the behaviour log-probabilities at zero
+    (evaluation)."""
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1 (got {group_size})")
     if score and sampling.top_p < 1:
         raise ValueError(TOP_P_TRAINING_ERROR.format(top_p=sampling.top_p))
     flat = [p for p in problems for _ in range(group_size)]  # [N]
     group_ids = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
+    seed = draw_seed() if seed is None else seed
     turns: list[Turn] = []
     for k in range(len(team)):
-        turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, backend, score))
+        turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, backend, score, seed))
     return TeamBatch(flat, group_ids, turns, *score_team(team, flat, turns, group_ids))
 
 
-def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig,
-               backend=HF) -> tuple[TeamBatch, int]:
+def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backend=HF,
+               seed: int | None = None) -> tuple[TeamBatch, int]:
     """After agent j's promotion (Algorithm 1, line 12), redraw what depends on it, so the batch is
     exactly on-policy for pi_hat^i of Eq. (1) and needs no importance weights. Independent: agent j's
     turn only (the joint action is a product given the problem). Chain: agent j's turn and every turn
-    after it (their contexts hold agent j's answer); earlier turns are draws of unchanged agents.
+    after it (their contexts hold agent j's answer); earlier turns are draws of unchanged agents. Two
+    calls with one ``seed`` (a step's before and after draws) share their random numbers row by row.
     Returns the new batch and how many responses were generated."""
     turns = list(batch.turns)
     redo = range(j, len(team)) if team.protocol == "chain" else [j]
+    seed = draw_seed() if seed is None else seed
     for k in redo:
-        turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling, backend)
+        turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling, backend, seed=seed)
     new = TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids))
     return new, len(redo) * len(batch)
 

@@ -54,6 +54,7 @@ from rollout import (
     SamplingConfig,
     TeamBatch,
     check_sampler,
+    draw_seed,
     make_backend,
     regenerate,
     rollout,
@@ -118,15 +119,15 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
             if pbar is not None:
                 pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
-            t_gen = time.time()
+            t_gen, pair_seed = time.time(), draw_seed()  # one seed per row for the step's before and after draws
             if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
-                before, generated = redraw(team, batch, j, sampling, cfg, backend)
+                before, generated = redraw(team, batch, j, sampling, cfg, backend, pair_seed)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             agents[j], log_rho = update_agent(team, j, batch, cached, cfg, controllers[j], value_heads)
             backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
             t_gen = time.time()
             if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
-                batch, generated = redraw(team, batch, j, sampling, cfg, backend)
+                batch, generated = redraw(team, batch, j, sampling, cfg, backend, pair_seed)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             elif i < n_agents - 1:
                 cached.append((log_rho, batch.turns[j].response_mask))
@@ -149,7 +150,8 @@ def step_bounds_kind(cfg: Config) -> str:
     """What each agent's ``step_bound`` in a stage record is, or why it is None."""
     if has_step_bounds(cfg):
         return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the "
-                "contexts the stage sampled (bounds.paired_change_bound)")
+                "contexts the stage sampled, from its turns drawn before and after it under one seed per row "
+                "(bounds.paired_change_bound)")
     if cfg.update == "joint":
         return "none: a simultaneous update makes no sequence of steps to bound"
     if cfg.reuse != "regenerate":
@@ -263,31 +265,33 @@ def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling:
                              score=score)
 
 
-def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, cfg: Config, backend) -> tuple:
-    """``--reuse regenerate`` after agent j's promotion: the turns it changed,
-    drawn again (rollout.regenerate). Under torchrun rank 0 draws and every rank
-    receives the batch; with --shard-frozen every rank draws (the sharded
-    agents' forwards are collectives)."""
-    draw = lambda: regenerate(team, batch, j, sampling, backend)  # noqa: E731
+def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, cfg: Config, backend,
+           seed: int) -> tuple:
+    """``--reuse regenerate`` around agent j's promotion: the turns it changes,
+    drawn again under ``seed`` (rollout.regenerate). Under torchrun rank 0 draws
+    and every rank receives the batch; with --shard-frozen every rank draws (the
+    sharded agents' forwards are collectives)."""
+    draw = lambda: regenerate(team, batch, j, sampling, backend, seed)  # noqa: E731
     out = draw() if cfg.shard_frozen else distributed.on_main(draw)
     backend.sleep()
     return out
 
 
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend=HF,
-             label: str = "0") -> dict:
-    """Held-out team accuracy (one joint sample per problem at the training
-    temperature: the policy being trained) and each agent's own accuracy, on a
-    random stream of its own (seeded by the run seed and ``label``), so the
-    training stream does not depend on when the evaluation ran."""
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend=HF) -> dict:
+    """Held-out team accuracy (``cfg.eval_samples`` joint samples per problem at the training temperature:
+    the policy being trained) and each agent's own accuracy. Every evaluation of a run draws its rows
+    under the same seeds (fixed by the run seed; row p * K + s is sample s of problem p), so consecutive
+    evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG stream of
+    its own, so the training stream does not depend on when the evaluation ran."""
     with torch.random.fork_rng(devices=distributed.rng_devices(cfg.device)):
-        torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed} {label}").getrandbits(63))
-        batch = team_rollout(team, problems, 1, sampling, cfg, backend, score=False)
+        torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed}").getrandbits(63))
+        batch = team_rollout(team, problems, cfg.eval_samples, sampling, cfg, backend, score=False)
     acc = float(batch.rewards.mean())
-    return {"eval_accuracy": acc, "eval_n": len(batch),
+    return {"eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
             "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
-            "eval_agent_accuracy": batch.agent_correct.mean(1).tolist()}
+            "eval_agent_accuracy": batch.agent_correct.mean(1).tolist(),
+            "eval_rewards": [round(float(r), 6) for r in batch.rewards]}
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +473,7 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
             f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n{records.STAGE_HEADER}")
 
     if not rows:
-        close({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg, backend, "0"), **how})
+        close({"stage": 0, "seconds": 0.0, **evaluate(team, heldout, sampling, cfg, backend), **how})
     else:
         log(records.STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
@@ -478,10 +482,11 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec, rollout_b = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
-        evaluation = evaluate(team, heldout, sampling, cfg, backend, str(stage))
+        evaluation = evaluate(team, heldout, sampling, cfg, backend)
         samples = records.stage_samples(rollout_b, stage, cfg.samples, cfg.group_size)
         records.write_samples(out, stage, samples)
-        close(records.stage_row(rec, evaluation, how, stage, baseline or rows[-1], pending, cfg.delta_conf))
+        close(records.stage_row(rec, {**evaluation, **how}, stage, rows, baseline or rows[-1], pending,
+                                cfg.delta_conf))
         if samples:
             log(records.sample_text(samples[0]))
         baseline, pending = None, []
@@ -490,6 +495,8 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
     log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {rows[-1]['eval_accuracy']:.3f}; "
         f"metrics in {out / 'metrics.jsonl'}{plot}")
+    if len(rows) > 1:
+        log(records.run_summary(rows[-1]))
     return rows
 
 
@@ -500,8 +507,8 @@ def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem
     held-out accuracy after it, and a checkpoint of the upgraded team."""
     out = Path(cfg.out)
     events = apply_upgrades(cfg, team, train, start, sampling, controllers, value_heads, rng, log, backend=backend,
-                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend, f"{start} upgrading"))
-    baseline = evaluate(team, heldout, sampling, cfg, backend, f"{start} upgraded")
+                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend))
+    baseline = evaluate(team, heldout, sampling, cfg, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
     records.record_upgrades(out, events)

@@ -120,14 +120,12 @@ def sampling_kwargs(sampling, seed: int, eos_id: int, logprobs: bool = False) ->
                 logprobs=0 if logprobs else None)  # 0: only the sampled token's log-probability
 
 
-def draw_base_seed() -> int:
-    """A base seed from torch's global generator: a run seeded with --seed draws the same samples."""
-    return int(torch.randint(0, SEED_MODULUS, ()).item())
-
-
-def request_seeds(base_seed: int, n: int) -> list[int]:
-    """One seed per request: a sample does not depend on how vLLM batches it."""
-    return [(int(base_seed) + i) % SEED_MODULUS for i in range(n)]
+def request_seeds(seeds: list[int]) -> list[int]:
+    """The engine's seed of each request: the response's own seed (``rollout.response_seeds``) reduced to
+    the range vLLM takes. A request's draws depend on its seed alone, not on how vLLM batches it: vLLM
+    samples a seeded request by an exponential race (Gumbel-max) on noise from that seed, position by
+    position, so two engines given one seed share their random numbers."""
+    return [int(s) % SEED_MODULUS for s in seeds]
 
 
 def build_requests(contexts) -> list[dict]:
@@ -406,8 +404,9 @@ class VLLMBackend:
             self._run(eng, None, plan_sleep(eng.awake, self.sleep_mode), eng.version)
 
     # -- generation -------------------------------------------------------------
-    def generate(self, agent, contexts: list[list[int]], sampling) -> list[list[int]]:
-        """One sampled response per context (ids cut after the first eos), from the agent's current weights."""
+    def generate(self, agent, contexts: list[list[int]], sampling, seeds: list[int]) -> list[list[int]]:
+        """One sampled response per context (ids cut after the first eos), from the agent's current weights,
+        response i under ``seeds[i]``."""
         from vllm import SamplingParams  # optional extra
 
         eng = self.wake_for_rollout(agent)
@@ -415,7 +414,7 @@ class VLLMBackend:
         check_lengths(contexts, sampling.max_new_tokens, eng.max_model_len)
         tok = agent.tokenizer
         params = [SamplingParams(**sampling_kwargs(sampling, s, tok.eos_token_id, self.health_logprobs))
-                  for s in request_seeds(draw_base_seed(), len(contexts))]
+                  for s in request_seeds(seeds)]
         outputs = eng.llm.generate(build_requests(contexts), params, use_tqdm=False)
         responses = outputs_to_responses(outputs, tok.eos_token_id, tok.pad_token_id)
         if self.health_logprobs:

@@ -128,7 +128,8 @@ def test_sampler_ignores_the_checkpoints_generation_config():
         probs = torch.softmax(agent.model(torch.tensor([ctx])).logits[0, -1].double() / 0.7, -1)  # [V]
     n = 20000
     pad = agent.tokenizer.pad_token_id  # a sampled pad is stripped from the response: count it back
-    first = torch.tensor([r[0] if r else pad for r in generate_hf(agent, [ctx] * n, sampling)])
+    first = torch.tensor([r[0] if r else pad for r in generate_hf(agent, [ctx] * n, sampling,
+                                                                               list(range(n)))])
     counts = torch.bincount(first, minlength=len(probs)).double()  # [V]
     big = probs * n >= 5  # Pearson's chi-square on the cells with expected count >= 5, the rest pooled
     obs = torch.cat([counts[big], counts[~big].sum()[None]])

@@ -118,12 +118,12 @@ def test_sampling_kwargs_match_the_hf_sampler():
 
 
 def test_request_seeds_reproducible_and_distinct():
-    torch.manual_seed(3)
-    a = rv.request_seeds(rv.draw_base_seed(), 64)
-    torch.manual_seed(3)
-    b = rv.request_seeds(rv.draw_base_seed(), 64)
+    from rollout import response_seeds
+
+    a, b = rv.request_seeds(response_seeds(3, 64, 0)), rv.request_seeds(response_seeds(3, 64, 0))
     assert a == b and len(set(a)) == 64 and all(0 <= x < 2 ** 31 - 1 for x in a)
-    assert rv.request_seeds(2 ** 31 - 2, 3) == [2 ** 31 - 2, 0, 1]
+    assert rv.request_seeds([2 ** 31 - 2, 2 ** 31 - 1, 2 ** 31]) == [2 ** 31 - 2, 0, 1]
+    assert len(set(a) | set(rv.request_seeds(response_seeds(3, 64, 1)))) == 128  # another agent, other seeds
 
 
 def test_build_requests_and_lengths():
@@ -455,8 +455,8 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
     from team import Agent, Team, TeamConfig
 
     class ZeroEngine(HFBackend):  # HF samples; its "engine log-probs" are 0 (probability 1) for every token
-        def generate(self, agent, contexts, sampling):
-            self.last = super().generate(agent, contexts, sampling)
+        def generate(self, agent, contexts, sampling, seeds):
+            self.last = super().generate(agent, contexts, sampling, seeds)
             return self.last
 
         def last_logprobs(self, agent):

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("vllm")
 
 from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
-from rollout import SamplingConfig  # noqa: E402
+from rollout import SamplingConfig, draw_seed, response_seeds  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
 from team import Agent  # noqa: E402
 
@@ -59,6 +59,11 @@ def train_logprobs(agent, contexts, responses, temperature):
     return lp.cpu(), rmask
 
 
+def fresh_seeds(n: int) -> list[int]:
+    """Response seeds from a base drawn from torch's global generator (``torch.manual_seed`` fixes them)."""
+    return response_seeds(draw_seed(), n, 0)
+
+
 def score_gap(reg, agent, contexts, responses, check=True, model_of=None) -> float:
     """Mean |engine log-prob - training log-prob| (temperature 1) of fixed responses."""
     engine_lp = reg.score(agent, contexts, responses, check=check)
@@ -73,16 +78,16 @@ def test_generation_is_well_formed_and_seeded(team2):
     ctx = contexts_of(agent)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW)
     torch.manual_seed(123)
-    first = reg.generate(agent, ctx, sampling)
+    first = reg.generate(agent, ctx, sampling, fresh_seeds(len(ctx)))
     assert len(first) == len(ctx) and all(1 <= len(r) <= MAX_NEW for r in first)
     assert all(eos not in r[:-1] for r in first)  # cut after the first eos
     stopped = [r for r in first if r[-1] == eos]
     assert stopped and any(len(r) == MAX_NEW and eos not in r for r in first)  # both ways of ending occur
     assert all(len(r) == MAX_NEW for r in first if r[-1] != eos)  # no eos: only at the length limit
     torch.manual_seed(123)
-    assert reg.generate(agent, ctx, sampling) == first  # same seeds, same tokens
+    assert reg.generate(agent, ctx, sampling, fresh_seeds(len(ctx))) == first  # same seeds, same tokens
     torch.manual_seed(124)
-    assert reg.generate(agent, ctx, sampling) != first
+    assert reg.generate(agent, ctx, sampling, fresh_seeds(len(ctx))) != first
     texts = agent.tokenizer.batch_decode(first, skip_special_tokens=True)
     assert all(isinstance(t, str) for t in texts)
     print(f"\n[vllm] {len(first)} responses, {len(stopped)} stopped at eos, the rest at {MAX_NEW} tokens")
@@ -94,7 +99,8 @@ def test_sampled_token_logprobs_match_the_training_model(team2, temperature):
     agent = agents[0]
     ctx = contexts_of(agent)
     torch.manual_seed(7)
-    responses = reg.generate(agent, ctx, SamplingConfig(temperature=temperature, max_new_tokens=MAX_NEW))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=temperature, max_new_tokens=MAX_NEW),
+                             fresh_seeds(len(ctx)))
     hf, mask = train_logprobs(agent, ctx, responses, temperature)
     gap = rv.logprob_health(reg.last_logprobs(agent), hf, mask)
     print(f"\n[vllm] untouched agent, T={temperature}: mean |log pi_vllm - log pi_train| = {gap:.3e} "
@@ -110,7 +116,8 @@ def test_training_step_then_sync(team2):
     tok = agent.tokenizer
     ctx = contexts_of(agent, 32)
     torch.manual_seed(11)
-    fixed = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
+    fixed = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW),
+                         fresh_seeds(len(ctx)))
     before = score_gap(reg, agent, ctx, fixed)
     assert before < BOUND
     # one training step: raise the log-likelihood of the fixed responses
@@ -125,7 +132,7 @@ def test_training_step_then_sync(team2):
     agent.freeze()
     stale = score_gap(reg, agent, ctx, fixed, check=False)
     with pytest.raises(RuntimeError, match="stale weights"):
-        reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=4))
+        reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=4), fresh_seeds(len(ctx)))
     with pytest.raises(RuntimeError, match="stale weights"):
         reg.score(agent, ctx, fixed)
     reg.sync(agent)
@@ -134,7 +141,8 @@ def test_training_step_then_sync(team2):
           f"sync {stale:.3e}, after sync {after:.3e} (bound {BOUND:g})")
     assert stale > 100 * BOUND and after < BOUND
     torch.manual_seed(12)
-    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW),
+                             fresh_seeds(len(ctx)))
     hf, mask = train_logprobs(agent, ctx, responses, 1.0)
     assert rv.logprob_health(reg.last_logprobs(agent), hf, mask) < BOUND
 
@@ -143,7 +151,8 @@ def test_two_agents_get_two_engines_with_their_own_weights(team2):
     agents, reg = team2
     ctx = contexts_of(agents[0], 16)
     torch.manual_seed(5)
-    fixed = reg.generate(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
+    fixed = reg.generate(agents[0], ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW),
+                         fresh_seeds(len(ctx)))
     own, other = [], []
     for k, agent in enumerate(agents):
         own.append(score_gap(reg, agent, ctx, fixed))
@@ -169,7 +178,8 @@ def test_sleep_and_wake_where_supported(team2):
     else:
         assert eng.awake == set()
     torch.manual_seed(3)
-    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
+    responses = reg.generate(agent, ctx, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW),
+                             fresh_seeds(len(ctx)))
     hf, mask = train_logprobs(agent, ctx, responses, 1.0)
     assert eng.awake == set(rv.WAKE_TAGS) and rv.logprob_health(reg.last_logprobs(agent), hf, mask) < BOUND
 
