@@ -26,6 +26,7 @@ import torch
 
 import bounds
 from grading import vote_reward
+from rollout import SeededSampler, draw_seed, response_seeds
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
 from update import clipped_surrogate
 
@@ -77,19 +78,25 @@ class Team:
             p = p @ q[k]
         return float(p[0])
 
-    def draw(self, k: int, states: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """[rows] response indices of agent k, one per row, given each row's state."""
-        probs = response_logp(self.thetas[k])[states].exp()  # [N, 1024]
-        return torch.multinomial(probs, 1, generator=g)[:, 0]
+    def draw(self, k: int, states: torch.Tensor, g: torch.Generator, seed: int | None = None) -> torch.Tensor:
+        """[rows] response indices of agent k, one per row, given each row's state: from torch's generator
+        ``g``, or (``seed``) token by token with the project's sampler under the rows' seeds, as
+        ``rollout`` draws them, so that two draws under one seed share their random numbers."""
+        if seed is None:
+            probs = response_logp(self.thetas[k])[states].exp()  # [N, 1024]
+            return torch.multinomial(probs, 1, generator=g)[:, 0]
+        sampler, logits = SeededSampler(response_seeds(seed, self.rows, k), 1.0), self.thetas[k][states]  # [N, L, V]
+        tokens = torch.stack([sampler(None, logits[:, t]).argmax(-1) for t in range(L)], 1)  # [N, L]
+        return (tokens * 2 ** torch.arange(L - 1, -1, -1)).sum(1)  # [N] the index in RESPONSES
 
     def state(self, k: int, turns: list) -> torch.Tensor:
         return ANSWER[turns[k - 1]] if self.protocol == "chain" and k else torch.zeros(self.rows, dtype=torch.long)
 
-    def rollout(self, g, turns=None, redo=None) -> list:
+    def rollout(self, g, turns=None, redo=None, seed: int | None = None) -> list:
         """Every turn (turns None), or the turns in ``redo`` drawn again given the rest."""
         turns = list(turns) if turns is not None else [None] * self.n
         for k in (range(self.n) if redo is None else redo):
-            turns[k] = self.draw(k, self.state(k, turns), g)
+            turns[k] = self.draw(k, self.state(k, turns), g, seed)
         return turns
 
     def rewards(self, turns: list) -> torch.Tensor:
@@ -155,22 +162,27 @@ def old_bound(estimate: float, n_agents: int, rows: int) -> float:
     return estimate - math.sqrt(math.log(2 * n_agents / DELTA_CONF) / (2 * rows))
 
 
-def run_steps(protocol: str, n_agents: int, stages: int, seed: int, rows: int = N) -> list[dict]:
-    """Stages as sat.sat_stage runs them with --reuse regenerate; one dict per step."""
+def run_steps(protocol: str, n_agents: int, stages: int, seed: int, rows: int = N, coupled: bool = False) -> list:
+    """Stages as sat.sat_stage runs them with --reuse regenerate; one dict per step. ``coupled``: the
+    step's before and after draws share one seed per row (``rollout.SeededSampler``), as the run draws
+    them; otherwise they are independent."""
     g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # the pair seeds (draw_seed) come from torch's global generator, as in a run
     out = []
     for _ in range(stages):
         team = Team(n_agents, protocol, g, rows)
         turns = team.rollout(g)
         for j in range(n_agents):
-            before = team.rewards(team.rollout(g, turns, team.changed(j)))  # fresh under pi_hat^{i-1}
+            pair = draw_seed() if coupled else None
+            before = team.rewards(team.rollout(g, turns, team.changed(j), pair))  # fresh under pi_hat^{i-1}
             new, estimate, accepted = sat_step(team, j, turns, team.rewards(turns), g)
             exact_j, exact_t = team.J(), team.change_on_contexts(j, new, turns)
             team.thetas[j] = new
             exact_j = team.J() - exact_j
-            turns = team.rollout(g, turns, team.changed(j))  # fresh under pi_hat^i: the next step's batch
+            turns = team.rollout(g, turns, team.changed(j), pair)  # fresh under pi_hat^i: the next step's batch
             bound = bounds.paired_change_bound(before.tolist(), team.rewards(turns).tolist(), (0.0, 1.0), DELTA_CONF)
-            out.append({"bound": bound["lower_bound"], "mean": bound["mean_change"], "on_contexts": exact_t,
+            out.append({"bound": bound["lower_bound"], "hoeffding": bound["hoeffding_lower_bound"],
+                        "mean": bound["mean_change"], "nonzero": bound["nonzero"], "on_contexts": exact_t,
                         "change": exact_j, "old": old_bound(estimate, n_agents, rows), "accepted": accepted})
     return out
 
@@ -181,22 +193,37 @@ def tolerance(count: int) -> float:
 
 @pytest.fixture(scope="module")
 def steps():
-    return {(p, n): run_steps(p, n, stages=240 if n == 2 else 120, seed=11 * n + len(p))
-            for p in ("independent", "chain") for n in (2, 3)}
+    """(protocol, agents, coupled) -> the steps of 240 stages of 2 agents or 120 of 3."""
+    return {(p, n, c): run_steps(p, n, stages=240 if n == 2 else 120, seed=11 * n + len(p) + c, coupled=c)
+            for p in ("independent", "chain") for n in (2, 3) for c in (False, True)}
 
 
+@pytest.mark.parametrize("coupled", [False, True])
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 @pytest.mark.parametrize("n_agents", [2, 3])
-def test_step_bound_holds_at_its_confidence(steps, protocol, n_agents):
-    rows = steps[(protocol, n_agents)]
+def test_step_bound_holds_at_its_confidence(steps, protocol, n_agents, coupled):
+    """Both rules (Hoeffding alone, and the logged max of Hoeffding and Bernstein) lie above the exact
+    change at most delta_conf of the time, with coupled and with independent before/after draws."""
+    rows = steps[(protocol, n_agents, coupled)]
     assert len(rows) >= 360 and all(r["accepted"] for r in rows)
     assert sum(abs(r["change"]) > 0.01 for r in rows) > len(rows) / 4  # the steps move J: not a vacuous check
-    for target in ("on_contexts", "change"):  # what the bound states, and the population change itself
-        rate = sum(r["bound"] > r[target] + 1e-12 for r in rows) / len(rows)
-        assert rate <= tolerance(len(rows)), (target, rate)
+    for rule in ("bound", "hoeffding"):
+        for target in ("on_contexts", "change"):  # what the bound states, and the population change itself
+            rate = sum(r[rule] > r[target] + 1e-12 for r in rows) / len(rows)
+            assert rate <= tolerance(len(rows)), (rule, target, rate)
     assert all(-1.0 <= r["bound"] < 1.0 for r in rows)  # never beyond R_max - R_min
     # the check has power: the unbiased estimate alone (no penalty) lies above the exact value about half the time
     assert sum(r["mean"] > r["on_contexts"] for r in rows) / len(rows) > 2 * tolerance(len(rows))
+
+
+def test_coupling_makes_paired_differences_sparse(steps):
+    """Under one seed per row the before and after draws of a step differ in far fewer rows than
+    independent draws do (same distributions, so the mean change is unbiased either way)."""
+    for p in ("independent", "chain"):
+        for n in (2, 3):
+            coupled = sum(r["nonzero"] for r in steps[(p, n, True)]) / len(steps[(p, n, True)])
+            independent = sum(r["nonzero"] for r in steps[(p, n, False)]) / len(steps[(p, n, False)])
+            assert coupled < 0.85 * independent, (p, n, coupled, independent)
 
 
 def test_the_old_bound_fails_the_same_check(steps):
@@ -212,3 +239,22 @@ def test_step_bound_can_certify_a_gain():
     rows = run_steps("chain", 2, stages=12, seed=5, rows=1024)
     assert any(r["bound"] > 0 for r in rows)
     assert all(r["bound"] <= r["on_contexts"] for r in rows)
+
+
+def power(rows: list[dict], rule: str) -> float:
+    """The fraction of the steps that gained (exact change on the contexts > 0.02) whose bound is > 0."""
+    gains = [r for r in rows if r["on_contexts"] > 0.02]
+    return sum(r[rule] > 0 for r in gains) / max(len(gains), 1)
+
+
+def test_coupling_and_the_variance_adaptive_bound_certify_more_steps():
+    """Power at 256 rows a step: coupled draws with the logged rule certify more of the steps that gained
+    than independent draws with Hoeffding alone (the bound the run logged before), and never certify a
+    step above its exact change."""
+    figures = {}
+    for coupled in (False, True):
+        rows = run_steps("independent", 2, stages=40, seed=9, rows=256, coupled=coupled)
+        assert all(r["bound"] <= r["on_contexts"] + 1e-12 for r in rows)
+        figures[coupled] = {rule: power(rows, rule) for rule in ("hoeffding", "bound")}
+    print(f"\npower, independent x 2, 256 rows: independent draws {figures[False]}, coupled {figures[True]}")
+    assert figures[True]["bound"] >= figures[False]["hoeffding"] + 0.2, figures
