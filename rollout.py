@@ -140,16 +140,24 @@ def position_uniforms(seeds: torch.Tensor, position: int) -> torch.Tensor:
     return (_shift_right(z, 11).double() + 0.5) * 2.0 ** -53  # 53 random bits, never 0 or 1
 
 
-def tempered_probs(scores: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """[n, V] float64 softmax(scores / T), restricted to the top-p nucleus (the smallest set of most likely
-    tokens whose mass reaches top_p, as transformers' TopPLogitsWarper keeps it) and renormalised."""
-    probs = (scores.double() / temperature).softmax(-1)  # [n, V]
+def tempered_weights(scores: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] the tempered softmax's unnormalised weights exp(scores / T - max), in the scores' precision (the
+    logits' own), restricted to the top-p nucleus: the smallest set of most likely tokens whose mass reaches
+    top_p, as transformers' TopPLogitsWarper keeps it."""
+    weights = scores / temperature  # [n, V]
+    weights = weights.sub_(weights.max(-1, keepdim=True).values).exp_()  # [n, V] in (0, 1], the top token at 1
     if top_p >= 1:
-        return probs
-    sorted_p, order = probs.sort(-1, descending=True)  # [n, V]
-    outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # [n, V] the mass before the token already reaches top_p
-    probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))  # [n, V]
-    return probs / probs.sum(-1, keepdim=True)
+        return weights
+    sorted_w, order = weights.sort(-1, descending=True)  # [n, V]
+    mass = sorted_w.double().cumsum(-1) / sorted_w.double().sum(-1, keepdim=True)  # [n, V]
+    outside = (mass - sorted_w / sorted_w.sum(-1, keepdim=True)) >= top_p  # the mass before it reaches top_p
+    return weights.scatter(-1, order, sorted_w.masked_fill(outside, 0.0))  # [n, V]
+
+
+def tempered_probs(scores: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[n, V] float64: the distribution ``SeededSampler`` draws from (``tempered_weights`` normalised)."""
+    weights = tempered_weights(scores, temperature, top_p).double()  # [n, V]
+    return weights / weights.sum(-1, keepdim=True)
 
 
 class SeededSampler:
@@ -157,23 +165,37 @@ class SeededSampler:
     token of the tempered (nucleus) softmax that the row's uniform u falls on in the cumulative
     distribution (inverse-CDF sampling), and leaves that token the only one with a finite score.
 
-    Exact: P(token v) = F(v) - F(v - 1) = p(v) for u uniform, so the draw is the tempered softmax's.
+    Exact: P(token v) = F(v) - F(v - 1) = p(v) for u uniform, so the draw is the tempered softmax's (each
+    weight and block sum rounded in the logits' precision, the cumulative sums in float64).
     Coupled: u depends only on the row's seed and the position (``position_uniforms``), so two policies
     sampled under one seed emit the same token wherever u falls in the same token's interval of both
     cumulative distributions (probability at least 1 - sum_v |F_1(v) - F_2(v)|), and identical policies
     give identical responses. One uniform per position, where Gumbel-max needs one per vocabulary entry:
-    its noise for SmolLM2's 49,152 tokens cost more than the model's forward on this CPU."""
+    its noise for SmolLM2's 49,152 tokens cost more than the model's forward on this CPU. The search runs
+    in two levels (blocks of ``BLOCK`` tokens, then within the block), so the cumulative sums in float64
+    touch one block per row rather than the whole vocabulary."""
+
+    BLOCK = 256
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0):
         self.seeds = torch.tensor(seeds, dtype=torch.int64)  # [n]
         self.temperature, self.top_p, self.position = temperature, top_p, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [n, V]
-        cdf = tempered_probs(scores, self.temperature, self.top_p).cumsum(-1)  # [n, V]
-        u = position_uniforms(self.seeds, self.position) * cdf[:, -1]  # [n]
-        token = torch.searchsorted(cdf, u[:, None].contiguous()).clamp_max(scores.shape[-1] - 1)  # [n, 1]
+        n, vocab = scores.shape
+        weights = tempered_weights(scores, self.temperature, self.top_p)  # [n, V]
+        if vocab % self.BLOCK:
+            weights = torch.nn.functional.pad(weights, (0, -vocab % self.BLOCK))  # [n, K * B]
+        weights = weights.view(n, -1, self.BLOCK)  # [n, K, B]
+        block_cdf = weights.sum(-1).double().cumsum(-1)  # [n, K] (blocks summed pairwise, then in float64)
+        u = position_uniforms(self.seeds, self.position).to(scores.device) * block_cdf[:, -1]  # [n]
+        block = torch.searchsorted(block_cdf, u[:, None].contiguous()).clamp_max(block_cdf.shape[1] - 1)  # [n, 1]
+        below = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0)), 0.0)  # [n, 1] mass before
+        inner_cdf = below + weights[torch.arange(n), block[:, 0]].double().cumsum(-1)  # [n, B]
+        offset = torch.searchsorted(inner_cdf, u[:, None].contiguous()).clamp_max(self.BLOCK - 1)  # [n, 1]
+        token = (block * self.BLOCK + offset).clamp_max(vocab - 1)  # [n, 1]
         self.position += 1
-        return torch.full_like(scores, -torch.inf).scatter_(-1, token.to(scores.device), 0.0)  # [n, V]
+        return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)  # [n, V]
 
 
 # -- The HF sampler: the tempered softmax only -----------------------------------------------------------

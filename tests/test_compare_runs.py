@@ -28,7 +28,16 @@ def test_summary_reads_the_first_and_last_evaluation(tmp_path):
     s = summary(write_run(tmp_path / "a", [0.25, 0.5, 0.375]))
     assert (s["stages"], s["start"], s["end"], s["change"], s["seconds"]) == (2, 0.25, 0.375, 0.125, 120.0)
     assert s["change_se"] == pytest.approx(math.sqrt((0.25 * 0.75 + 0.375 * 0.625) / 64))
-    assert s["agents_end"] == [0.1875, 0.125]
+    assert s["agents_end"] == [0.1875, 0.125] and s["certified"] is None  # a run without paired evaluations
+
+
+def test_a_run_certificate_gives_the_paired_error_and_the_certified_gain(tmp_path):
+    folder = write_run(tmp_path / "a", [0.25, 0.5])
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows[-1]["run_certificate"] = {"lower_bound": 0.11, "stderr": 0.02, "mean_change": 0.25}
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = summary(folder)
+    assert (s["certified"], s["change_se"]) == (0.11, 0.02)
 
 
 def test_cli_prints_every_run_and_the_mean_change_and_plots(tmp_path):

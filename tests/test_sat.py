@@ -172,6 +172,14 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
         assert 0.0 <= rec["team_reward"] <= 1.0 and 0.0 <= rec["eval_accuracy"] <= 1.0
         assert set(rec["certificate"]) >= {"lower_bound", "delta_conf", "kind"}
         assert -1.0 <= rec["certificate"]["lower_bound"] <= rec["measured_change"]
+        # the paired held-out rows: every evaluation asks the same rows, so the paired mean is the change
+        assert len(rec["eval_rewards"]) == rec["eval_n"] == len(records[0]["eval_rewards"])
+        assert sum(rec["eval_rewards"]) / rec["eval_n"] == pytest.approx(rec["eval_accuracy"], abs=1e-5)
+        run = rec["run_certificate"]
+        assert set(run) >= {"lower_bound", "mean_change", "n", "delta_conf", "kind", "upper_bound"}
+        assert run["mean_change"] == pytest.approx(rec["eval_accuracy"] - records[0]["eval_accuracy"], abs=1e-5)
+        assert -1.0 <= run["lower_bound"] <= run["mean_change"] <= run["upper_bound"] <= 1.0
+        assert rec["certified_fall"] == (rec["certificate"]["upper_bound"] < 0)
         assert sorted(rec["order"]) == [1, 2]
         for a in rec["agents"]:
             for key in ("agent", "kl_mean", "kl_quantile", "kl_max", "delta", "beta", "backtracks", "accepted",
@@ -179,6 +187,9 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
                 assert key in a
             if a["accepted"]:
                 assert a["kl_quantile"] <= cfg.delta  # never keep a violating step
+    assert records[1]["run_certificate"]["lower_bound"] == records[1]["certificate"]["lower_bound"]
+    assert records[-1]["violation_rate"] == sum(r["violation"] for r in records[1:]) / 2
+    assert records[-1]["certified_fall_rate"] == sum(r["certified_fall"] for r in records[1:]) / 2
     assert (tmp_path / "run" / "progress.png").stat().st_size > 1000
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["stage"] for s in samples] == [1] * cfg.samples + [2] * cfg.samples

@@ -3,7 +3,9 @@
     python tools/compare_runs.py runs/s0 runs/s1 runs/s2 --plot docs/seeds.png
 
 Per run (its metrics.jsonl): stages trained, held-out team accuracy at stage 0 and at the last stage with their
-standard errors, the change and its standard error (the two evaluations draw independently), each agent's own
+standard errors, the change and its standard error (paired, from the run certificate, where the run has one; else
+as if the two evaluations drew independently), the run's certified gain (its ``run_certificate``'s lower bound at
+1 - delta_conf, or ``-`` for a run without one), each agent's own
 accuracy at the start and the end, and the run's wall time in the stages (the sum of their ``seconds``). Then the
 mean change over the runs with the standard error of that mean (between runs; runs of different lengths are
 pooled as they are, so say so when reporting it). ``--plot`` draws held-out team accuracy per stage, one line per
@@ -28,9 +30,11 @@ def summary(run: Path) -> dict:
     if not rows or rows[0]["stage"] != 0:
         raise ValueError(f"{run}: no metrics.jsonl with a stage-0 row; pass a sat.py run folder")
     first, last = rows[0], rows[-1]
+    cert = last.get("run_certificate")
+    change_se = cert["stderr"] if cert else math.hypot(first["eval_stderr"], last["eval_stderr"])
     return {"run": str(run), "stages": last["stage"], "start": first["eval_accuracy"], "start_se": first["eval_stderr"],
             "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
-            first["eval_accuracy"], "change_se": math.hypot(first["eval_stderr"], last["eval_stderr"]),
+            first["eval_accuracy"], "change_se": change_se, "certified": cert["lower_bound"] if cert else None,
             "agents_start": first["eval_agent_accuracy"], "agents_end": last["eval_agent_accuracy"],
             "seconds": sum(r["seconds"] for r in rows), "rows": rows}
 
@@ -65,11 +69,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     runs = [summary(r) for r in args.runs]
     fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"{'run':<24} {'stages':>6} {'start':>13} {'end':>13} {'change':>14} {'agents start -> end':>30} "
-          f"{'stage min':>9}")
+    print(f"{'run':<24} {'stages':>6} {'start':>13} {'end':>13} {'change':>14} {'certified':>9} "
+          f"{'agents start -> end':>30} {'stage min':>9}")
     for s in runs:
+        certified = "-" if s["certified"] is None else f"{s['certified']:+.3f}"
         print(f"{Path(s['run']).name:<24} {s['stages']:>6} {s['start']:>7.3f}+-{s['start_se']:.3f} "
-              f"{s['end']:>7.3f}+-{s['end_se']:.3f} {s['change']:>+8.3f}+-{s['change_se']:.3f} "
+              f"{s['end']:>7.3f}+-{s['end_se']:.3f} {s['change']:>+8.3f}+-{s['change_se']:.3f} {certified:>9} "
               f"{fmt(s['agents_start']) + ' -> ' + fmt(s['agents_end']):>30} {s['seconds'] / 60:>9.1f}")
     changes = [s["change"] for s in runs]
     spread = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
