@@ -284,11 +284,13 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
     under the same seeds (fixed by the run seed; row p * K + s is sample s of problem p), so consecutive
     evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG stream of
     its own, so the training stream does not depend on when the evaluation ran."""
+    t0 = time.time()
     with torch.random.fork_rng(devices=distributed.rng_devices(cfg.device)):
         torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed}").getrandbits(63))
         batch = team_rollout(team, problems, cfg.eval_samples, sampling, cfg, backend, score=False)
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
+            "eval_seconds": time.time() - t0,
             "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist(),
             "eval_rewards": [round(float(r), 6) for r in batch.rewards]}

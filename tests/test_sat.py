@@ -14,7 +14,7 @@ from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController, quantile
 
-TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds"}
+TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds", "eval_seconds"}
 
 
 def small_config(tmp_path, **overrides) -> sat.Config:
