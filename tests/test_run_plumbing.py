@@ -25,6 +25,7 @@ def warm_team(protocol: str, steps: int) -> Team:
     return team
 
 
+@pytest.mark.slow  # about a minute: two warm-started stages with a KL check after every step
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, protocol):
     """A small radius checked after every gradient step: the check stops an

@@ -189,6 +189,7 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
             assert (a["answer"] == s["gold"]) <= a["correct"] <= (a["answer"] is not None)
 
 
+@pytest.mark.slow  # over half a minute: a straight run and its resumed twin
 def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
     straight = sat.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
     sat.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # every test here starts (or shares) real vLLM engines
 
 from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
