@@ -125,8 +125,7 @@ def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) ->
     values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
     for s in range(0, len(rewards), cfg.minibatch_size):
         sl = slice(s, s + cfg.minibatch_size)
-        rows = [t[sl].to(value_head.weight.device) for t in
-                (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
+        rows = turn.tensors.rows(sl, value_head.weight.device)  # [b, Lc] and [b, Lr] tensors
         hidden = response_hidden_states(model, *rows)  # [b, Lr, H]
         values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
     mask = turn.response_mask.float()  # [N, Lr]
@@ -266,7 +265,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
     """One optimizer step on the minibatch ``idx``, accumulated over
     micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
     turn = inp.turn
-    rows = turn_rows((turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask), cfg.token_budget)
+    rows = turn_rows(turn.tensors, cfg.token_budget)
     lo, hi = distributed.row_range(len(idx))  # under torchrun: this rank's rows of the minibatch
     world = distributed.STATE.world  # FSDP2 averages gradients over ranks; the loss is a sum over them
     opt.zero_grad(set_to_none=True)
@@ -297,8 +296,7 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
     behaviour = turn.behaviour_logprobs[idx].to(device)  # [b, Lr]
-    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-    logp, hidden = turn_forward(agent.model, turn_like, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
+    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
     log_ratio = (logp - behaviour) * rmask  # [b, Lr]
     if tally.steps == 0:  # before any update: a health check of the one log-prob path
         tally.step0_log_ratio_max = max(tally.step0_log_ratio_max, float(log_ratio.detach().abs().max()))
