@@ -383,7 +383,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         log(f"resumed from {resume_from} at stage {start}")
         cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
-        rng = distributed.seed_everything(cfg.seed)
+        rng = distributed.seed_run(cfg.seed)
         team, state, rows = build_team(cfg, instruction), {}, []
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}
