@@ -288,13 +288,11 @@ def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
 
 def test_shard_load_resolves_folders_and_names_a_missing_hub_model(tmp_path, monkeypatch):
     """A folder is used as it is; a hub name not in the cache, offline, is one line (before any model is built)."""
-    import team
     from scale import shard_load
 
     assert shard_load.snapshot_folder(str(tmp_path)) == tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(team, "_OFFLINE", [])
     with pytest.raises(RuntimeError, match=r"could not load model 'nobody/no-such-model' .*huggingface-cli download"):
         shard_load.snapshot_folder("nobody/no-such-model")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):

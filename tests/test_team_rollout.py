@@ -60,6 +60,30 @@ def test_hub_loading_offline_gives_clear_error(monkeypatch, tmp_path):
     assert "Qwen/Qwen3-4B" in msg and "local checkpoint folder" in msg and "\n" not in msg
 
 
+def test_hub_offline_reads_the_environment_at_each_call_and_probes_an_endpoint_once(monkeypatch):
+    import socket
+
+    import team as team_module
+
+    probes = []
+
+    def unreachable(address, timeout):
+        probes.append(address)
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub-offline-probe.invalid")
+    assert team_module.hub_offline() and team_module.hub_offline()
+    assert probes == [("hub-offline-probe.invalid", 443)]  # one probe, then the cached answer
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert not team_module.hub_offline()  # behind a proxy the client decides
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert team_module.hub_offline()  # the flag wins, read at this call
+    assert len(probes) == 1
+
+
 # -- tiny agents go through the checkpoint path ----------------------------------------
 def test_tiny_agent_save_load_round_trip(tmp_path, tiny_agents):
     agent = tiny_agents[0]
