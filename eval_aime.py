@@ -197,7 +197,7 @@ def team_folder(ckpt: str) -> Path:
     return team_dir
 
 
-def weights_fingerprint(folder: Path) -> str:
+def checkpoint_sha256(folder: Path) -> str:
     """sha256 over the team folder's files (the stage's verified checksums.json when there is one): two
     teams with the same names but different weights never share an --out."""
     manifest = verify_checkpoint(folder.parent) if folder.name == "team" else None
@@ -217,7 +217,7 @@ def team_identity(cfg: EvalConfig) -> dict:
     if cfg.ckpt:
         folder = team_folder(cfg.ckpt)
         meta = json.loads((folder / "team.json").read_text())
-        team = {"ckpt": str(folder.resolve()), "agents": meta["agents"], "weights_sha256": weights_fingerprint(folder)}
+        team = {"ckpt": str(folder.resolve()), "agents": meta["agents"], "weights_sha256": checkpoint_sha256(folder)}
         protocol = cfg.protocol or meta["protocol"]
         thinking = meta.get("enable_thinking", False) if cfg.thinking is None else cfg.thinking
     else:  # tiny weights come from the seed (in the identity); hub weights from their id
@@ -257,6 +257,7 @@ def chunk_seed(seed: int, bench: str, first_problem: int, chunk: int) -> int:
 
 
 def seed_all(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global generators for one rollout call (``chunk_seed``)."""
     torch.manual_seed(seed)  # also seeds every CUDA device
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -431,7 +432,7 @@ def truncation_warnings(summary: dict, max_new_tokens: int) -> list[str]:
 
 
 # -- The evaluation --------------------------------------------------------------------------------------
-def evaluate(cfg: EvalConfig, log=print) -> dict:
+def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
     """Generate what predictions.jsonl lacks, then summarise it; returns summary.json's content."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
@@ -513,7 +514,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     start = time.time()
     try:
-        evaluate(cfg)
+        evaluate_benchmarks(cfg)
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # one line; 2: a bad option or input
         print(f"eval_aime.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

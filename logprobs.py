@@ -9,6 +9,7 @@ computed from the same teacher-forced forward of a Hugging Face causal LM:
 - ``response_hidden_states`` + ``token_logprobs_from_hidden``: log pi(a_t|s_t) of the sampled tokens
   at the sampling temperature, the LM head and the log-softmax in fp32 (``head_logits``), applied
   in chunks so [N, L, V] logits never exist at once;
+- ``TurnTensors``: a turn's context and response ids and masks, what every forward of a turn reads;
 - ``turn_forward``: the forward of rows of a turn at the turn's full width (behaviour, training,
   KL and log rho all call it);
 - ``measure_kl``: the exact per-state KL over the whole vocabulary at every position of an agent's
@@ -17,6 +18,7 @@ computed from the same teacher-forced forward of a Hugging Face causal LM:
 from __future__ import annotations
 
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -153,35 +155,52 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float,
 # result depends on how much padding shares its batch (5e-3 in a log-prob after 5 extra padding
 # columns, measured on CPU), while different rows at the same width give bit-identical results. So
 # the ratio is exactly 1 before the first step, and log rho of an agent that did not move is exactly 0.
-def turn_rows(turn_like, token_budget: int) -> int:
+class TurnTensors(NamedTuple):
+    """The tensors of one agent's turn in N joint trajectories that a teacher-forced forward reads. A
+    tuple, so ``ctx, cmask, resp, rmask = tensors`` unpacks it; the functions below take any
+    (ctx, cmask, resp, rmask) sequence and read it through this class."""
+
+    context_ids: torch.Tensor  # [N, Lc] left-padded
+    context_mask: torch.Tensor  # [N, Lc] 1 on context tokens
+    response_ids: torch.Tensor  # [N, Lr] right-padded
+    response_mask: torch.Tensor  # [N, Lr] 1 on response tokens
+
+    def rows(self, idx, device=None) -> TurnTensors:
+        """Rows ``idx`` (a slice or an index tensor) of every tensor, on ``device`` when given. [b, ...]"""
+        return TurnTensors(*(t[idx] if device is None else t[idx].to(device) for t in self))
+
+
+def turn_rows(tensors: TurnTensors, token_budget: int) -> int:
     """Rows per forward chunk so that rows x (Lc + Lr) fits the token budget."""
-    ctx, _cmask, resp, _rmask = turn_like
-    return max(1, token_budget // (ctx.shape[1] + resp.shape[1]))
+    tensors = TurnTensors(*tensors)
+    return max(1, token_budget // (tensors.context_ids.shape[1] + tensors.response_ids.shape[1]))
 
 
-def turn_forward(model, turn_like, idx, temperature: float):
+def turn_forward(model, tensors: TurnTensors, idx, temperature: float):
     """(log pi(a_t|s_t) [b, Lr] fp32 at ``temperature``, 0 on padding; final hidden states
-    [b, Lr, H]) of rows ``idx`` of a turn (context ids, mask, response ids, mask). Algorithm 1's
-    behaviour log-probs, the sequence log-ratio of Eqs. (3)-(5), the per-state KL of Sec. 3."""
-    device = next(model.parameters()).device
-    ctx, cmask, resp, rmask = [t[idx].to(device) for t in turn_like]
-    hidden = response_hidden_states(model, ctx, cmask, resp, rmask)  # [b, Lr, H]
-    return token_logprobs_from_hidden(model, hidden, resp, temperature) * rmask, hidden  # [b, Lr], [b, Lr, H]
+    [b, Lr, H]) of rows ``idx`` of a turn (``TurnTensors``). Algorithm 1's behaviour log-probs,
+    the sequence log-ratio of Eqs. (3)-(5), the per-state KL of Sec. 3."""
+    part = TurnTensors(*tensors).rows(idx, next(model.parameters()).device)  # [b, Lc] and [b, Lr] tensors
+    hidden = response_hidden_states(model, *part)  # [b, Lr, H]
+    logp = token_logprobs_from_hidden(model, hidden, part.response_ids, temperature)  # [b, Lr]
+    return logp * part.response_mask, hidden  # [b, Lr], [b, Lr, H]
 
 
 def response_logprobs(model, context_ids, context_mask, response_ids, response_mask, temperature: float):
     """log pi(response_t | context, response_<t) at ``temperature``, 0 on padding. [N, Lr]"""
-    return turn_forward(model, (context_ids, context_mask, response_ids, response_mask), slice(None), temperature)[0]
+    tensors = TurnTensors(context_ids, context_mask, response_ids, response_mask)
+    return turn_forward(model, tensors, slice(None), temperature)[0]
 
 
 @torch.no_grad()
-def batched_response_logprobs(model, turn_like, temperature: float, token_budget: int) -> torch.Tensor:
-    """``turn_forward`` over all rows in chunks that fit the token budget (the behaviour log-probs
-    of a rollout). [N, Lr] fp32 on the host."""
-    rows = turn_rows(turn_like, token_budget)
-    out = torch.zeros(turn_like[2].shape, dtype=torch.float32)  # [N, Lr]
+def batched_response_logprobs(model, tensors: TurnTensors, temperature: float, token_budget: int) -> torch.Tensor:
+    """``turn_forward`` over all rows of a turn (``TurnTensors``) in chunks that fit the token budget
+    (the behaviour log-probs of a rollout). [N, Lr] fp32 on the host."""
+    tensors = TurnTensors(*tensors)
+    rows = turn_rows(tensors, token_budget)
+    out = torch.zeros(tensors.response_ids.shape, dtype=torch.float32)  # [N, Lr]
     for s in range(0, out.shape[0], rows):
-        out[s : s + rows] = turn_forward(model, turn_like, slice(s, s + rows), temperature)[0].cpu()
+        out[s : s + rows] = turn_forward(model, tensors, slice(s, s + rows), temperature)[0].cpu()
     return out
 
 
@@ -194,15 +213,15 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
     the later agents' truncated weights are built from (Section 5). Under torchrun each rank
     measures its rows and the results are gathered."""
     model = agent.model
-    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-    rows = turn_rows(turn_like, token_budget)
+    tensors = turn.tensors
+    rows = turn_rows(tensors, token_budget)
     kls = []
     new_logp, cur_logp = torch.zeros(turn.response_ids.shape), torch.zeros(turn.response_ids.shape)  # [N, Lr]
     lo, hi = distributed.row_range(len(turn.texts))  # under torchrun: this rank's rows; gathered below
     for s in range(lo, hi, rows):
         sl = slice(s, min(s + rows, hi))
-        lp_new, h_new = turn_forward(model, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
-        lp_cur, h_cur = turn_forward(reference, turn_like, sl, temperature)  # [b, Lr], [b, Lr, H]
+        lp_new, h_new = turn_forward(model, tensors, sl, temperature)  # [b, Lr], [b, Lr, H]
+        lp_cur, h_cur = turn_forward(reference, tensors, sl, temperature)  # [b, Lr], [b, Lr, H]
         new_logp[sl], cur_logp[sl] = lp_new.cpu(), lp_cur.cpu()
         mask = turn.response_mask[sl].bool()  # [b, Lr]
         h_new, h_cur = h_new[mask.to(h_new.device)], h_cur[mask.to(h_cur.device)]  # [M_b, H] valid positions

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from logprobs import left_pad, response_hidden_states
+from logprobs import TurnTensors, left_pad, response_hidden_states
 from rollout import HF, SamplingConfig, rollout, rollout_in_blocks
 from scale import distributed
 from scale.shard_load import load_agent_sharded
@@ -63,6 +63,16 @@ class Stage0States:
         return self.resp.shape[0]
 
     @property
+    def new_turn(self) -> TurnTensors:
+        """The states in the replacement's template: what pi_new and pi_pre read."""
+        return TurnTensors(self.ctx_new, self.cmask_new, self.resp, self.rmask)
+
+    @property
+    def cur_turn(self) -> TurnTensors:
+        """The states in the incumbent's template: what pi_cur reads."""
+        return TurnTensors(self.ctx_cur, self.cmask_cur, self.resp, self.rmask)
+
+    @property
     def num_states(self) -> int:
         return int(self.rmask.sum())
 
@@ -74,13 +84,14 @@ def _trim(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return ids[:, c0:], mask[:, c0:]
 
 
-def _hidden(model, ctx, cmask, resp, rmask) -> torch.Tensor:
+def _hidden(model, tensors: TurnTensors) -> torch.Tensor:
     """Final hidden states at the valid response positions. [M, H]"""
     device = next(model.parameters()).device
-    ctx, cmask = _trim(ctx, cmask)
-    width = max(1, int(rmask.sum(1).max()))
-    args = [t.to(device) for t in (ctx, cmask, resp[:, :width], rmask[:, :width])]
-    return response_hidden_states(model, *args)[args[3].bool()]  # [M, H]
+    ctx, cmask = _trim(tensors.context_ids, tensors.context_mask)  # [N, Lc_trimmed]
+    width = max(1, int(tensors.response_mask.sum(1).max()))
+    resp, rmask = tensors.response_ids[:, :width], tensors.response_mask[:, :width]  # [N, width]
+    part = TurnTensors(*(t.to(device) for t in (ctx, cmask, resp, rmask)))
+    return response_hidden_states(model, *part)[part.response_mask.bool()]  # [M, H]
 
 
 def _mean(x: torch.Tensor) -> float:
@@ -112,9 +123,9 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
     offset = 0
     for sl in row_slices(states, len(states), token_budget) if slices is None else slices:
         part = states.rows(sl)
-        h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
-        h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
-        h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
+        h_new = _hidden(new_model, part.new_turn)  # [M_b, H]
+        h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
+        h_cur = _hidden(cur_model, part.cur_turn)  # [M_b, H]
         for c in range(0, h_new.shape[0], step):
             logp_new = _logp(head_new, h_new[c : c + step], temperature)  # [c, V]
             logp_pre = _logp(head_pre, h_pre[c : c + step], temperature)  # [c, V]
@@ -161,9 +172,8 @@ def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
     busiest rank's count, so every all-gather meets its peers; then free the gathered roots."""
     part = states.rows(slice(0, 1))
     for _ in range(distributed.extra_calls(calls)):
-        for model, ctx, cmask in zip(models, (part.ctx_new, part.ctx_new, part.ctx_cur),
-                                     (part.cmask_new, part.cmask_new, part.cmask_cur)):
-            _hidden(model, ctx, cmask, part.resp, part.rmask)
+        for model, tensors in zip(models, (part.new_turn, part.new_turn, part.cur_turn)):
+            _hidden(model, tensors)
     for model in models:
         distributed.reshard(model)
 
@@ -205,9 +215,9 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
         mine, weight = _my_rows(states, sl) if world > 1 else (sl, 1.0)
         part = states.rows(mine)
         with torch.no_grad():
-            h_pre = _hidden(pre_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H]
-            h_cur = _hidden(cur_model, part.ctx_cur, part.cmask_cur, part.resp, part.rmask)  # [M_b, H]
-        h_new = _hidden(new_model, part.ctx_new, part.cmask_new, part.resp, part.rmask)  # [M_b, H] with grad
+            h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
+            h_cur = _hidden(cur_model, part.cur_turn)  # [M_b, H]
+        h_new = _hidden(new_model, part.new_turn)  # [M_b, H] with grad
         m = h_new.shape[0]
         first = int(starts[mine.start])
         t_b = t[first : first + m].to(h_new.device)  # [M_b]
@@ -349,8 +359,7 @@ def slot_states(team: Team, slot: int, new_agent: Agent, batch) -> tuple[Stage0S
     contexts = [holder.prompt_ids(slot, p, prev) for p, prev in zip(batch.problems, previous)]
     ctx_new, cmask_new = left_pad(contexts, new_agent.tokenizer.pad_token_id)  # [N, Lc']
     differ = sum(ctx != turn.context_ids[i][turn.context_mask[i].bool()].tolist() for i, ctx in enumerate(contexts))
-    cur = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-    return Stage0States(ctx_new, cmask_new, *cur), differ
+    return Stage0States(ctx_new, cmask_new, *turn.tensors), differ
 
 
 def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[list[Problem], list[Problem]]:

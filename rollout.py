@@ -28,6 +28,7 @@ import torch
 from config import BACKENDS, TOP_P_TRAINING_ERROR
 from grading import answers_match, vote_reward
 from logprobs import (
+    TurnTensors,
     batched_response_logprobs,
     chunks_by_budget,
     cut_at_eos,
@@ -79,6 +80,11 @@ class Turn:
     @property
     def num_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    @property
+    def tensors(self) -> TurnTensors:
+        """Its context and response ids and masks, as every teacher-forced forward of the turn reads them."""
+        return TurnTensors(self.context_ids, self.context_mask, self.response_ids, self.response_mask)
 
 
 @dataclass
@@ -351,15 +357,18 @@ def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | N
 
 # -- The joint rollout -----------------------------------------------------------------------------------
 @torch.no_grad()
-def behaviour_logprobs(agent, turn_like, sampling: SamplingConfig) -> torch.Tensor:
+def behaviour_logprobs(agent, tensors: TurnTensors, sampling: SamplingConfig) -> torch.Tensor:
     """log pi(a_t | s_t) at the sampling temperature of one turn [N, Lr], 0 on padding: the training
-    model's teacher-forced forward, one call per token-budget chunk."""
+    model's teacher-forced forward, one call per token-budget chunk. ``tensors``: the turn's
+    ``TurnTensors`` or the same four tensors as a plain tuple."""
+    tensors = TurnTensors(*tensors)
     extra = 0
     if distributed.is_sharded(agent.model):  # as many forwards as the busiest rank, agreed before the first
-        extra = distributed.extra_calls(-(-len(turn_like[0]) // turn_rows(turn_like, sampling.token_budget)))
-    logp = batched_response_logprobs(agent.model, turn_like, sampling.temperature, sampling.token_budget)
+        calls = -(-len(tensors.context_ids) // turn_rows(tensors, sampling.token_budget))
+        extra = distributed.extra_calls(calls)
+    logp = batched_response_logprobs(agent.model, tensors, sampling.temperature, sampling.token_budget)
     for _ in range(extra):
-        turn_forward(agent.model, turn_like, slice(0, 1), sampling.temperature)
+        turn_forward(agent.model, tensors, slice(0, 1), sampling.temperature)
     return logp
 
 
@@ -376,7 +385,8 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     resp, rmask = right_pad(responses, tok.pad_token_id)  # [N, Lr]
     texts = tok.batch_decode(responses, skip_special_tokens=True)
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])  # [N]
-    logp = behaviour_logprobs(agent, (ctx, cmask, resp, rmask), sampling) if score else torch.zeros(resp.shape)
+    tensors = TurnTensors(ctx, cmask, resp, rmask)
+    logp = behaviour_logprobs(agent, tensors, sampling) if score else torch.zeros(resp.shape)  # [N, Lr]
     distributed.reshard(agent.model)  # a sharded agent keeps no gathered root between turns
     return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated,
                 backend.last_logprobs(agent))

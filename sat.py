@@ -215,14 +215,14 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
     search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
                                       first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,
                                       quantile_of=lambda m: kl_quantile(m[0], cfg.quantile))
-    accepted = search["accepted"] or stats.anchor is not None  # the anchor was measured inside: keep it
-    kl, log_rho = search["measurement"] if search["accepted"] else measure()  # [M], [N, Lr] at the weights kept
+    accepted = search.accepted or stats.anchor is not None  # the anchor was measured inside: keep it
+    kl, log_rho = search.measurement if search.accepted else measure()  # [M], [N, Lr] at the weights kept
     beta_used = controller.beta
     controller.update(kl_quantile(kl, cfg.quantile) if accepted else math.inf)  # a rejection counts as a violation
     record = {"agent": j + 1, "kl_mean": float(kl.mean()), "kl_quantile": kl_quantile(kl, cfg.quantile),
               "kl_max": float(kl.max()), "kl_quantile_dkw": dkw_upper_quantile(kl, cfg.quantile),
-              "delta": cfg.delta, "beta": beta_used, "beta_next": controller.beta, "backtracks": search["backtracks"],
-              "accepted": accepted, "step_fraction": search["fraction"] if search["accepted"] else 0.0,
+              "delta": cfg.delta, "beta": beta_used, "beta_next": controller.beta, "backtracks": search.backtracks,
+              "accepted": accepted, "step_fraction": search.fraction,
               **step_estimates(inputs, log_rho, kl, batch, j), **stats.logged()}
     return record, log_rho
 
@@ -389,7 +389,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         log(f"resumed from {resume_from} at stage {start}")
         cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
-        rng = distributed.seed_everything(cfg.seed)
+        rng = distributed.seed_run(cfg.seed)
         team, state, rows = build_team(cfg, instruction), {}, []
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}

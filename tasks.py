@@ -324,7 +324,7 @@ def load_dataset_by_name(name: str, split: str | None = None, limit: int | None 
     return rows_to_problems(rows, spec, key, limit)
 
 
-def load_problems(spec: str) -> list[Problem]:
+def load_problem_set(spec: str) -> list[Problem]:
     """A .jsonl path (or any existing file) -> load_jsonl; otherwise a dataset name."""
     if spec.lower().endswith(".jsonl") or Path(spec).is_file():
         return load_jsonl(spec)
@@ -342,7 +342,7 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
     synthetic = cfg.task in SYNTHETIC_TASKS and not cfg.data
     if not synthetic:
-        train = load_problems(cfg.data or cfg.task)
+        train = load_problem_set(cfg.data or cfg.task)
         instruction = BOXED_INSTRUCTION
     elif cfg.task == "arithmetic":
         train = arithmetic_problems(4096, seed=cfg.seed, split="train")
@@ -351,7 +351,7 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
         train = chat_arithmetic_problems(4096, seed=cfg.seed, split="train")
         instruction = CHAT_INSTRUCTION
     if cfg.eval_data:
-        heldout = load_problems(cfg.eval_data)
+        heldout = load_problem_set(cfg.eval_data)
     elif synthetic:
         make = arithmetic_problems if cfg.task == "arithmetic" else chat_arithmetic_problems
         heldout = make(cfg.eval_size, seed=cfg.seed + 1, split="heldout")

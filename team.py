@@ -11,6 +11,7 @@ exactly the same code as a downloaded checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -279,30 +280,30 @@ def prepare_tokenizer(tokenizer, name: str, source: str):
     return tokenizer
 
 
-_OFFLINE: list[bool] = []  # probed once per process
-
-
 def hub_offline() -> bool:
     """Whether the Hugging Face hub is out of reach: HF_HUB_OFFLINE is set, or one TCP connection to
-    the endpoint fails within 3 s (probed once per process), so an offline run fails in seconds."""
-    if _OFFLINE:
-        return _OFFLINE[0]
+    the endpoint fails within 3 s (probed once per process and endpoint), so an offline run fails in
+    seconds. Behind a proxy a direct connection says nothing: the hub counts as reachable."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        offline = True
-    elif any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        offline = False  # behind a proxy a direct connection says nothing: let the client try
-    else:
-        import socket
-        from urllib.parse import urlparse
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    from urllib.parse import urlparse
 
-        host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-        try:
-            socket.create_connection((host, 443), timeout=3).close()
-            offline = False
-        except OSError:
-            offline = True
-    _OFFLINE.append(offline)
-    return offline
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    return not _reachable(host)
+
+
+@functools.lru_cache(maxsize=None)
+def _reachable(host: str) -> bool:
+    """One TCP connection to ``host``:443 within 3 s; cached, so a run probes each endpoint once."""
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 def check_hub_available(spec: AgentSpec) -> None:

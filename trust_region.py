@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -224,19 +224,35 @@ def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Seq
             p.copy_(torch.lerp(c.to(p.dtype), n.to(p.dtype), frac))
 
 
+class LineSearchTry(NamedTuple):
+    """One fraction the line search tried and the KL quantile measured there."""
+
+    fraction: float  # shrink ** k
+    kl_quantile: float  # the (1 - alpha) quantile of the per-state KL of the policy at that fraction
+
+
+@dataclass(frozen=True)
+class LineSearchResult:
+    """What ``backtracking_line_search`` left in place, and every fraction it tried."""
+
+    accepted: bool  # a fraction inside delta was found and stays in place; False: apply_step(0.0) restored pi_cur
+    fraction: float  # the fraction left in place: shrink ** backtracks when accepted, 0.0 when rejected
+    backtracks: int  # k of the last fraction tried (max_backtracks when rejected)
+    kl_quantile: float  # of the policy left in place; 0.0 when rejected
+    measurement: object  # what ``measure`` returned for the step kept; None when rejected
+    history: tuple[LineSearchTry, ...]  # every fraction tried, in order
+
+
 def backtracking_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
                              max_backtracks: int = 5, shrink: float = 0.5, first_try: int = 0,
-                             quantile_of: Callable[[object], float] = float) -> dict:
+                             quantile_of: Callable[[object], float] = float) -> LineSearchResult:
     """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur (paper, Section 5).
 
     Tries fractions shrink^k for k = first_try, ..., max_backtracks (k = 0 is the proposal itself; a caller
     that already measured it outside starts at 1): ``apply_step(frac)`` puts cur + frac * (new - cur) in
     place, ``measure()`` measures it and ``quantile_of`` reads its KL quantile; the first fraction inside
     delta stays. Otherwise, or when measuring raises, apply_step(0.0) restores pi_cur: the per-step
-    guarantee needs that a violating step is never left in place. Returns {"accepted", "fraction" (0.0 when
-    rejected), "backtracks", "kl_quantile" (of the policy left in place; 0.0 after a restore),
-    "measurement" (what ``measure`` returned for the step kept; None after a restore),
-    "history": [{"fraction", "kl_quantile"}]}."""
+    guarantee needs that a violating step is never left in place."""
     if not delta >= 0:
         raise ValueError(f"delta must be >= 0, got {delta}")
     if not 0 <= first_try <= max_backtracks:
@@ -250,16 +266,16 @@ def backtracking_line_search(apply_step: Callable[[float], None], measure: Calla
             apply_step(frac)
             measured = measure()
             kl = float(quantile_of(measured))
-            history.append({"fraction": frac, "kl_quantile": kl})
+            history.append(LineSearchTry(frac, kl))
             if not beyond(kl, delta):
-                return {"accepted": True, "fraction": frac, "backtracks": attempt, "kl_quantile": kl,
-                        "measurement": measured, "history": history}
+                return LineSearchResult(accepted=True, fraction=frac, backtracks=attempt, kl_quantile=kl,
+                                        measurement=measured, history=tuple(history))
     except BaseException:
         apply_step(0.0)
         raise
     apply_step(0.0)
-    return {"accepted": False, "fraction": 0.0, "backtracks": max_backtracks, "kl_quantile": 0.0,
-            "measurement": None, "history": history}
+    return LineSearchResult(accepted=False, fraction=0.0, backtracks=max_backtracks, kl_quantile=0.0,
+                            measurement=None, history=tuple(history))
 
 
 # -- Stage-0 projection (plug-and-play) and the exact tilt step ----------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
 
 # ---------------------------------------------------------------------------
-# The clipped sequence-ratio surrogate
+# Eq. (5): the objective L_i (ratio, clip, weights, KL penalty)
 # ---------------------------------------------------------------------------
 def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
     """log r_j per trajectory: the sum (seq, the paper) or the mean (seq-mean,
@@ -73,6 +74,34 @@ def clipped_surrogate(log_ratio_tok, mask, adv, kind: str, eps: float):
     surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n]
     clipped = ((r - 1).abs() > eps).float() * mask.sum(1)  # [n] counted per token for a token fraction
     return surr, clipped, r
+
+
+class Objective(NamedTuple):
+    """-L_i on b joint trajectories and what the update logs of it."""
+
+    loss: torch.Tensor  # scalar, what the optimiser minimises
+    log_ratio: torch.Tensor  # [b, Lr] log pi_j - log pi_behaviour of agent j's tokens, 0 on padding
+    clipped: torch.Tensor  # [b] clipped tokens per row
+    ratio: torch.Tensor  # [b] r_j ([b, Lr] token ratios with --ratio token)
+
+
+def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+                       log_w: torch.Tensor, beta: float, cfg) -> Objective:
+    """-L_i(theta_j), the paper's Eq. (5), on b joint trajectories: what the optimiser minimises.
+
+        -L_i = -mean_tau[ w(tau) min(r_j A, clip(r_j, 1-eps, 1+eps) A) ] + beta_j mean_t[ k_t ]
+
+    r_j: agent j's ratio from its token log-ratios (``sequence_log_ratio``, ``--ratio``; capped at
+    log r = 20 before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
+    promoted before j (``log_w``); k_t: the ``--kl-estimator`` estimate of KL(pi_j || pi_j,cur) at
+    agent j's sampled tokens (``trust_region.kl_penalty``), averaged over its valid tokens. ``adv``
+    is [b] or [b, Lr] (GAE)."""
+    log_ratio = (logp - behaviour) * mask  # [b, Lr] log r_t, 0 on padding
+    surr, clipped, ratio = clipped_surrogate(log_ratio, mask, adv, cfg.ratio, cfg.eps_clip)  # [b] min(r A, clip A)
+    weights = log_w.exp()  # [b] truncated importance weights w, <= 1
+    policy_loss = -(weights * surr).mean()  # scalar
+    kl = masked_mean(kl_penalty(logp, behaviour, cfg.kl_estimator), mask)  # scalar, over valid tokens
+    return Objective(policy_loss + beta * kl, log_ratio, clipped, ratio)
 
 
 # ---------------------------------------------------------------------------
@@ -125,8 +154,7 @@ def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) ->
     values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
     for s in range(0, len(rewards), cfg.minibatch_size):
         sl = slice(s, s + cfg.minibatch_size)
-        rows = [t[sl].to(value_head.weight.device) for t in
-                (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)]
+        rows = turn.tensors.rows(sl, value_head.weight.device)  # [b, Lc] and [b, Lr] tensors
         hidden = response_hidden_states(model, *rows)  # [b, Lr, H]
         values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
     mask = turn.response_mask.float()  # [N, Lr]
@@ -266,7 +294,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
     """One optimizer step on the minibatch ``idx``, accumulated over
     micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
     turn = inp.turn
-    rows = turn_rows((turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask), cfg.token_budget)
+    rows = turn_rows(turn.tensors, cfg.token_budget)
     lo, hi = distributed.row_range(len(idx))  # under torchrun: this rank's rows of the minibatch
     world = distributed.STATE.world  # FSDP2 averages gradients over ranks; the loss is a sum over them
     opt.zero_grad(set_to_none=True)
@@ -288,7 +316,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
 
 def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, value_head,
                       tally: _Tally) -> torch.Tensor:
-    """-E[w * min(r A, clip(r) A)] + beta * KL penalty (+ value loss) on rows ``idx``.
+    """``negative_objective`` (+ the value loss with GAE) on rows ``idx``.
 
     The log-probs come from ``logprobs.turn_forward``, the function (full turn
     width, fp32 LM head) that computed the behaviour log-probs, so before the
@@ -297,21 +325,17 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
     behaviour = turn.behaviour_logprobs[idx].to(device)  # [b, Lr]
-    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
-    logp, hidden = turn_forward(agent.model, turn_like, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
-    log_ratio = (logp - behaviour) * rmask  # [b, Lr]
+    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
+    adv, log_w = inp.adv[idx].to(device), inp.log_w[idx].to(device)  # [b] or [b, Lr]; [b]
+    objective = negative_objective(logp, behaviour, rmask, adv, log_w, beta, cfg)
     if tally.steps == 0:  # before any update: a health check of the one log-prob path
-        tally.step0_log_ratio_max = max(tally.step0_log_ratio_max, float(log_ratio.detach().abs().max()))
-    adv = inp.adv[idx].to(device)  # [b] or [b, Lr]
-    surr, clipped, ratio = clipped_surrogate(log_ratio, rmask, adv, cfg.ratio, cfg.eps_clip)
-    weights = inp.log_w[idx].to(device).exp()  # [b] truncated importance weights, <= 1
-    policy_loss = -(weights * surr).mean()
-    kl = masked_mean(kl_penalty(logp, behaviour, cfg.kl_estimator), rmask)
-    loss = policy_loss + beta * kl
+        tally.step0_log_ratio_max = max(tally.step0_log_ratio_max, float(objective.log_ratio.detach().abs().max()))
+    loss = objective.loss
     if value_head is not None:  # token-level value regression toward the GAE returns
         values = value_head(hidden.float()).squeeze(-1)  # [b, Lr]
         loss = loss + 0.5 * masked_mean((values - inp.returns[idx].to(device)) ** 2, rmask)
-    tally.clip_tokens += float(clipped.sum())
+    ratio = objective.ratio  # [b] or [b, Lr]
+    tally.clip_tokens += float(objective.clipped.sum())
     tally.tokens += float(rmask.sum())
     tally.ratio.append(float((ratio[rmask > 0] if ratio.dim() == 2 else ratio).detach().float().mean()))
     return loss

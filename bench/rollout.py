@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from logprobs import turn_forward  # noqa: E402
+from logprobs import TurnTensors, turn_forward  # noqa: E402
 from rollout import HF, SamplingConfig, rollout  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig  # noqa: E402
@@ -42,7 +42,7 @@ def loop_rollout(team: Team, problems, group_size: int, sampling: SamplingConfig
                 resp = HF.generate(agent, [ctx], sampling)[0]
                 c, r = torch.tensor([ctx]), torch.tensor([resp])
                 with torch.no_grad():
-                    turn_forward(agent.model, (c, torch.ones_like(c), r, torch.ones_like(r)), slice(None),
+                    turn_forward(agent.model, TurnTensors(c, torch.ones_like(c), r, torch.ones_like(r)), slice(None),
                                  sampling.temperature)
                 answers.append(team.extract(agent.tokenizer.decode(resp, skip_special_tokens=True)))
                 tokens += len(resp)

@@ -440,7 +440,9 @@ def configure_threads(threads: int | None, device: str) -> int:
     return threads
 
 
-def seed_everything(seed: int) -> random.Random:
+def seed_run(seed: int) -> random.Random:
+    """Seed torch's and NumPy's global generators for a run; returns the run's own Python generator (the
+    global ``random`` is left alone)."""
     torch.manual_seed(seed)
     np.random.seed(seed)
     return random.Random(seed)

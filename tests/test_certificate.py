@@ -154,7 +154,7 @@ def sat_step(team: Team, j: int, turns: list, rewards: torch.Tensor, g: torch.Ge
     new = params[0]
     log_r = (new.log_softmax(-1)[states[:, None], torch.arange(L), resp] - logp_cur).sum(1).clamp(-20, 20)  # [N]
     estimate = float(((log_r.exp() - 1) * adv_raw).mean())
-    return new, estimate, search["accepted"]
+    return new, estimate, search.accepted
 
 
 def old_bound(estimate: float, n_agents: int, rows: int) -> float:
@@ -198,6 +198,7 @@ def steps():
             for p in ("independent", "chain") for n in (2, 3) for c in (False, True)}
 
 
+@pytest.mark.slow  # the enumerable team's thousands of steps
 @pytest.mark.parametrize("coupled", [False, True])
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 @pytest.mark.parametrize("n_agents", [2, 3])
@@ -216,6 +217,7 @@ def test_step_bound_holds_at_its_confidence(steps, protocol, n_agents, coupled):
     assert sum(r["mean"] > r["on_contexts"] for r in rows) / len(rows) > 2 * tolerance(len(rows))
 
 
+@pytest.mark.slow  # the enumerable team's thousands of steps
 def test_coupling_makes_paired_differences_sparse(steps):
     """Under one seed per row the before and after draws of a step differ in far fewer rows than
     independent draws do (same distributions, so the mean change is unbiased either way)."""
@@ -226,6 +228,7 @@ def test_coupling_makes_paired_differences_sparse(steps):
             assert coupled < 0.85 * independent, (p, n, coupled, independent)
 
 
+@pytest.mark.slow  # the enumerable team's thousands of steps
 def test_the_old_bound_fails_the_same_check(steps):
     """The estimate mean((r - 1) A) on the rows the step was trained on, with Hoeffding on A's range: a
     'bound' above the exact change far more often than its confidence allows."""
@@ -247,6 +250,7 @@ def power(rows: list[dict], rule: str) -> float:
     return sum(r[rule] > 0 for r in gains) / max(len(gains), 1)
 
 
+@pytest.mark.slow  # the enumerable team's thousands of steps
 def test_coupling_and_the_variance_adaptive_bound_certify_more_steps():
     """Power at 256 rows a step: coupled draws with the logged rule certify more of the steps that gained
     than independent draws with Hoeffding alone (the bound the run logged before), and never certify a

@@ -120,8 +120,7 @@ def test_regenerate_independent_redraws_only_the_promoted_turn_from_the_promoted
         assert new.turns[k] is batch.turns[k]
     turn = new.turns[0]
     # cached behaviour log-probs = teacher-forced log-probs under the promoted model
-    fresh = batched_response_logprobs(team.agents[0].model, (turn.context_ids, turn.context_mask, turn.response_ids,
-                                                             turn.response_mask), 1.0, 1 << 14)
+    fresh = batched_response_logprobs(team.agents[0].model, turn.tensors, 1.0, 1 << 14)
     assert torch.allclose(fresh, turn.behaviour_logprobs, atol=1e-5)
     # and the responses are distributed as the promoted policy (not the old one)
     counts = torch.bincount(turn.response_ids[:, 0], minlength=len(new_probs)).double() / len(new)

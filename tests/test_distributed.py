@@ -192,6 +192,7 @@ def runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # torchrun
 def test_two_processes_match_one(runs):
     one, two = metrics(runs / "one"), metrics(runs / "two")
     assert [r["stage"] for r in two] == [0, 1, 2]
@@ -202,6 +203,7 @@ def test_two_processes_match_one(runs):
     assert any(r["team_reward"] > 0 for r in two[1:]), "no reward signal: the comparison would be vacuous"
 
 
+@pytest.mark.slow  # torchrun
 def test_regenerate_and_gae_under_two_processes_match_one(runs):
     """One stage with --reuse regenerate and --adv gae. regenerate: rank 0
     redraws the promoted agent's turns and every rank continues from its batch
@@ -225,6 +227,7 @@ def test_regenerate_and_gae_under_two_processes_match_one(runs):
         assert (heads[0][k]["bias"] - heads[1][k]["bias"]).abs().max() <= 1e-2 * (heads[0][k]["bias"] - 0.5).abs().max()
 
 
+@pytest.mark.slow  # torchrun
 def test_frozen_agents_sharded_match_one_process(runs):
     """--shard-frozen: every agent held as FSDP2 shards (generation through
     them, the trained agent written back into its shards, the reference a
@@ -245,6 +248,7 @@ def test_frozen_agents_sharded_match_one_process(runs):
     assert [r["stage"] for r in rows] == [0, 1, 2] and rows[2]["world_size"] == 1
 
 
+@pytest.mark.slow  # torchrun
 def test_sharded_team_rolls_out_the_one_process_tokens(worker_outputs):
     """Rollouts, regenerate and the exact KL through sharded agents equal one
     process with whole agents, bit for bit, with blocks and calls that do not
@@ -260,6 +264,7 @@ def test_sharded_team_rolls_out_the_one_process_tokens(worker_outputs):
     assert r["export_equal"] and r["export_tied"]
 
 
+@pytest.mark.slow  # torchrun
 def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
     """shard_load.load_into_shards (meta model, fully_shard, each rank reads
     its own rows from the safetensors files): the local shards equal
@@ -283,19 +288,18 @@ def test_agent_loaded_into_shards_equals_whole_then_sharded(worker_outputs):
 
 def test_shard_load_resolves_folders_and_names_a_missing_hub_model(tmp_path, monkeypatch):
     """A folder is used as it is; a hub name not in the cache, offline, is one line (before any model is built)."""
-    import team
     from scale import shard_load
 
     assert shard_load.snapshot_folder(str(tmp_path)) == tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setattr(team, "_OFFLINE", [])
     with pytest.raises(RuntimeError, match=r"could not load model 'nobody/no-such-model' .*huggingface-cli download"):
         shard_load.snapshot_folder("nobody/no-such-model")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         shard_load.tensor_files(tmp_path)
 
 
+@pytest.mark.slow  # torchrun
 def test_joint_update_under_two_processes_matches_one(runs):
     """--update joint (the baseline): every agent sharded at once, the same
     decisions as with one process."""
@@ -306,6 +310,7 @@ def test_joint_update_under_two_processes_matches_one(runs):
     assert two[1]["step_bounds"].startswith("none:")  # no per-step bound for a joint update, as with one process
 
 
+@pytest.mark.slow  # torchrun
 def test_resume_across_process_counts(runs):
     """Checkpointed under N = 2 at stage 1, resumed under N = 1: the run
     continues from stage 1 and its stage 2 is the straight run's. The other
@@ -319,6 +324,7 @@ def test_resume_across_process_counts(runs):
     assert_same_run(rows[2], straight[2])
 
 
+@pytest.mark.slow  # torchrun
 def test_sharded_update_equals_unsharded(worker_outputs):
     """One AdamW step of agent j's objective (Eq. (5)) on the same minibatch:
     FSDP2 over 2 ranks (each computing half the rows) against one process."""
@@ -335,6 +341,7 @@ def test_sharded_update_equals_unsharded(worker_outputs):
     assert result["layers_max_group_bytes"] == result["layer_bytes"]
 
 
+@pytest.mark.slow  # torchrun
 def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n(worker_outputs):
     """A bf16 agent, two turns of one AdamW step at lr 1e-5 (below a bf16
     rounding step for most weights), --keep-optimizer-state: under FSDP2 over
@@ -371,6 +378,7 @@ STAGE0_KEYS = ("kl_quantile_before", "heldout_kl_quantile_before", "kl_quantile"
                "fit_mean")
 
 
+@pytest.mark.slow  # torchrun
 def test_stage0_under_two_processes_matches_one(worker_outputs):
     """Plug-and-play Stage-0 (Eqs. (6)-(7)) with the replacement FSDP2-sharded
     over 2 ranks against one process, same seed (tests/dist/stage0_worker.py):

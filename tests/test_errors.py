@@ -27,7 +27,6 @@ import torch
 
 import eval_aime
 import sat
-import team as team_module
 from scale import memory
 from team import Agent
 
@@ -98,7 +97,6 @@ def test_row(command, setup, expected, finished_run, tmp_path, monkeypatch, caps
         pytest.skip("CUDA is available here")
     monkeypatch.chdir(tmp_path)  # a default --out (runs/sat) lands in the test's folder
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub is never reached from a test
-    monkeypatch.setattr(team_module, "_OFFLINE", [])
     shutil.copytree(finished_run / "run", tmp_path / "run")
     (tmp_path / "empty.jsonl").write_text("")
     places = {"RUN": tmp_path / "run", "NEW": tmp_path / "new", "EMPTY": tmp_path / "empty.jsonl",

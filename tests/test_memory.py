@@ -353,11 +353,8 @@ def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
 def test_cpu_team_that_cannot_load_is_refused_before_the_weights_and_the_hub(tmp_path, monkeypatch, capsys):
     """3 x Qwen3-8B in fp32 on a 24 GiB machine: refused from QWEN3_DIMS alone (offline, before the hub check would
     say the model is not cached), status 2, nothing written."""
-    import team as team_module
-
     fake_ram(monkeypatch, 24)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(team_module, "_OFFLINE", [])
     out = tmp_path / "run"
     rc, lines = sat_main(["--agents", "Qwen3-8B x3", "--device", "cpu", "--out", str(out)], capsys)
     assert rc == 2 and lines == ["sat.py: error: not enough memory (RAM): training needs about 329.6 GiB but 24.0 GiB "

@@ -14,7 +14,7 @@ from test_sat import small_config
 import logprobs
 import sat
 import update
-from logprobs import batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
+from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
 from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -39,7 +39,7 @@ def synthetic_turn(agent: Agent, n: int = 32, seed: int = 0, max_ctx: int = 8, m
     resp = [draw(1, max_resp) for _ in range(n)]
     c, cm = left_pad(ctx, agent.tokenizer.pad_token_id)
     r, rm = right_pad(resp, agent.tokenizer.pad_token_id)
-    logp = batched_response_logprobs(agent.model, (c, cm, r, rm), 1.0, budget)
+    logp = batched_response_logprobs(agent.model, TurnTensors(c, cm, r, rm), 1.0, budget)
     return Turn(0, c, cm, r, rm, logp, [""] * n, [None] * n, torch.zeros(n, dtype=torch.bool))
 
 
@@ -229,7 +229,7 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
     log-probs and every gradient are the same bit for bit."""
     agent = Agent.load("tiny", seed=0, dtype=dtype)
     turn = synthetic_turn(agent, n=16, seed=5)
-    turn_like = (turn.context_ids, turn.context_mask, turn.response_ids, turn.response_mask)
+    tensors = turn.tensors
     recomputed, results = [], []
     real_checkpoint = torch.utils.checkpoint.checkpoint
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
@@ -237,7 +237,7 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
     for limit in (logprobs.HEAD_CHECKPOINT_BYTES, 0):  # the tiny head's logits kept, then forced through the checkpoint
         monkeypatch.setattr(logprobs, "HEAD_CHECKPOINT_BYTES", limit)
         model = copy.deepcopy(agent.model).requires_grad_(True)
-        logp, _ = logprobs.turn_forward(model, turn_like, slice(None), 0.8)  # [16, Lr]
+        logp, _ = logprobs.turn_forward(model, tensors, slice(None), 0.8)  # [16, Lr]
         (-(logp * torch.linspace(-1, 2, logp.numel()).view_as(logp)).sum()).backward()
         results.append((logp.detach(), [p.grad for p in model.parameters()]))
         assert len(recomputed) == (0 if limit else 1)
@@ -248,7 +248,7 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
 
 
 # -- 5. the plain forward: a row's result depends on nothing but the row ---------------------------
-def grouped_turn(vocab: int, groups: list[tuple[int, int]], resp_lens: list[int], seed: int):
+def grouped_turn(vocab: int, groups: list[tuple[int, int]], resp_lens: list[int], seed: int) -> TurnTensors:
     """Rows of (context length, rows sharing it) groups; left-padded contexts, right-padded responses."""
     g = torch.Generator().manual_seed(seed)
     contexts, responses = [], []
@@ -257,7 +257,7 @@ def grouped_turn(vocab: int, groups: list[tuple[int, int]], resp_lens: list[int]
         contexts += [ctx] * rows
     for n in resp_lens[: len(contexts)]:
         responses.append(torch.randint(5, vocab, (n,), generator=g).tolist())
-    return (*left_pad(contexts, 0), *right_pad(responses, 0))
+    return TurnTensors(*left_pad(contexts, 0), *right_pad(responses, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -268,16 +268,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(dtype):
     some CPUs: 4.8e-7 seen), with one base-model call per forward whatever its rows."""
     model = copy.deepcopy(Agent.load("tiny", seed=0).model).to(dtype)
     groups = [(6, 4), (2, 4), (7, 4), (4, 4), (6, 2), (1, 3)]
-    turn_like = grouped_turn(model.config.vocab_size, groups, [1, 4, 2, 3, 4] * 5, 3)
+    tensors = grouped_turn(model.config.vocab_size, groups, [1, 4, 2, 3, 4] * 5, 3)
     calls = []
     model.base_model.register_forward_pre_hook(lambda *_: calls.append(1))
-    n = turn_like[0].shape[0]
+    n = tensors.context_ids.shape[0]
     with torch.no_grad():
-        whole, hidden = turn_forward(model, turn_like, slice(None), 1.0)  # [N, Lr], [N, Lr, H]
+        whole, hidden = turn_forward(model, tensors, slice(None), 1.0)  # [N, Lr], [N, Lr, H]
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
         parts = [perm[:5], perm[5:12], perm[12:], torch.arange(n - 1, -1, -1), torch.tensor([3, 4])]
         for part in parts + [torch.tensor([i]) for i in range(n)]:
-            lp, h = turn_forward(model, turn_like, part, 1.0)
+            lp, h = turn_forward(model, tensors, part, 1.0)
             assert torch.equal(h, hidden[part])
             torch.testing.assert_close(lp, whole[part], rtol=0, atol=2e-6)
     assert len(calls) == 1 + len(parts) + n
@@ -289,12 +289,12 @@ def test_log_probs_do_not_depend_on_whether_the_weights_require_grad():
     torch pick its matmul kernel by the weight's requires_grad (the agent being trained) against the
     frozen agent that scored the rollout. Bit for bit, under no_grad and with gradients."""
     model = copy.deepcopy(Agent.load("tiny", seed=0).model)
-    turn_like = grouped_turn(model.config.vocab_size, [(7, 4), (5, 4), (6, 4), (3, 4)] * 2, [4, 3, 2, 4] * 8, 1)
+    tensors = grouped_turn(model.config.vocab_size, [(7, 4), (5, 4), (6, 4), (3, 4)] * 2, [4, 3, 2, 4] * 8, 1)
     with torch.no_grad():
-        frozen = turn_forward(model.requires_grad_(False), turn_like, slice(None), 1.0)[0]  # [32, Lr]
-        trained = turn_forward(model.requires_grad_(True), turn_like, slice(None), 1.0)[0]
+        frozen = turn_forward(model.requires_grad_(False), tensors, slice(None), 1.0)[0]  # [32, Lr]
+        trained = turn_forward(model.requires_grad_(True), tensors, slice(None), 1.0)[0]
     assert torch.equal(frozen, trained)
-    assert torch.equal(turn_forward(model, turn_like, slice(None), 1.0)[0].detach(), frozen)
+    assert torch.equal(turn_forward(model, tensors, slice(None), 1.0)[0].detach(), frozen)
     assert float(frozen.abs().max()) > 0
     empty = logprobs.head_logits(model, torch.zeros(0, 3, model.config.hidden_size))
     assert empty.shape == (0, 3, model.config.vocab_size)

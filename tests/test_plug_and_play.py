@@ -280,6 +280,7 @@ print((status_kb("VmHWM") - before) / 1024)
 """
 
 
+@pytest.mark.slow  # over half a minute: two Stage-0 processes with a Qwen3-sized head
 def test_stage0_peak_memory_is_flat_in_the_response_length():
     """Stage-0 with a Qwen3-sized vocabulary (151,936-row head on a tiny trunk):
     the peak RSS increase of a fit pass + a measurement pass stays flat when the

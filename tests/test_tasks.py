@@ -22,7 +22,7 @@ from tasks import (  # noqa: E402
     is_heldout_pair,
     load_dataset_by_name,
     load_jsonl,
-    load_problems,
+    load_problem_set,
     noisy_label,
     row_to_problem,
     rows_to_problems,
@@ -363,7 +363,7 @@ def test_load_jsonl_good(tmp_path):
                  '{"problem": "half?", "answer": 0.5}\n')
     probs = load_jsonl(f)
     assert probs == [Problem("q1", "1+1?", "2"), Problem("mine-3", "2+2?", "4"), Problem("mine-4", "half?", "0.5")]
-    assert load_problems(str(f)) == probs
+    assert load_problem_set(str(f)) == probs
 
 
 def test_load_jsonl_bad_json(tmp_path):
@@ -395,11 +395,11 @@ def test_load_jsonl_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_jsonl(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError):
-        load_problems(str(tmp_path / "nope.jsonl"))
+        load_problem_set(str(tmp_path / "nope.jsonl"))
 
 
 def test_bundled_data():
-    aime24 = load_problems(str(DATA / "aime24.jsonl"))
+    aime24 = load_problem_set(str(DATA / "aime24.jsonl"))
     assert len(aime24) == 30 and len({p.id for p in aime24}) == 30
     assert aime24[0].answer == "204"
     assert len(load_jsonl(DATA / "aime25.jsonl")) == 30

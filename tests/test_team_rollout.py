@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grading import answers_match, majority_vote, vote_reward
-from logprobs import batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
+from logprobs import TurnTensors, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
 from rollout import HF, SamplingConfig, make_backend, rollout
 from tasks import Problem, arithmetic_problems
 from team import Agent, Team, TeamConfig, build_char_tokenizer, parse_agents, resolve_agent_spec
@@ -58,6 +58,30 @@ def test_hub_loading_offline_gives_clear_error(monkeypatch, tmp_path):
         Agent.load("Qwen3-4B")
     msg = str(err.value)
     assert "Qwen/Qwen3-4B" in msg and "local checkpoint folder" in msg and "\n" not in msg
+
+
+def test_hub_offline_reads_the_environment_at_each_call_and_probes_an_endpoint_once(monkeypatch):
+    import socket
+
+    import team as team_module
+
+    probes = []
+
+    def unreachable(address, timeout):
+        probes.append(address)
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub-offline-probe.invalid")
+    assert team_module.hub_offline() and team_module.hub_offline()
+    assert probes == [("hub-offline-probe.invalid", 443)]  # one probe, then the cached answer
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert not team_module.hub_offline()  # behind a proxy the client decides
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert team_module.hub_offline()  # the flag wins, read at this call
+    assert len(probes) == 1
 
 
 # -- tiny agents go through the checkpoint path ----------------------------------------
@@ -217,7 +241,7 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
     responses = [cut_at_eos(r.tolist(), tok.eos_token_id, tok.pad_token_id) for r in sampled]
     from logprobs import right_pad
     resp, rmask = right_pad(responses, tok.pad_token_id)
-    ours = batched_response_logprobs(agent.model, (ids, mask, resp, rmask), 0.7, token_budget=10_000)
+    ours = batched_response_logprobs(agent.model, TurnTensors(ids, mask, resp, rmask), 0.7, token_budget=10_000)
     for i, r in enumerate(responses):
         assert torch.allclose(ours[i, : len(r)], gen_logp[i, : len(r)], atol=1e-5, rtol=0)
 
@@ -227,9 +251,21 @@ def test_logprob_chunking_is_exact(tiny_agents):
     team = Team(tiny_agents, TeamConfig())
     batch = rollout(team, problems(5), group_size=3, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
     t = batch.turns[0]
-    args = (t.context_ids, t.context_mask, t.response_ids, t.response_mask)
-    small = batched_response_logprobs(team.agents[0].model, args, 1.0, token_budget=20)  # 1 row per chunk
+    small = batched_response_logprobs(team.agents[0].model, t.tensors, 1.0, token_budget=20)  # 1 row per chunk
     assert torch.allclose(small, t.behaviour_logprobs, atol=1e-6)
+
+
+def test_turn_tensors_name_a_turns_tensors_and_select_rows(tiny_agents):
+    team = Team(tiny_agents, TeamConfig())
+    batch = rollout(team, problems(3), group_size=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=4))
+    t = batch.turns[1]
+    ctx, cmask, resp, rmask = t.tensors  # still a tuple, in this order
+    assert TurnTensors._fields == ("context_ids", "context_mask", "response_ids", "response_mask")
+    assert all(a is getattr(t, name) for a, name in zip((ctx, cmask, resp, rmask), TurnTensors._fields, strict=True))
+    idx = torch.tensor([4, 0, 2])
+    part = t.tensors.rows(idx)
+    for name in TurnTensors._fields:
+        assert torch.equal(getattr(part, name), getattr(t, name)[idx])
 
 
 def test_chunks_by_budget_cover_and_fit():

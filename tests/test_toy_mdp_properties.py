@@ -163,7 +163,7 @@ def test_stage0_projection(case, data, delta0):
 
 def swap(mdp, team, j, logp_new):
     """Certificate of replacing agent j by logp_new, as one step of agent j."""
-    old = tm.evaluate(mdp, team)
+    old = tm.solve_policy(mdp, team)
     adv_j = tm.marginal_advantage(old["A"], team, j)
     new_team = list(team)
     new_team[j] = logp_new
@@ -186,7 +186,7 @@ def test_plug_and_play_swap_keeps_the_guarantee(case, data, delta0):
     pre = tm.random_policy(gen, mdp.n_states, team[j].shape[1], scale=2.0)
     projected, _ = tr.geometric_mixture_projection(pre, team[j], delta0)
     swapped, cert, old, _ = swap(mdp, team, j, projected)
-    J_swapped = tm.evaluate(mdp, swapped)["J"]
+    J_swapped = tm.solve_policy(mdp, swapped)["J"]
     assert J_swapped - old["J"] >= cert["lower_bound"] - TOL
     stage = tm.sat_stage(mdp, swapped, data.draw(st.permutations(range(mdp.n_agents))), deltas)
     check_step_bounds(stage)
@@ -205,7 +205,7 @@ def test_plug_in_that_improves_keeps_its_improvement_after_projection(case, data
     the unprojected plug-in's gain (a smaller ball)."""
     mdp, team, _ = case
     j = data.draw(st.integers(0, mdp.n_agents - 1))
-    old = tm.evaluate(mdp, team)
+    old = tm.solve_policy(mdp, team)
     adv_j = tm.marginal_advantage(old["A"], team, j)
     pre = tr.exponential_tilt_step(team[j], adv_j, factor * delta0)
     assume(torch.isfinite(pre).all())  # a saturated tilt (pi_cur restricted to argmax) has no interior mixtures
@@ -218,7 +218,7 @@ def test_plug_in_that_improves_keeps_its_improvement_after_projection(case, data
     assert gain_after >= gain_before - 1e-12
     assert gain_after <= tm.surrogate(old["d"], pre, adv_j) + 1e-10
     swapped, _, _, _ = swap(mdp, team, j, projected)
-    assert tm.evaluate(mdp, swapped)["J"] >= old["J"] - 1e-12  # a state-wise improvement never loses
+    assert tm.solve_policy(mdp, swapped)["J"] >= old["J"] - 1e-12  # a state-wise improvement never loses
 
 
 # ---------------------------------------------------------------------------

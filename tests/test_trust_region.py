@@ -1,5 +1,6 @@
 """Unit and property tests for trust_region.py, each against a brute-force reference."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -274,18 +275,18 @@ def test_backtracking_never_leaves_a_violating_step(seed, scale, delta, budget):
     out = tr.backtracking_line_search(pol.apply_step, pol.measure, delta, max_backtracks=budget)
     kl_now = pol.measure()
     assert kl_now <= delta
-    assert len(out["history"]) == (out["backtracks"] + 1 if out["accepted"] else budget + 1)
-    if out["accepted"]:
-        assert out["fraction"] == 0.5 ** out["backtracks"]
-        assert out["kl_quantile"] == pytest.approx(kl_now, abs=1e-15)
+    assert len(out.history) == (out.backtracks + 1 if out.accepted else budget + 1)
+    if out.accepted:
+        assert out.fraction == 0.5 ** out.backtracks
+        assert out.kl_quantile == pytest.approx(kl_now, abs=1e-15)
         # every earlier (larger) fraction was a violation: the first feasible one is kept
-        assert all(h["kl_quantile"] > delta for h in out["history"][:-1])
-        expected = [torch.lerp(c, n, out["fraction"]) for c, n in zip(pol.cur, pol.new)]
+        assert all(h.kl_quantile > delta for h in out.history[:-1])
+        expected = [torch.lerp(c, n, out.fraction) for c, n in zip(pol.cur, pol.new)]
         for p, e in zip(pol.params(), expected):
             torch.testing.assert_close(p, e, rtol=0, atol=0)
     else:
-        assert all(h["kl_quantile"] > delta for h in out["history"])
-        assert pol.applied[-1] == 0.0 and out["fraction"] == 0.0
+        assert all(h.kl_quantile > delta for h in out.history)
+        assert pol.applied[-1] == 0.0 and out.fraction == 0.0
         for p, c in zip(pol.params(), pol.cur):
             assert torch.equal(p, c)  # bit-exact restore of pi_cur
 
@@ -299,16 +300,28 @@ def test_backtracking_accepts_after_shrinking():
     delta = 0.5 * (full + quarter)  # full step violates, some shrink fits
     assert quarter < delta < full
     out = tr.backtracking_line_search(pol.apply_step, pol.measure, delta, max_backtracks=5)
-    assert out["accepted"] and 1 <= out["backtracks"] <= 2
-    assert [h["fraction"] for h in out["history"]] == [0.5**k for k in range(out["backtracks"] + 1)]
+    assert out.accepted and 1 <= out.backtracks <= 2
+    assert [h.fraction for h in out.history] == [0.5**k for k in range(out.backtracks + 1)]
 
 
 def test_backtracking_rejects_and_restores_on_tiny_budget():
     pol = LinearPolicy(1, 3.0)
     out = tr.backtracking_line_search(pol.apply_step, pol.measure, delta=1e-6, max_backtracks=2, shrink=0.5)
-    assert not out["accepted"] and out["backtracks"] == 2 and len(out["history"]) == 3
-    assert [h["fraction"] for h in out["history"]] == [1.0, 0.5, 0.25]
+    assert not out.accepted and out.backtracks == 2 and len(out.history) == 3
+    assert [h.fraction for h in out.history] == [1.0, 0.5, 0.25]
     assert pol.measure() == 0.0
+
+
+def test_line_search_result_is_frozen_and_read_by_field_name():
+    pol = LinearPolicy(1, 3.0)
+    out = tr.backtracking_line_search(pol.apply_step, pol.measure, delta=1e-6, max_backtracks=1)
+    assert out.history == (tr.LineSearchTry(1.0, out.history[0].kl_quantile),
+                           tr.LineSearchTry(0.5, out.history[1].kl_quantile))
+    assert all(out[f.name] is getattr(out, f.name) for f in dataclasses.fields(out))
+    with pytest.raises(KeyError):
+        out["__class__"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.accepted = True
 
 
 def test_backtracking_restores_when_measure_raises():
@@ -333,12 +346,12 @@ def test_backtracking_from_the_first_halving_returns_the_kept_measurement(seed, 
     out = tr.backtracking_line_search(pol.apply_step, lambda: (pol.measure(), pol.params()), delta,
                                       max_backtracks=budget, first_try=1, quantile_of=lambda m: m[0])
     assert 1.0 not in pol.applied and pol.measure() <= delta
-    assert [h["fraction"] for h in out["history"]] == [0.5 ** k for k in range(1, len(out["history"]) + 1)]
-    if out["accepted"]:
-        quantile, params = out["measurement"]
-        assert quantile == out["kl_quantile"] and all(torch.equal(a, b) for a, b in zip(params, pol.params()))
+    assert [h.fraction for h in out.history] == [0.5 ** k for k in range(1, len(out.history) + 1)]
+    if out.accepted:
+        quantile, params = out.measurement
+        assert quantile == out.kl_quantile and all(torch.equal(a, b) for a, b in zip(params, pol.params()))
     else:
-        assert out["measurement"] is None and all(torch.equal(p, c) for p, c in zip(pol.params(), pol.cur))
+        assert out.measurement is None and all(torch.equal(p, c) for p, c in zip(pol.params(), pol.cur))
 
 
 def test_interpolate_parameters_matches_formula():
@@ -549,4 +562,4 @@ def test_outside_trust_region_is_the_line_searchs_test_nan_included():
         state = {"frac": None}
         search = tr.backtracking_line_search(lambda f: state.update(frac=f), lambda: kl_quantile(values, 0.9), 0.5,
                                           max_backtracks=0)
-        assert search["accepted"] == (not outside_trust_region(values, 0.9, 0.5))
+        assert search.accepted == (not outside_trust_region(values, 0.9, 0.5))

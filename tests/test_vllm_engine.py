@@ -18,8 +18,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow  # every test here starts (or shares) real vLLM engines
 
-from logprobs import batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
+from logprobs import TurnTensors, batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
 from rollout import SamplingConfig, draw_seed, response_seeds  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
 from team import Agent  # noqa: E402
@@ -54,8 +55,8 @@ def train_logprobs(agent, contexts, responses, temperature):
     ctx, cmask = left_pad(contexts, tok.pad_token_id)
     resp, rmask = right_pad(responses, tok.pad_token_id)
     dev = agent.device
-    turn_like = (ctx.to(dev), cmask.to(dev), resp.to(dev), rmask.to(dev))
-    lp = batched_response_logprobs(agent.model, turn_like, temperature, 1 << 14)
+    tensors = TurnTensors(ctx, cmask, resp, rmask).rows(slice(None), dev)
+    lp = batched_response_logprobs(agent.model, tensors, temperature, 1 << 14)
     return lp.cpu(), rmask
 
 

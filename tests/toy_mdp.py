@@ -104,7 +104,7 @@ def joint_probs(logps: list[torch.Tensor], skip: int | None = None) -> torch.Ten
     return out  # [S, A_1, ..., A_n]
 
 
-def evaluate(mdp: ToyMDP, logps: list[torch.Tensor]) -> dict:
+def solve_policy(mdp: ToyMDP, logps: list[torch.Tensor]) -> dict:
     """Exact J, V [S], Q and A [S, A_1..A_n], occupancy d [S] of the product policy."""
     S, g = mdp.n_states, mdp.gamma
     pi = joint_probs(logps)  # [S, A...]
@@ -144,7 +144,7 @@ def surrogate(d: torch.Tensor, logp_new: torch.Tensor, adv_j: torch.Tensor) -> f
 
 def sat_step(mdp: ToyMDP, logps: list[torch.Tensor], j: int, delta: float) -> tuple[list[torch.Tensor], dict]:
     """Agent j takes the exact KL step on its marginal advantage under the current team."""
-    old = evaluate(mdp, logps)
+    old = solve_policy(mdp, logps)
     adv_j = marginal_advantage(old["A"], logps, j)  # [S, A_j]
     new_j = tr.exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
     kl = tr.per_state_kl(new_j, logps[j])  # [S]
@@ -160,7 +160,7 @@ def sat_step(mdp: ToyMDP, logps: list[torch.Tensor], j: int, delta: float) -> tu
     info = {
         "agent": j,
         "J_before": old["J"],
-        "J_after": evaluate(mdp, new_logps)["J"],
+        "J_after": solve_policy(mdp, new_logps)["J"],
         "kl": kl,
         "surrogate": surr,
         "adv_j": adv_j,
@@ -180,7 +180,7 @@ def sat_stage(mdp: ToyMDP, logps: list[torch.Tensor], order, deltas) -> dict:
     if isinstance(deltas, (int, float)):
         deltas = [float(deltas)] * len(order)
     team = list(logps)
-    J = [evaluate(mdp, team)["J"]]
+    J = [solve_policy(mdp, team)["J"]]
     steps = []
     for i, j in enumerate(order):
         team, info = sat_step(mdp, team, j, deltas[i])
@@ -194,12 +194,12 @@ def joint_update(mdp: ToyMDP, logps: list[torch.Tensor], deltas) -> dict:
     """Every agent takes the exact KL step at once, on advantages of the same (stale) team."""
     if isinstance(deltas, (int, float)):
         deltas = [float(deltas)] * len(logps)
-    old = evaluate(mdp, logps)
+    old = solve_policy(mdp, logps)
     team = [
         tr.exponential_tilt_step(logps[j], marginal_advantage(old["A"], logps, j), deltas[j])
         for j in range(len(logps))
     ]
-    return {"J_before": old["J"], "J_after": evaluate(mdp, team)["J"], "logps": team}
+    return {"J_before": old["J"], "J_after": solve_policy(mdp, team)["J"], "logps": team}
 
 
 # ---------------------------------------------------------------------------

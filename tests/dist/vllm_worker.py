@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from logprobs import batched_response_logprobs, left_pad, right_pad
+from logprobs import TurnTensors, batched_response_logprobs, left_pad, right_pad
 from rollout import SamplingConfig, rollout_in_blocks
 from scale import distributed
 from scale import rollout_vllm as rv
@@ -38,7 +38,7 @@ def gap(reg, agent, contexts, responses, check=True) -> float:
     tok = agent.tokenizer
     ctx, cmask = left_pad(contexts, tok.pad_token_id)
     resp, rmask = right_pad(responses, tok.pad_token_id)
-    hf = batched_response_logprobs(agent.model, (ctx, cmask, resp, rmask), 1.0, 1 << 14)
+    hf = batched_response_logprobs(agent.model, TurnTensors(ctx, cmask, resp, rmask), 1.0, 1 << 14)
     return rv.logprob_health(engine_lp, hf, rmask)
 
 
