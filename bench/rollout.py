@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logprobs import TurnTensors, turn_forward  # noqa: E402
-from rollout import HF, SamplingConfig, rollout  # noqa: E402
+from rollout import HF, SamplingConfig, draw_seed, rollout  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig  # noqa: E402
 
@@ -39,7 +39,7 @@ def loop_rollout(team: Team, problems, group_size: int, sampling: SamplingConfig
             answers = []
             for k, agent in enumerate(team.agents):
                 ctx = team.prompt_ids(k, p, answers if team.protocol == "chain" else [])
-                resp = HF.generate(agent, [ctx], sampling)[0]
+                resp = HF.generate(agent, [ctx], sampling, [draw_seed()])[0]
                 c, r = torch.tensor([ctx]), torch.tensor([resp])
                 with torch.no_grad():
                     turn_forward(agent.model, TurnTensors(c, torch.ones_like(c), r, torch.ones_like(r)), slice(None),

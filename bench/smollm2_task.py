@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import AgentSpec  # noqa: E402
 from grading import answers_match, extract_answer  # noqa: E402
-from rollout import HF, SamplingConfig  # noqa: E402
+from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
 from tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig, prepare_tokenizer  # noqa: E402
 
@@ -65,7 +65,7 @@ def measure(team: Team, problems, sampling: SamplingConfig) -> dict:
     agent, eos = team.agents[0], team.agents[0].tokenizer.eos_token_id
     contexts = [team.prompt_ids(0, p, []) for p in problems]
     start = time.perf_counter()
-    responses = HF.generate(agent, contexts, sampling)
+    responses = HF.generate(agent, contexts, sampling, response_seeds(draw_seed(), len(contexts), 0))
     seconds = time.perf_counter() - start
     texts = [agent.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
     correct = [answers_match(team.extract(t), p.answer) for t, p in zip(texts, problems)]
