@@ -15,6 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
+# the repository first: its core modules (sat, plug_and_play, ...) before the scripts of the same name here
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sat  # noqa: E402
@@ -205,7 +206,7 @@ def run_lower_bound(rows: list[dict]) -> float | None:
     return None
 
 
-def training_tokens(rows: list[dict], n_agents: int) -> float:
+def training_tokens(rows: list[dict]) -> float:
     """Tokens the stages' rollouts generated: generations x mean response length (sat.py counts the
     first rollout's tokens; with --reuse weights that is every generation)."""
     return sum(r["generations"] * r["mean_response_tokens"] for r in rows)
@@ -228,28 +229,30 @@ def write_table(out: Path, title: str, table: str, notes: list[str]) -> Path:
     return path
 
 
-def plot_curves(path: Path, panels: dict[str, dict[str, list[list[dict]]]], ylabel: str = "held-out team accuracy"):
+def plot_curves(path: Path, panels: dict[str, dict[str, list[list[dict]]]], x: str = "stage") -> Path:
     """One figure: a panel per setting, a line per condition: the mean over seeds of eval_accuracy per stage
-    with its 95% t band."""
+    with its 95% t band; ``x`` "stage", or "tokens" (the mean over seeds of the generated tokens so far)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 3.6), squeeze=False)
     for ax, (title, conditions) in zip(axes[0], panels.items()):
         for label, runs in conditions.items():
             stages = sorted({r["stage"] for rows in runs for r in rows})
-            stats = [mean_ci([row_at(rows, s)["eval_accuracy"] for rows in runs
-                              if any(r["stage"] == s for r in rows)]) for s in stages]
+            at = [[row_at(rows, s) for rows in runs if any(r["stage"] == s for r in rows)] for s in stages]
+            stats = [mean_ci([r["eval_accuracy"] for r in rs]) for rs in at]
+            xs = stages if x == "stage" else [statistics.mean(
+                training_tokens([r for r in rows if 0 < r["stage"] <= s]) for rows in runs) for s in stages]
             mean = [m for m, _ in stats]
             half = [0.0 if math.isnan(h) else h for _, h in stats]
-            line, = ax.plot(stages, mean, "o-", ms=3, label=f"{label} (n={len(runs)})")
-            ax.fill_between(stages, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+            line, = ax.plot(xs, mean, "o-", ms=3, label=f"{label} ({len(runs)} seeds)")
+            ax.fill_between(xs, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
                             color=line.get_color(), alpha=0.15)
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("stage")
-        ax.set_ylabel(ylabel)
+        ax.set_xlabel("stage" if x == "stage" else "generated training tokens")
+        ax.set_ylabel("held-out team accuracy (95% t band)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

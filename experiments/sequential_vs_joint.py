@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # common.py; the core modules come first
 
 import common  # noqa: E402
 
@@ -73,7 +73,7 @@ def run_setting(args, rest: list[str], protocol: str, n: int) -> dict[str, dict[
         start = base / "checkpoints" / "stage_0000"
         for cond in args.conditions:
             folder = common.run_folder(args.out, setting, cond, seed)
-            runs[cond][seed] = common.ensure_run(folder, ["--resume", str(start)] + CONDITIONS[cond] + rest,
+            runs[cond][seed] = common.ensure_run(folder, ["--resume", str(start)] + rest + CONDITIONS[cond],
                                                  args.stages, args.quiet)
     return runs
 
