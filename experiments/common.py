@@ -197,6 +197,11 @@ def seconds(rows: list[dict]) -> float:
     return sum(r["seconds"] for r in rows)
 
 
+def median_stage_seconds(rows: list[dict]) -> float:
+    """The median stage's wall time (robust to a few stages slowed by other work on the machine)."""
+    return statistics.median(r["seconds"] for r in rows) if rows else float("nan")
+
+
 def run_lower_bound(rows: list[dict]) -> float | None:
     """The run certificate's lower bound, where the metrics carry one (``run_certificate``), else None."""
     for r in reversed(rows):
