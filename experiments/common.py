@@ -197,6 +197,12 @@ def seconds(rows: list[dict]) -> float:
     return sum(r["seconds"] for r in rows)
 
 
+def min_agent_value(rows: list[dict], key: str) -> float:
+    """The smallest per-agent ``key`` (e.g. ess_ratio) over the stages' agent records."""
+    values = [a[key] for r in rows for a in r["agents"] if a.get(key) is not None]
+    return min(values) if values else float("nan")
+
+
 def median_stage_seconds(rows: list[dict]) -> float:
     """The median stage's wall time (robust to a few stages slowed by other work on the machine)."""
     return statistics.median(r["seconds"] for r in rows) if rows else float("nan")

@@ -96,13 +96,14 @@ def table_rows(setting: str, runs: dict[str, dict[int, list[dict]]]) -> list[lis
                     common.fmt_ci(*common.mean_ci(list(gains[cond].values()))), diff,
                     f"{common.mean_ci([common.violation_rate(stage_rows[s]) for s in seeds])[0]:.3f}",
                     f"{common.mean_ci([common.mean_kl_quantile(stage_rows[s]) for s in seeds])[0]:.3f}",
+                    f"{common.min_agent_value([r for s in seeds for r in stage_rows[s]], 'ess_ratio'):.3f}",
                     f"{common.mean_ci([common.seconds(stage_rows[s]) for s in seeds])[0]:.0f}",
                     f"{common.median_stage_seconds([r for s in seeds for r in stage_rows[s]]):.1f}", bound])
     return out
 
 
 HEADER = ["setting", "condition", "seeds", "stage-0 acc", "final acc", "gain (95% CI)",
-          f"gain - {REFERENCE} (paired)", "violation rate", "mean kept KL q", "stage s / run",
+          f"gain - {REFERENCE} (paired)", "violation rate", "mean kept KL q", "min ESS/N", "stage s / run",
           "median stage s", "run lower bound"]
 
 
@@ -119,8 +120,10 @@ def main(argv=None) -> int:
              "Accuracies and gains: mean ± half-width of the 95% t interval over seeds. The paired column is the "
              f"mean over seeds of (gain - {REFERENCE}'s gain), same seed = same initial team and held-out problems.",
              "Violation rate: share of a run's stages whose held-out accuracy fell beyond 2 standard errors (mean "
-             "over seeds). Stage s / run: the sum of a run's stages' seconds (no warm start), mean over seeds; "
-             "the median stage's seconds (over every stage of every seed) is robust to a stage slowed by other load."]
+             "over seeds). Min ESS/N: the smallest effective sample share of an agent's truncated weights in any "
+             "stage (1: the batch was on-policy for it). Stage s / run: the sum of a run's stages' seconds (no warm "
+             "start), mean over seeds; the median stage's seconds (every stage of every seed) is robust to a stage "
+             "slowed by other load."]
     common.write_table(args.out, "Sequential vs joint; regenerate vs reuse (claims 1-2)",
                        common.markdown_table(HEADER, rows), notes)
     common.plot_curves(Path(args.out) / "plot.png", all_runs)
