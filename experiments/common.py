@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -122,17 +121,6 @@ def ensure_run(folder: Path, argv: list[str], last_stage: int, quiet: bool = Fal
         options = argv + ["--out", str(folder), "--stages", str(last_stage), "--overwrite"]
     log = (lambda *_: None) if quiet else None
     return sat.run(sat.parse_args(options), log=log)
-
-
-def last_checkpoint_of(folder: Path) -> Path:
-    """The stage folder a branch starts from: the finished run's last stage."""
-    rows = read_metrics(folder)
-    return Path(folder) / "checkpoints" / f"stage_{rows[-1]['stage']:04d}"
-
-
-def remove_run(folder: Path) -> None:
-    """For tests: delete a run folder."""
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- Statistics over seeds ------------------------------------------------------------------------------
