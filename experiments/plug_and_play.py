@@ -89,8 +89,9 @@ def upgrade_event(rows: list[dict], stage: int) -> dict | None:
     return ups[0] if ups else None
 
 
-def branch_row(branch: str, runs: dict[int, list[dict]], stage: int) -> list[str]:
-    """Table 3's columns for one branch over the seeds that finished it."""
+def branch_row(branch: str, runs: dict[int, list[dict]], stage: int, reference: dict[int, list[dict]]) -> list[str]:
+    """Table 3's columns for one branch over the seeds that finished it (and its gain minus the no-swap
+    branch's, ``reference``, paired by seed)."""
     seeds = sorted(runs)
     before = [common.row_at(runs[s], stage)["eval_accuracy"] for s in seeds]
     events = [upgrade_event(runs[s], stage) for s in seeds]
@@ -106,12 +107,15 @@ def branch_row(branch: str, runs: dict[int, list[dict]], stage: int) -> list[str
     f = lambda xs: common.fmt_ci(*common.mean_ci(xs), sign=False) if xs else "-"  # noqa: E731
     return [branch, len(seeds), f(before), f(raw), f(raw_alone), f(after0), f(kl_q), f(end),
             common.fmt_ci(*common.mean_ci([e - b for e, b in zip(end, before)])),
+            "-" if branch == "continue" or not reference else common.fmt_ci(*common.mean_ci(
+                common.paired_differences({s: common.gain(runs[s], stage) for s in seeds},
+                                          {s: common.gain(r, stage) for s, r in reference.items()}))),
             f"{sum(bool(r['violation']) for r in first)}/{len(first)}",
             f"{common.mean_ci(cost)[0]:.0f} ({common.mean_ci(stage0_s)[0]:.0f})"]
 
 
 HEADER = ["branch", "seeds", "before swap", "right after swap (raw, before Stage-0)", "new agent alone (raw)",
-          "after Stage-0", "Stage-0 KL q", "after k stages", "gain vs before (95% CI)",
+          "after Stage-0", "Stage-0 KL q", "after k stages", "gain vs before (95% CI)", "gain - continue (paired)",
           "first-stage violations", "cost s (Stage-0 s)"]
 
 
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
                 failures.append(f"- {branch}, seed {seed}: {rows}")
             else:
                 branches[branch][seed] = rows
-    rows = [branch_row(b, runs, args.stages) for b, runs in branches.items() if runs]
+    rows = [branch_row(b, runs, args.stages, branches.get("continue", {})) for b, runs in branches.items() if runs]
     rows += [[b, 0] + ["-"] * (len(HEADER) - 2) for b, runs in branches.items() if not runs]
     notes = [f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}); base '{args.agents}' trained "
              f"{args.stages} stages, then k = {args.more_stages} stages per branch; slot {args.slot}: strong "
