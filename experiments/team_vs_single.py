@@ -72,7 +72,7 @@ def evaluate(run: Path, data: Path, instruction: str, cfg, k: int, out: Path) ->
                                  "--temperature", str(cfg.temperature), "--max-new-tokens", str(cfg.max_new_tokens),
                                  "--seed", str(cfg.seed), "--device", cfg.device, "--backend", cfg.backend,
                                  "--out", str(out)])
-    eval_aime.evaluate(ecfg, log=lambda *_: None)
+    eval_aime.evaluate_benchmarks(ecfg, log=lambda *_: None)
     return eval_aime.read_predictions(out / "predictions.jsonl")
 
 
