@@ -312,14 +312,15 @@ def test_backtracking_rejects_and_restores_on_tiny_budget():
     assert pol.measure() == 0.0
 
 
-def test_line_search_result_is_frozen_and_read_by_field_name():
+def test_line_search_result_is_frozen_and_typed():
     pol = LinearPolicy(1, 3.0)
     out = tr.backtracking_line_search(pol.apply_step, pol.measure, delta=1e-6, max_backtracks=1)
     assert out.history == (tr.LineSearchTry(1.0, out.history[0].kl_quantile),
                            tr.LineSearchTry(0.5, out.history[1].kl_quantile))
-    assert all(out[f.name] is getattr(out, f.name) for f in dataclasses.fields(out))
-    with pytest.raises(KeyError):
-        out["__class__"]
+    assert {f.name for f in dataclasses.fields(out)} == {"accepted", "fraction", "backtracks", "kl_quantile",
+                                                          "measurement", "history"}
+    with pytest.raises(TypeError):  # a typed result, not a dict read by key
+        out["accepted"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.accepted = True
 
