@@ -39,7 +39,8 @@ import torch
 from config import BACKENDS, add_options, default_backend, opt
 from grading import answers_match, majority_vote, normalize_answer
 from records import folder_digests, latest_checkpoint, verify_checkpoint
-from rollout import SamplingConfig, TeamBatch, make_backend, rollout
+from rollout import SamplingConfig, TeamBatch, rollout
+from scale.rollout_vllm import make_backend  # the entry point picks the backend
 from tasks import BOXED_INSTRUCTION, Problem, canonical_dataset_name, load_dataset_by_name, load_jsonl
 from team import PROTOCOLS, Agent, Team, TeamConfig, check_hub_available, parse_agents
 

@@ -23,7 +23,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from scale import distributed
 from trust_region import per_state_kl
 
 # Positions (rows x columns) through the LM head at once: a [n, c, V] fp32 logits block of
@@ -210,14 +209,14 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
     pi_j,cur on the turn, from one forward of each model. The KL is exact over the whole vocabulary
     at every position of the agent's responses (Section 3, not a sampled proxy); log rho =
     log pi_new - log pi_cur of the sampled tokens, exactly 0 where the agent did not move, is what
-    the later agents' truncated weights are built from (Section 5). Under torchrun each rank
+    the later agents' truncated weights are built from (Section 5). Each process (``agent.procs``)
     measures its rows and the results are gathered."""
     model = agent.model
     tensors = turn.tensors
     rows = turn_rows(tensors, token_budget)
     kls = []
     new_logp, cur_logp = torch.zeros(turn.response_ids.shape), torch.zeros(turn.response_ids.shape)  # [N, Lr]
-    lo, hi = distributed.row_range(len(turn.texts))  # under torchrun: this rank's rows; gathered below
+    lo, hi = agent.procs.rows(len(turn.texts))  # this process's rows (all of them on one process); gathered below
     for s in range(lo, hi, rows):
         sl = slice(s, min(s + rows, hi))
         lp_new, h_new = turn_forward(model, tensors, sl, temperature)  # [b, Lr], [b, Lr, H]
@@ -229,8 +228,6 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
             new_logits = head_logits(model, h_new[c : c + KL_CHUNK_POSITIONS])  # [<=1024, V] fp32
             cur_logits = head_logits(reference, h_cur[c : c + KL_CHUNK_POSITIONS])  # [<=1024, V] fp32
             kls.append(per_state_kl(new_logits, cur_logits, temperature=temperature).cpu())
-    kl = torch.cat(kls) if kls else torch.zeros(0)
-    if distributed.active():  # rows are contiguous per rank: rank order is row order
-        kl = torch.cat(distributed.gather_objects(kl))
-        new_logp, cur_logp = distributed.sum_ranks(new_logp), distributed.sum_ranks(cur_logp)
+    kl = torch.cat(agent.procs.gather(torch.cat(kls) if kls else torch.zeros(0)))  # [M] rows contiguous per process
+    new_logp, cur_logp = agent.procs.sum(new_logp), agent.procs.sum(cur_logp)  # [N, Lr] zeros off this one's rows
     return kl, new_logp, (new_logp - cur_logp) * turn.response_mask

@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from logprobs import TurnTensors, left_pad, response_hidden_states
-from rollout import HF, SamplingConfig, rollout, rollout_in_blocks
-from scale import distributed
-from scale.shard_load import load_agent_sharded
+from processes import ONE_PROCESS, OneProcess
+from rollout import HF, SamplingConfig, rollout
 from tasks import Problem
 from team import Agent, MasterWeightAdamW, Team, check_same_vocabulary, warm_start
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
@@ -148,34 +147,24 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
 
 
 def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
-                **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``measure_stage0`` over all the states; under torchrun each rank measures its share of the rows and
-    gathers the rest in row order, so every rank holds the [M] vectors and takes the same decisions."""
-    if not distributed.active():
-        return measure_stage0(new_model, pre_model, cur_model, states, t, delta0, **args)
-    lo, hi = distributed.row_share(len(states))
+                procs: OneProcess = ONE_PROCESS, **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``measure_stage0`` over all the states: each process measures its share of the rows and gathers the
+    rest in row order, so every process holds the [M] vectors and takes the same decisions."""
+    lo, hi = procs.share(len(states))
     first, last = int(states.rmask[:lo].sum()), int(states.rmask[:hi].sum())
     share = states.rows(slice(lo, hi))
-    slices = row_slices(share, hi - lo, args["token_budget"])  # this rank's forwards: measured, and counted below
-    mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last], delta0,
-                          slices=slices, **args)
+    slices = row_slices(share, hi - lo, args["token_budget"])  # this process's forwards
     models = (new_model, pre_model, cur_model)
-    if any(distributed.is_sharded(m) for m in models):  # --shard-frozen: forwards are collectives
-        _dummy_forwards(models, states, len(slices))
-    parts = distributed.gather_objects(mine)
-    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
-
-
-@torch.no_grad()
-def _dummy_forwards(models, states: Stage0States, calls: int) -> None:
-    """--shard-frozen: pad this rank's ``calls`` trunk forwards per model with forwards on one row up to the
-    busiest rank's count, so every all-gather meets its peers; then free the gathered roots."""
-    part = states.rows(slice(0, 1))
-    for _ in range(distributed.extra_calls(calls)):
-        for model, tensors in zip(models, (part.new_turn, part.new_turn, part.cur_turn)):
-            _hidden(model, tensors)
+    one_row = states.rows(slice(0, 1))
+    dummy = lambda: [_hidden(m, x) for m, x in zip(models, (one_row.new_turn, one_row.new_turn,  # noqa: E731
+                                                               one_row.cur_turn))]
+    with torch.no_grad(), procs.lockstep(new_model, len(slices), dummy):
+        mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last], delta0,
+                              slices=slices, **args)
     for model in models:
-        distributed.reshard(model)
+        procs.release(model)
+    parts = procs.gather(mine)
+    return tuple(torch.cat([p[k] for p in parts]) for k in range(3))
 
 
 def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature: float) -> torch.Tensor:
@@ -187,11 +176,11 @@ def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature
     return (target.exp() * (target - logp_new)).sum()
 
 
-def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
-    """This rank's rows of the micro-batch ``sl`` and their loss weight. A rank left without states runs the
-    first row with states at weight 0: FSDP2's collectives need the same calls on every rank."""
+def _my_rows(states: Stage0States, sl: slice, procs: OneProcess) -> tuple[slice, float]:
+    """This process's rows of the micro-batch ``sl`` and their loss weight. A process left without states runs
+    the first row with states at weight 0: FSDP2's collectives need the same calls on every rank."""
     start, stop = sl.start, min(sl.stop, len(states))
-    lo, hi = distributed.row_share(stop - start)
+    lo, hi = procs.share(stop - start)
     if bool(states.rmask[start + lo : start + hi].any()):
         return slice(start + lo, start + hi), 1.0
     first = start + int(states.rmask[start:stop].any(1).nonzero()[0])
@@ -199,20 +188,21 @@ def _my_rows(states: Stage0States, sl: slice) -> tuple[slice, float]:
 
 
 def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
-             rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET) -> float:
+             rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET,
+             procs: OneProcess = ONE_PROCESS) -> float:
     """One pass over the fit states, one AdamW step per micro-batch of rows on the mean KL(target || pi_new);
-    returns the mean loss. Under torchrun (``new_model`` the FSDP2 copy) each rank's loss is its share of the
-    one-process micro-batch over the micro-batch's state count, times N (FSDP2 averages gradients over
-    ranks): the one-process step up to float summation order."""
+    returns the mean loss. Each process's loss is its share of the micro-batch over the micro-batch's state
+    count (``procs.backward``: the sum over processes), so the step is the one-process step up to float
+    summation order."""
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
     step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
-    world, losses = distributed.STATE.world, []
+    losses = []
     starts = torch.cat([torch.zeros(1, dtype=torch.long), states.rmask.sum(1).long().cumsum(0)])  # [N + 1]
     for sl in row_slices(states, rows_per_step, token_budget):
         m_all = int(states.rmask[sl].sum())  # the micro-batch's states, on all ranks
         if m_all == 0:
             continue
-        mine, weight = _my_rows(states, sl) if world > 1 else (sl, 1.0)
+        mine, weight = _my_rows(states, sl, procs)
         part = states.rows(mine)
         with torch.no_grad():
             h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
@@ -227,25 +217,19 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
                     for c in range(0, m, step))
         loss = total / m_all
         opt.zero_grad(set_to_none=True)
-        (loss * (weight * world) if world > 1 else loss).backward()
+        procs.backward(loss * weight)
         opt.step()
         losses.append(float(loss.detach()) * weight)
-    if world > 1:  # the micro-batches' losses summed over the ranks' shares
-        losses = distributed.sum_ranks(torch.tensor(losses, dtype=torch.float64)).tolist()
+    losses = procs.sum(torch.tensor(losses, dtype=torch.float64)).tolist()  # summed over the processes' shares
     return sum(losses) / max(len(losses), 1)
 
 
-def _trainable(new_model, lr: float):
-    """(the copy Stage-0 trains, its optimizer): ``new_model`` itself (bf16: on fp32 master weights), or under
-    torchrun an fp32 FSDP2 copy whose shards are the masters (``--shard-frozen``: built shard by shard)."""
-    if distributed.is_sharded(new_model):
-        trained = distributed.training_copy(new_model)
-        if new_model.lm.is_gradient_checkpointing:
-            trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        trained = distributed.shard_model(new_model) if distributed.active() else new_model
+def _trainable(new_model, lr: float, procs: OneProcess):
+    """(the copy Stage-0 trains, its optimizer): ``new_model`` itself (bf16: on fp32 master weights), or the
+    processes' fp32 training copy whose parts are the masters (``procs.trainable``)."""
+    trained = procs.trainable(new_model)
     trained.requires_grad_(True).train()
-    if next(new_model.parameters()).dtype != torch.float32 and not distributed.active():
+    if next(new_model.parameters()).dtype != torch.float32 and trained is new_model:
         return trained, MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
     return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
 
@@ -253,7 +237,7 @@ def _trainable(new_model, lr: float):
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delta0: float, q_level: float, lr: float,
                max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
                logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent",
-               trace: dict | None = None) -> dict:
+               trace: dict | None = None, procs: OneProcess = ONE_PROCESS) -> dict:
     """Stage-0 (Eqs. (6)-(7)) on given states: ``new_model`` enters as pi_pre and leaves aligned (a frozen
     copy keeps pi_pre). Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit states is
     <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value KL(target || pi_pre)
@@ -268,11 +252,11 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     still outside after ``max_passes``; a missed fit tolerance keeps the feasible model (``fit_ok`` False).
     ``trace`` receives t, t_exact and the fp32 masters (``master_weights``; ``master_shards`` under torchrun).
 
-    Under torchrun (an fp32 FSDP2 trainable copy; with ``--shard-frozen`` no model ever whole on a rank) each
-    rank fits and measures its share: every decision is the one-process one up to float summation order."""
+    Each process (``procs``) fits and measures its share: every decision is the one-process one up to float
+    summation order."""
     log = log or (lambda *_: None)
-    pre_model = distributed.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre (shards: a sharded copy)
-    args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget)
+    pre_model = procs.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre
+    args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget, procs=procs)
     kl, fit_kl, t = measure_all(new_model, pre_model, cur_model, fit, None, delta0, **args)
     t_exact = t.clone()  # [M] the argmin's exponents
     kl_held = (measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held)
@@ -282,8 +266,8 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     before = {"fit_mean_before": _mean(fit_kl), "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": _mean((t < 1).float())}
-    sharded, low = distributed.active(), next(new_model.parameters()).dtype != torch.float32
-    trained, opt = _trainable(new_model, lr)
+    low = next(new_model.parameters()).dtype != torch.float32
+    trained, opt = _trainable(new_model, lr, procs)
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
         q = kl_quantile(kl, q_level)
@@ -308,12 +292,9 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
             for group in opt.param_groups:
                 group["lr"] *= 0.5
             stall = 0
-        fit_pass(trained, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget)
-        if distributed.is_sharded(new_model):  # --shard-frozen: each rank writes its shards, no communication
-            distributed.copy_local_into(trained, new_model)
-        elif sharded:  # the whole weights on every rank, one layer at a time, for the measurement
-            trained.reshard()
-            distributed.copy_full_into(trained, new_model)
+        fit_pass(trained, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget,
+                 procs)
+        procs.write_back(trained, new_model)  # for the measurement
         new_model.eval()
         kl, fit_kl, _ = measure_all(new_model, pre_model, cur_model, fit, t, delta0, **args)
         trained.train()
@@ -323,10 +304,9 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     del opt
     if trace is not None:
         trace.update(t=t.clone(), t_exact=t_exact)
-        if low and sharded:  # the replacement's first SAT turn continues these fp32 masters
-            trace["master_shards"] = distributed.master_shards_of(trained)
-        elif low:
-            trace["master_weights"] = masters
+        if low:  # the replacement's first SAT turn continues these fp32 masters
+            shards = procs.kept_masters(trained)
+            trace.update(master_weights=masters) if shards is None else trace.update(master_shards=shards)
     del trained
     if beyond(q, delta0):  # a NaN quantile too
         del pre_model
@@ -380,11 +360,7 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
     problems = fit_problems + held_problems
-    if cfg.shard_rollouts:
-        seed = int(torch.randint(0, 2 ** 62, ()))  # from the global RNG: the same draw on every rank
-        batch = rollout_in_blocks(team, problems, cfg.group_size, sampling, seed, cfg.rollout_blocks, backend=backend)
-    else:
-        batch = rollout(team, problems, cfg.group_size, sampling, backend=backend)  # the trained team's states
+    batch = team.procs.rollout(rollout, team, problems, cfg.group_size, sampling, backend, True)  # the team's states
     states, differ = slot_states(team, slot, new_agent, batch)
     if differ:
         log(f"  stage-0: the replacement's chat template renders {differ} of {len(batch)} contexts as other tokens "
@@ -399,7 +375,7 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     trace["fit"] = fit
     info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr,
                       cfg.stage0_max_passes, fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget,
-                      log=log, label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace)
+                      log=log, label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace, procs=team.procs)
     new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
     new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:
@@ -409,17 +385,11 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     return info
 
 
-def sharded_replacement(cfg) -> bool:
-    """--shard-frozen under torchrun: the replacement is held in FSDP2 shards, as the team's agents are."""
-    return bool(cfg.shard_frozen) and distributed.active()
-
-
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
     """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
     own (longer) warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    load = load_agent_sharded if sharded_replacement(cfg) else Agent.load
-    agent = load(spec, device=cfg.device, dtype=dtype, seed=cfg.seed * 100 + 50 + slot)
+    agent = team.procs.load_agent(Agent.load, spec, cfg.device, dtype, seed=cfg.seed * 100 + 50 + slot)
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
         holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
@@ -440,9 +410,7 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
         if not 0 <= slot < len(team):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
         new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
-        distributed.broadcast_module(new_agent.model)  # torchrun: every rank starts from rank 0's weights
-        if sharded_replacement(cfg) and not distributed.is_sharded(new_agent.model):
-            new_agent.model = distributed.shard_in_place(new_agent.model)  # a tiny replacement, warm-started whole
+        team.procs.adopt([new_agent])  # torchrun: rank 0's weights on every rank (and as shards with them)
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)
         before = None

@@ -36,11 +36,10 @@ import numpy as np
 import torch
 
 from bounds import heldout_change_bound, paired_change_bound
+from processes import ONE_PROCESS, OneProcess
 from rollout import REWARD_RANGE
-from scale import distributed
-from scale.checkpoint_state import load_sharded, optimizer_skeleton, save_sharded
-from scale.shard_load import load_agent_sharded
 from team import Agent, Team, read_team
+from training_state import optimizer_skeleton
 from trust_region import QuantileController
 
 
@@ -51,9 +50,8 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
                     suffix: str = "") -> Path:
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
-    checkpoint intact. Every rank writes its shards of the training state
-    (``save_sharded``); rank 0 writes the rest (every rank holds the same whole
-    agents between turns) and the others wait for it. checksums.json in
+    checkpoint intact. Every process writes its part of the fp32 training state
+    (``training_state``); the main process writes the rest and the others wait. checksums.json in
     the folder holds the size and sha256 of every file, verified by
     ``load_checkpoint``. Pruning keeps the new folder and the one before it in
     stage order; folders of later stages (a future discarded by resuming from
@@ -61,22 +59,22 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     root = out / "checkpoints"
     final = root / f"stage_{stage:04d}{suffix}"
     tmp = root / f".stage_{stage:04d}{suffix}.tmp"
-    if distributed.is_main():
+    procs = team.procs
+    if procs.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    distributed.barrier()  # the folder exists before any rank writes its shards
-    save_sharded(tmp / "sharded", team)  # every rank
-    sharded = any(distributed.is_sharded(a.model) for a in team.agents)
-    if sharded:  # --shard-frozen: the Hugging Face folders need whole models, gathered on rank 0 one agent at a time
-        for k, agent in enumerate(team.agents):
-            whole = distributed.whole_copy_on_main(agent.model)  # a collective, layer by layer
-            if whole is not None:
-                Agent(agent.spec, whole, agent.tokenizer).save(tmp / "team" / f"agent_{k}")
-            del whole
-    if not distributed.is_main():
-        distributed.barrier()
+    procs.barrier()  # the folder exists before any process writes its part
+    procs.save_state(tmp / "sharded", team)  # every process
+    for k, agent in enumerate(team.agents):  # Hugging Face folders: whole models, one agent at a time
+        whole = procs.whole_copy(agent.model)  # the model itself, or gathered from shards on the main process
+        if procs.main:
+            (agent if whole is agent.model else Agent(agent.spec, whole, agent.tokenizer)).save(
+                tmp / "team" / f"agent_{k}")
+        del whole
+    if not procs.main:
+        procs.barrier()
         return final
-    team.save_meta(tmp / "team") if sharded else team.save(tmp / "team")
+    team.save_meta(tmp / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
@@ -95,7 +93,7 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
     for old in folders:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
-    distributed.barrier()
+    procs.barrier()
     return final
 
 
@@ -274,8 +272,6 @@ def clear_run_files(paths: list[Path]) -> None:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    if not distributed.is_main():  # under torchrun rank 0 writes
-        return
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -302,19 +298,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
 
 
 def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
-                    shard: bool = False) -> tuple[Team, dict, random.Random, dict]:
+                    procs: OneProcess = ONE_PROCESS) -> tuple[Team, dict, random.Random, dict]:
     """Team, saved state, the Python RNG and the controllers of a stage folder;
     restores the torch / numpy / CUDA RNGs so a resumed run continues the
     same random stream as a straight one. The folder is checked against its
     checksums first; a file that still fails to load is named in one line.
-    ``shard`` (``--shard-frozen``): each agent read straight into FSDP2 shards."""
+    Each agent is loaded as ``procs`` hold it (torchrun --shard-frozen: straight into shards)."""
     verify_checkpoint(folder)
     try:
-        if shard:  # --shard-frozen: each agent read straight into FSDP2 shards
-            folders, team_config = read_team(folder / "team")
-            team = Team([load_agent_sharded(f, device, dtype) for f in folders], team_config)
-        else:
-            team = Team.load(folder / "team", device=device, dtype=dtype)
+        folders, team_config = read_team(folder / "team")
+        team = Team([procs.load_agent(Agent.from_checkpoint, f, device, dtype) for f in folders], team_config)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # safetensors / json / tokenizer errors of a damaged file
@@ -334,7 +327,7 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
     for k, opt_state in state.get("optimizers", {}).items():
         team.agents[int(k)].saved_optimizer_state = opt_state  # moments filled from sharded/ below
     if (folder / "sharded").is_dir():  # the fp32 training state (master weights, moments); older checkpoints lack it
-        load_sharded(folder / "sharded", team)
+        procs.load_state(folder / "sharded", team)
     controllers = {int(k): QuantileController(**v) for k, v in state["controllers"].items()}
     return team, state, rng, controllers
 
@@ -363,8 +356,6 @@ def write_metrics(out: Path, records: list[dict]) -> None:
 def plot_run(out: Path, records: list[dict]) -> None:
     """progress.png: team reward and held-out accuracy per stage; the measured change per stage and since
     stage 0, each beside its paired lower bound and the unpaired one."""
-    if not distributed.is_main():
-        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,8 +7,9 @@ under a uniform tie-break (``grading.vote_reward``), so that no agent is a dicta
 
 The behaviour log-probabilities come from the training model's teacher-forced forward at the sampling
 temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
-chosen once per run (``make_backend``): ``HFBackend`` or ``scale.rollout_vllm.VLLMBackend``. Sampling is the
-tempered softmax and nothing else; top_p < 1 is for evaluation only (the ratios and the KL use the full softmax).
+the entry point chooses once per run (``scale.rollout_vllm.make_backend``): ``HFBackend`` here, or
+``scale.rollout_vllm.VLLMBackend``. Sampling is the tempered softmax and nothing else; top_p < 1 is for
+evaluation only (the ratios and the KL use the full softmax).
 
 Common random numbers: every response is sampled under a seed of its own (``response_seeds``: a function of
 the call's base seed, the row and the agent), and its randomness is a function of that seed alone, whatever
@@ -25,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from config import BACKENDS, TOP_P_TRAINING_ERROR
+from config import TOP_P_TRAINING_ERROR
 from grading import answers_match, vote_reward
 from logprobs import (
     TurnTensors,
@@ -37,9 +38,6 @@ from logprobs import (
     turn_forward,
     turn_rows,
 )
-from scale import distributed
-from scale.rollout_vllm import VLLMBackend  # vLLM itself is imported only when an engine starts
-from scale.vllm_ranks import engine_blocks
 from tasks import Problem
 from team import Team
 
@@ -113,6 +111,12 @@ _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111
 def _int64(x: int) -> int:
     """x modulo 2**64 as a signed int64 (torch's int64 arithmetic wraps the same way)."""
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def rng_devices(device) -> list[int]:
+    """The CUDA devices ``torch.random.fork_rng`` must save: the current one for a CUDA device, none otherwise
+    (asking a CPU run for ``torch.cuda.current_device()`` would initialise CUDA)."""
+    return [torch.cuda.current_device()] if str(device).startswith("cuda") and torch.cuda.is_available() else []
 
 
 def draw_seed() -> int:
@@ -299,8 +303,6 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     chunks = chunks_by_budget([len(contexts[i]) + sampling.max_new_tokens for i in order], sampling.token_budget)
     inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its LM
-    # a sharded agent: as many generate calls as the busiest rank (their all-gathers meet), agreed before the first
-    extra = distributed.extra_calls(len(chunks)) if distributed.is_sharded(agent.model) else 0
 
     def gen(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int]) -> torch.Tensor:  # [n, Lc + <= new]
         sampler = LogitsProcessorList([SeededSampler(row_seeds, sampling.temperature, sampling.top_p)])
@@ -309,14 +311,14 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
                                         generation_config=gen_cfg, logits_processor=sampler)
 
     responses: list[list[int]] = [None] * len(contexts)
-    for sl in chunks:
-        idx = order[sl]
-        ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
-        new = gen(ids, mask, [seeds[i] for i in idx])[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
-        for row, i in enumerate(idx):
-            responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
-    for _ in range(extra):  # dummy calls, discarded: the batch's draws stay those of one process
-        gen(*left_pad([contexts[order[0]]], tok.pad_token_id), [0])
+    dummy = lambda: gen(*left_pad([contexts[order[0]]], tok.pad_token_id), [0])  # noqa: E731  (discarded)
+    with agent.procs.lockstep(agent.model, len(chunks), dummy):
+        for sl in chunks:
+            idx = order[sl]
+            ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
+            new = gen(ids, mask, [seeds[i] for i in idx])[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
+            for row, i in enumerate(idx):
+                responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
     return responses
 
 
@@ -342,20 +344,6 @@ class HFBackend:
 HF = HFBackend()
 
 
-def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,
-                 tensor_parallel: int = 1, health: bool = True):
-    """The run's sampler: ``HF``, or vLLM engines (one per agent, per rank under torchrun, or per group of
-    ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the engines
-    also return their log-probabilities of the sampled tokens (``VLLMBackend.health``)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
-    if name == "hf":
-        return HF
-    extra = {} if train_fraction is None else {"train_fraction": train_fraction}
-    return VLLMBackend(n_engines=n_engines, seed=seed, health_logprobs=health, tensor_parallel=tensor_parallel,
-                       **extra)
-
-
 # -- The joint rollout -----------------------------------------------------------------------------------
 @torch.no_grad()
 def behaviour_logprobs(agent, tensors: TurnTensors, sampling: SamplingConfig) -> torch.Tensor:
@@ -363,14 +351,10 @@ def behaviour_logprobs(agent, tensors: TurnTensors, sampling: SamplingConfig) ->
     model's teacher-forced forward, one call per token-budget chunk. ``tensors``: the turn's
     ``TurnTensors`` or the same four tensors as a plain tuple."""
     tensors = TurnTensors(*tensors)
-    extra = 0
-    if distributed.is_sharded(agent.model):  # as many forwards as the busiest rank, agreed before the first
-        calls = -(-len(tensors.context_ids) // turn_rows(tensors, sampling.token_budget))
-        extra = distributed.extra_calls(calls)
-    logp = batched_response_logprobs(agent.model, tensors, sampling.temperature, sampling.token_budget)
-    for _ in range(extra):
-        turn_forward(agent.model, tensors, slice(0, 1), sampling.temperature)
-    return logp
+    calls = -(-len(tensors.context_ids) // turn_rows(tensors, sampling.token_budget))
+    dummy = lambda: turn_forward(agent.model, tensors, slice(0, 1), sampling.temperature)  # noqa: E731
+    with agent.procs.lockstep(agent.model, calls, dummy):
+        return batched_response_logprobs(agent.model, tensors, sampling.temperature, sampling.token_budget)
 
 
 def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: SamplingConfig, backend, score: bool,
@@ -386,7 +370,7 @@ def agent_turn(team: Team, k: int, contexts: list[list[int]], sampling: Sampling
     truncated = torch.tensor([tok.eos_token_id not in r for r in responses])  # [N]
     tensors = TurnTensors(ctx, cmask, resp, rmask)
     logp = behaviour_logprobs(agent, tensors, sampling) if score else torch.zeros(resp.shape)  # [N, Lr]
-    distributed.reshard(agent.model)  # a sharded agent keeps no gathered root between turns
+    agent.procs.release(agent.model)  # nothing kept gathered between turns
     return Turn(k, ctx, cmask, resp, rmask, logp, texts, [team.extract(t) for t in texts], truncated,
                 backend.last_logprobs(agent))
 
@@ -474,37 +458,6 @@ def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, b
         turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling, backend, True, seed)
     new = TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids))
     return new, len(redo) * len(batch)
-
-
-def blocks_of_rank(n_blocks: int, backend=HF) -> range:
-    """The rollout blocks this rank generates: r, r + N, ...; the K ranks of one K-rank tensor-parallel
-    vLLM engine take the same blocks (``vllm_ranks.engine_blocks``). The union is every block once."""
-    return engine_blocks(n_blocks, distributed.STATE.rank, distributed.STATE.world, backend.tensor_parallel)
-
-
-def rollout_in_blocks(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, seed: int,
-                      n_blocks: int, backend=HF, score: bool = True) -> TeamBatch:
-    """``rollout`` in ``n_blocks`` blocks of whole groups, block b sampled under the seed ``seed + b``;
-    under torchrun each rank generates its blocks (``blocks_of_rank``) and every rank receives the union,
-    so the batch is the same for any number of processes."""
-    size = -(-len(problems) // max(1, n_blocks))  # problems per block
-    starts = list(range(0, len(problems), size))
-    world = distributed.STATE.world
-    if any(distributed.is_sharded(a.model) for a in team.agents):
-        # sharded agents (--shard-frozen): every rank runs as many blocks; one past the last redoes one, discarded
-        blocks = range(distributed.STATE.rank, -(-len(starts) // world) * world, world)
-    else:
-        blocks = blocks_of_rank(len(starts), backend)
-    mine = {}
-    for b in blocks:
-        start = starts[b % len(starts)]
-        with torch.random.fork_rng(devices=distributed.rng_devices(team.agents[0].device)):
-            torch.manual_seed(seed + b)
-            part = rollout(team, problems[start: start + size], group_size, sampling, backend, score)
-        if b < len(starts):
-            mine[b] = part
-    parts = {b: part for gathered in distributed.gather_objects(mine) for b, part in gathered.items()}
-    return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
 
 
 def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:

@@ -40,14 +40,16 @@ import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import records
 from advantage import LOG_WEIGHT_CAP, credit_correlation, masked_sum, truncation_bias
 from bounds import paired_change_bound
-from config import Config, add_options, parse_agents, resolve_agent_spec
+from config import Config, add_options, parse_agents, resolve_agent_spec, threads_from_env
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
+from processes import ONE_PROCESS, OneProcess
 from rollout import (
     HF,
     REWARD_RANGE,
@@ -55,14 +57,14 @@ from rollout import (
     TeamBatch,
     check_sampler,
     draw_seed,
-    make_backend,
     regenerate,
+    rng_devices,
     rollout,
-    rollout_in_blocks,
 )
-from scale import distributed, memory
-from scale.shard_load import load_agent_sharded
-from scale.sharded_update import train_sharded
+from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale.distributed import teardown
+from scale.rollout_vllm import make_backend
+from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
 from tasks import Problem, load_task
 from team import Agent, Team, TeamConfig, check_hub_available, warm_start
@@ -105,7 +107,7 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
     the promotion changed (``--reuse regenerate``: the batch stays on-policy for
     pi_hat^i). Returns the stage's metrics record and its rollout B (what the team said)."""
     n_agents, t0 = len(team), time.time()
-    batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, cfg, backend)  # line 4: B <- ROLLOUT
+    batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, backend)  # line 4: B <- ROLLOUT
     backend.sleep()
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
@@ -121,13 +123,13 @@ def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: Sampli
                 pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
             t_gen, pair_seed = time.time(), draw_seed()  # one seed per row for the step's before and after draws
             if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
-                before, generated = redraw(team, batch, j, sampling, cfg, backend, pair_seed)
+                before, generated = redraw(team, batch, j, sampling, backend, pair_seed)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             agents[j], log_rho = update_agent(team, j, batch, cached, cfg, controllers[j], value_heads)
             backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
             t_gen = time.time()
             if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
-                batch, generated = redraw(team, batch, j, sampling, cfg, backend, pair_seed)
+                batch, generated = redraw(team, batch, j, sampling, backend, pair_seed)
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             elif i < n_agents - 1:
                 cached.append((log_rho, batch.turns[j].response_mask))
@@ -166,9 +168,9 @@ def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
     OPTIMIZE(L_i); the trust-region check. Returns its record and log rho."""
     inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
-    reference = distributed.frozen_copy(team.agents[j].model)  # pi_j,cur, frozen
-    stats = train_sharded(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, {j: controller}, value_heads,
-                                                        {j: reference})[j])
+    reference = team.procs.frozen_copy(team.agents[j].model)  # pi_j,cur, frozen
+    stats = team.procs.train(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, {j: controller}, value_heads,
+                                                           {j: reference})[j])
     return finish_update(team, j, reference, inputs, stats, cfg, controller, batch)
 
 
@@ -177,9 +179,9 @@ def joint_update(team: Team, sigma: list[int], batch: TeamBatch, cfg: Config, co
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
     inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
-    references = {j: distributed.frozen_copy(team.agents[j].model) for j in sigma}
-    stats = train_sharded(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
-                                                            references))
+    references = {j: team.procs.frozen_copy(team.agents[j].model) for j in sigma}
+    stats = team.procs.train(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
+                                                               references))
     agent_records = [None] * len(team)
     for j in sigma:
         agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j], batch)[0]
@@ -199,12 +201,12 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
     violating step is never kept. The record's KL and log rho are those of the
     weights kept."""
     agent, turn = team.agents[j], inputs.turn
-    params = distributed.local_parameters(agent.model)  # this rank's shards of a sharded agent (elementwise below)
-    anchor = stats.anchor or [p.detach().clone() for p in distributed.local_parameters(reference)]
+    params = agent.procs.parameters(agent.model)  # views: the model reads them at its next forward
+    anchor = stats.anchor or [p.detach().clone() for p in agent.procs.parameters(reference)]
     proposal = [p.detach().clone() for p in params]
 
     def step_to(frac: float) -> None:
-        distributed.reshard(agent.model)  # a sharded agent gathers the new shards at its next forward
+        agent.procs.release(agent.model)
         interpolate_parameters(params, anchor, proposal, frac)
 
     def measure() -> tuple[torch.Tensor, torch.Tensor]:  # per-state KL [M], log rho [N, Lr] of the weights in place
@@ -253,26 +255,17 @@ def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor
             "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j])}
 
 
-def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, cfg: Config,
-                 backend=HF, score: bool = True) -> TeamBatch:
-    """ROLLOUT(pi_cur): one batched call or, with --shard-rollouts (always under
-    torchrun), seeded blocks shared out over the ranks: the same batch for any
-    number of processes."""
-    if not cfg.shard_rollouts:
-        return rollout(team, problems, group_size, sampling, backend=backend, score=score)
-    seed = int(torch.randint(0, 2 ** 62, ()))  # from the global RNG: the same draw on every rank
-    return rollout_in_blocks(team, problems, group_size, sampling, seed, cfg.rollout_blocks, backend=backend,
-                             score=score)
+def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend=HF,
+                 score: bool = True) -> TeamBatch:
+    """ROLLOUT(pi_cur): ``rollout.rollout`` of the problems, as the team's processes share it out
+    (``processes.py``; torchrun: seeded blocks, the same batch for any number of processes)."""
+    return team.procs.rollout(rollout, team, problems, group_size, sampling, backend, score)
 
 
-def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, cfg: Config, backend,
-           seed: int) -> tuple:
+def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backend, seed: int) -> tuple:
     """``--reuse regenerate`` around agent j's promotion: the turns it changes,
-    drawn again under ``seed`` (rollout.regenerate). Under torchrun rank 0 draws
-    and every rank receives the batch; with --shard-frozen every rank draws (the
-    sharded agents' forwards are collectives)."""
-    draw = lambda: regenerate(team, batch, j, sampling, backend, seed)  # noqa: E731
-    out = draw() if cfg.shard_frozen else distributed.on_main(draw)
+    drawn again under ``seed`` (rollout.regenerate), once for every process."""
+    out = team.procs.on_main(lambda: regenerate(team, batch, j, sampling, backend, seed))
     backend.sleep()
     return out
 
@@ -285,9 +278,9 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
     evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG stream of
     its own, so the training stream does not depend on when the evaluation ran."""
     t0 = time.time()
-    with torch.random.fork_rng(devices=distributed.rng_devices(cfg.device)):
+    with torch.random.fork_rng(devices=rng_devices(cfg.device)):
         torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed}").getrandbits(63))
-        batch = team_rollout(team, problems, cfg.eval_samples, sampling, cfg, backend, score=False)
+        batch = team_rollout(team, problems, cfg.eval_samples, sampling, backend, score=False)
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
             "eval_seconds": time.time() - t0,
@@ -299,29 +292,32 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
 # ---------------------------------------------------------------------------
 # The run: configuration, the team, the stage loop
 # ---------------------------------------------------------------------------
-def resolve(cfg: Config) -> Path | None:
-    """Presets, device, dtype and backend, then one validation; under torchrun
-    (the one block that knows about it) the process group and its defaults.
-    Returns the checkpoint to resume from, if any."""
+def resolve(cfg: Config) -> tuple[Path | None, OneProcess]:
+    """Presets, device, dtype and backend, then one validation, then the processes
+    that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``,
+    the one block that knows about it. Returns (the checkpoint to resume from, if
+    any; the processes)."""
     cfg.apply_preset()
     cfg.validate()
     validate_run_inputs(cfg)
-    cfg.threads = distributed.configure_threads(cfg.threads, cfg.device)
-    cfg.device = distributed.setup(cfg.device)  # torchrun: join the process group; every rank runs this loop
-    if distributed.active():
-        cfg.shard_rollouts = True  # seeded blocks: the batch does not depend on the number of processes
-        if cfg.shard_frozen is None:
-            cfg.shard_frozen = cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
-        if cfg.shard_frozen and cfg.vllm_tensor_parallel > 1:
-            raise ValueError("--shard-frozen with --vllm-tensor-parallel > 1 is not supported yet (the K ranks of an "
-                             "engine must take the same rollout blocks): "
-                             "use --vllm-tensor-parallel 1 or --no-shard-frozen")
-        for name in ("batch_size", "minibatch_size"):
-            if getattr(cfg, name) % distributed.STATE.world:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
-                                 f"processes ({distributed.STATE.world}) so every rank trains on as many rows")
-    cfg.shard_frozen = bool(cfg.shard_frozen) and distributed.active()  # one process: nothing to shard
-    return records.latest_checkpoint(cfg.resume) if cfg.resume else None
+    cfg.threads = configure_threads(cfg.threads, cfg.device)
+    if cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        procs = Torchrun.join(cfg)  # this rank's device and torchrun's defaults, set in cfg
+    else:
+        procs, cfg.shard_frozen = ONE_PROCESS, False  # one process: nothing to shard
+    return (records.latest_checkpoint(cfg.resume) if cfg.resume else None), procs
+
+
+def configure_threads(threads: int | None, device: str) -> int:
+    """torch's CPU threads: ``--threads``, else $OMP_NUM_THREADS, else 1. One thread by default: the thread count
+    changes float summation order (so the same seed would give other metrics on other machines), and a second busy
+    process on a 2-core machine makes every parallel region wait for a descheduled thread. On CUDA the host
+    threads only feed the GPU and are left alone."""
+    if threads is None:
+        threads = threads_from_env() or 1
+    if not str(device).startswith("cuda"):
+        torch.set_num_threads(threads)
+    return threads
 
 
 def validate_run_inputs(cfg: "Config") -> None:
@@ -367,20 +363,21 @@ def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
     return train, heldout, instruction
 
 
-def build_team(cfg: Config, instruction: str) -> Team:
+def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS) -> Team:
     dtype = getattr(torch, cfg.dtype)
-    load = load_agent_sharded if cfg.shard_frozen else Agent.load  # sharded: never whole on one rank
-    agents = [load(spec, cfg.device, dtype, seed=cfg.seed * 100 + k) for k, spec in enumerate(parse_agents(cfg.agents))]
+    agents = [procs.load_agent(Agent.load, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
+              for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
 
 
-def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, log) -> tuple:
+def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
+               log) -> tuple:
     """(team, controllers, value heads, Python RNG, saved state, metrics so far):
     from a checkpoint (the run's metrics of stages 0..k kept), or new (tiny
-    agents warm-started: it stands in for pretraining)."""
+    agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
     if resume_from is not None:
         team, state, rng, controllers = records.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
-                                                        shard=cfg.shard_frozen)
+                                                                procs)
         start, run_dir = state["stage"], records.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in records.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -389,8 +386,8 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         log(f"resumed from {resume_from} at stage {start}")
         cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
-        rng = distributed.seed_run(cfg.seed)
-        team, state, rows = build_team(cfg, instruction), {}, []
+        rng = seed_run(cfg.seed)
+        team, state, rows = build_team(cfg, instruction, procs), {}, []
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
@@ -398,8 +395,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
             log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
                 f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
-    for agent in team.agents:
-        distributed.broadcast_module(agent.model)  # every rank starts from rank 0's weights
+    procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
     value_heads = {}
     if cfg.adv == "gae":
         saved = {int(k): v for k, v in state.get("value_heads", {}).items()}
@@ -410,26 +406,35 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
     return team, controllers, value_heads, rng, state, rows
 
 
+def seed_run(seed: int) -> random.Random:
+    """Seed torch's and NumPy's global generators for a run; returns the run's own Python generator (the
+    global ``random`` is left alone)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    return random.Random(seed)
+
+
 def run(cfg: Config, log=None) -> list[dict]:
     """Train a team with SAT; returns the metrics records (stage 0 = before training)."""
     return run_resolved(cfg, resolve(cfg), log)
 
 
-def run_resolved(cfg: Config, resume_from: Path | None, log=None) -> list[dict]:
-    """``run`` once ``resolve`` has checked the configuration."""
+def run_resolved(cfg: Config, resolved: tuple[Path | None, OneProcess], log=None) -> list[dict]:
+    """``run`` once ``resolve`` has checked the configuration and picked the processes."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
+    resume_from, procs = resolved
     hf_logging.disable_progress_bar()
-    log = (log or tqdm.write) if distributed.is_main() else (lambda *args: None)  # rank 0 speaks and writes
+    log = (log or tqdm.write) if procs.main else (lambda *args: None)  # one process speaks and writes
     out = Path(cfg.out)
     resume_run = (records.run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
     replaced = records.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
-    distributed.barrier()  # torchrun: every rank has looked before rank 0 writes anything
+    procs.barrier()  # every process has looked before one writes anything
     train, heldout, instruction = load_problems(cfg)
-    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, log)
+    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, procs, log)
     train_fraction = memory.check_run(cfg, team, log)  # a team that cannot fit is refused before anything is written
-    if distributed.is_main():
+    if procs.main:
         records.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
     backend = make_backend(cfg.backend, len(team), cfg.seed, train_fraction=train_fraction,
@@ -461,15 +466,16 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     if cfg.upgrade:
         baseline, pending = upgrade(cfg, team, train, heldout, start, sampling, controllers, value_heads, rng, backend,
                                     pending, log)
-    distributed.shard_team(team, cfg.shard_frozen)  # --shard-frozen: agents built whole (tiny) as shards too
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
-    how = {"world_size": distributed.STATE.world, "device_kind": distributed.STATE.device_kind}
-    records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
+    how, main = team.procs.describe(cfg.device), team.procs.main  # the main process writes the run's files
+    if main:
+        records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
 
     def close(row: dict) -> None:  # the metrics row on disk before the checkpoint that continues from it
         rows.append(row)
-        records.write_metrics(out, rows)
+        if main:
+            records.write_metrics(out, rows)
         records.save_checkpoint(out, row["stage"], team, controllers, value_heads, rng, {})
         log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
             f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n{records.STAGE_HEADER}")
@@ -480,19 +486,20 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
         log(records.STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
-                disable=not distributed.is_main())
+                disable=not team.procs.main)
     for stage in pbar:
         prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
         rec, rollout_b = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend)
         samples = records.stage_samples(rollout_b, stage, cfg.samples, cfg.group_size)
-        records.write_samples(out, stage, samples)
+        if main:
+            records.write_samples(out, stage, samples)
         close(records.stage_row(rec, {**evaluation, **how}, stage, rows, baseline or rows[-1], pending,
                                 cfg.delta_conf))
         if samples:
             log(records.sample_text(samples[0]))
         baseline, pending = None, []
-    if len(rows) > 1:
+    if len(rows) > 1 and main:
         records.plot_run(out, rows)
     plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
     log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {rows[-1]['eval_accuracy']:.3f}; "
@@ -513,7 +520,8 @@ def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem
     baseline = evaluate(team, heldout, sampling, cfg, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
-    records.record_upgrades(out, events)
+    if team.procs.main:
+        records.record_upgrades(out, events)
     pending = pending + events
     cfg.agents = ", ".join(a.spec.name for a in team.agents)
     cfg.upgrade = []  # done: a later --resume must not upgrade again
@@ -561,17 +569,17 @@ def main(argv=None) -> int:
     try:
         try:
             cfg = parse_args(argv)
-            resume_from = resolve(cfg)
+            resolved = resolve(cfg)
         except (ValueError, FileNotFoundError, RuntimeError) as err:  # refused before any work
             print(f"sat.py: error: {err}", file=sys.stderr)
             return 2
         try:
-            run_resolved(cfg, resume_from)
+            run_resolved(cfg, resolved)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
             print(f"sat.py: error: {err}", file=sys.stderr)
             return 1
     finally:
-        distributed.teardown()
+        teardown()  # torchrun's process group, if one was joined
     return 0
 
 

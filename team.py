@@ -28,6 +28,7 @@ from advantage import masked_mean
 from config import PROTOCOLS, AgentSpec, parse_agents, resolve_agent_spec  # noqa: F401  parse_agents: team's API
 from grading import extract_answer, majority_vote
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
+from processes import ONE_PROCESS, OneProcess
 from tasks import Problem, noisy_label
 
 # The tiny character tokenizer's specials; its chat template uses the role markers as a real chat model does.
@@ -74,10 +75,11 @@ class Agent:
     """One team member: a causal LM, its tokenizer, and (only while it is the agent being trained)
     an optimizer. Frozen agents hold no gradients and no optimizer state: SAT's memory advantage."""
 
-    def __init__(self, spec: AgentSpec, model, tokenizer):
+    def __init__(self, spec: AgentSpec, model, tokenizer, procs: OneProcess = ONE_PROCESS):
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
+        self.procs = procs  # the processes its computation is spread over (processes.py: the scale-out seam)
         self.optimizer: torch.optim.Optimizer | None = None
         self.saved_optimizer_state: dict | None = None  # AdamW moments between turns (host memory)
         self.master_weights: list[torch.Tensor] | None = None  # fp32 master of a bf16 agent between turns (host)
@@ -424,6 +426,11 @@ class Team:
     @property
     def protocol(self) -> str:
         return self.config.protocol
+
+    @property
+    def procs(self) -> OneProcess:
+        """The processes the team runs on (every agent's)."""
+        return self.agents[0].procs
 
     def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
         """The text agent k reads; chain: with the earlier agents' extracted answers (a thinking model's

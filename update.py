@@ -37,7 +37,6 @@ import torch
 from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
 from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
 from rollout import TeamBatch, Turn
-from scale import distributed
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
@@ -277,11 +276,11 @@ def _stop_training(agent: Agent, head, cfg, tally: _Tally, early_stopped: bool, 
     agent.freeze(offload_optimizer=cfg.keep_optimizer_state)
     if head is not None:
         head.requires_grad_(False)
-    if distributed.active():  # token counts and ratios of every rank's rows
-        tally.clip_tokens, tally.tokens = distributed.sum_ranks(
-            torch.tensor([tally.clip_tokens, tally.tokens], dtype=torch.float64)).tolist()
-        tally.ratio = [r for part in distributed.gather_objects(tally.ratio) for r in part]
-        tally.step0_log_ratio_max = max(distributed.gather_objects(tally.step0_log_ratio_max))
+    procs = agent.procs  # token counts and ratios of every process's rows
+    tally.clip_tokens, tally.tokens = procs.sum(torch.tensor([tally.clip_tokens, tally.tokens],
+                                                             dtype=torch.float64)).tolist()
+    tally.ratio = [r for part in procs.gather(tally.ratio) for r in part]
+    tally.step0_log_ratio_max = max(procs.gather(tally.step0_log_ratio_max))
     return TrainStats(loss=float(np.mean(tally.loss)), clip_fraction=tally.clip_tokens / max(tally.tokens, 1),
                       ratio_mean=float(np.mean(tally.ratio)), ratio_min=float(np.min(tally.ratio)),
                       ratio_max=float(np.max(tally.ratio)), grad_norm=float(np.mean(tally.grad_norm)),
@@ -295,22 +294,21 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
     micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
     turn = inp.turn
     rows = turn_rows(turn.tensors, cfg.token_budget)
-    lo, hi = distributed.row_range(len(idx))  # under torchrun: this rank's rows of the minibatch
-    world = distributed.STATE.world  # FSDP2 averages gradients over ranks; the loss is a sum over them
+    procs = agent.procs
+    lo, hi = procs.rows(len(idx))  # this process's rows of the minibatch (all of them on one process)
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for s in range(lo, hi, rows):
         micro = idx[s : min(s + rows, hi)]
         loss = _micro_batch_loss(agent, inp, micro, cfg, beta, value_head, tally) * (len(micro) / len(idx))
-        (loss * world if world > 1 else loss).backward()
+        procs.backward(loss)
         total += loss.item()
-    if value_head is not None and world > 1:  # GAE's value head is whole on every rank: average like FSDP2 does
-        for p in value_head.parameters():
-            p.grad = distributed.sum_ranks(p.grad) / world
+    if value_head is not None:  # GAE's value head is whole on every process
+        procs.average_gradients(value_head.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(agent.grad_parameters(), 1.0)  # fp32 master grads of a bf16 agent
     opt.step()
-    tally.loss.append(float(distributed.sum_ranks(torch.tensor(total, dtype=torch.float64))) if world > 1 else total)
-    tally.grad_norm.append(distributed.as_float(grad_norm))
+    tally.loss.append(float(procs.sum(torch.tensor(total, dtype=torch.float64))))
+    tally.grad_norm.append(procs.number(grad_norm))
     tally.steps += 1
 
 

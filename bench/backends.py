@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sat  # noqa: E402
-from rollout import SamplingConfig, make_backend, rollout  # noqa: E402
+from rollout import SamplingConfig, rollout  # noqa: E402
+from scale.rollout_vllm import make_backend  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 

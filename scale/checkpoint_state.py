@@ -5,14 +5,13 @@ weights and, with --keep-optimizer-state, its AdamW moments live here; with one 
 tensors are whole."""
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from scale import distributed
 from team import Team
+from training_state import kept_moments, single_process_quiet
 
 
 def fp32_state(agent) -> list[torch.Tensor]:
@@ -38,26 +37,8 @@ def _sharded_dict(agent, parts: list[torch.Tensor], moments: bool = True) -> dic
     out = {n: distributed.as_sharded(t, p.shape)
            for n, t, p in zip(names, parts, agent.model.parameters(), strict=True)}
     if moments:
-        out.update({key: distributed.as_sharded(t, shape) for key, t, shape in _moments(agent)})
+        out.update({key: distributed.as_sharded(t, shape) for key, t, shape in kept_moments(agent)})
     return out
-
-
-def _moments(agent) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
-    """(key, this rank's part or None, parameter shape) of each kept AdamW moment of the
-    agent's parameters (state index i is parameter i); a value head's stay in state.pt."""
-    saved, shapes = agent.saved_optimizer_state, [p.shape for p in agent.model.parameters()]
-    if saved is None:
-        return []
-    return [(f"optimizer.{idx}.{k}", v, shapes[int(idx)]) for idx, st in saved["state"].items() for k, v in st.items()
-            if k in distributed.MOMENTS and int(idx) < len(shapes)]
-
-
-def optimizer_skeleton(agent) -> dict:
-    """The kept AdamW state_dict for state.pt: param groups and steps, with the
-    moments (in sharded/) left as None."""
-    saved, moved = agent.saved_optimizer_state, {key for key, _, _ in _moments(agent)}
-    return {**saved, "state": {idx: {k: None if f"optimizer.{idx}.{k}" in moved else v for k, v in st.items()}
-                               for idx, st in saved["state"].items()}}
 
 
 def save_sharded(folder: Path, team: Team) -> None:
@@ -68,7 +49,7 @@ def save_sharded(folder: Path, team: Team) -> None:
     import torch.distributed.checkpoint as dcp
 
     for k, agent in enumerate(team.agents):
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.save(_sharded_dict(agent, fp32_state(agent)), checkpoint_id=str(folder / f"agent_{k}"))
 
 
@@ -81,13 +62,13 @@ def load_sharded(folder: Path, team: Team) -> None:
     for k, agent in enumerate(team.agents):
         params = [p.detach() for p in agent.model.parameters()]
         state = _sharded_dict(agent, [distributed.local_rows(p).float().clone() for p in params], moments=False)
-        for key, value, shape in _moments(agent):  # None in state.pt: room for this rank's part
+        for key, value, shape in kept_moments(agent):  # None in state.pt: room for this rank's part
             if value is None:
                 state[key] = distributed.as_sharded(
                     torch.zeros(distributed.local_rows(torch.empty(shape, device="meta")).shape), shape)
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(state, checkpoint_id=str(folder / f"agent_{k}"))
-        moments = {key for key, value, _ in _moments(agent) if value is None}
+        moments = {key for key, value, _ in kept_moments(agent) if value is None}
         for idx, st in (agent.saved_optimizer_state or {}).get("state", {}).items():
             for name in st:
                 if f"optimizer.{idx}.{name}" in moments:
@@ -105,11 +86,3 @@ def load_sharded(folder: Path, team: Team) -> None:
             agent.master_shards = [v.to_local().to("cpu", copy=True) for v in values]
         else:
             agent.master_weights = [v.to("cpu", copy=True) for v in values]
-
-
-@contextmanager
-def _single_process_quiet():
-    """DCP warns that it assumes one process when no process group exists: that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield

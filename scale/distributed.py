@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
-
-from config import threads_from_env
 
 STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu", mesh=None)  # this process's place in torchrun's group
 
@@ -147,12 +143,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def rng_devices(device) -> list[int]:
-    """The CUDA devices ``torch.random.fork_rng`` must save: the current one for a CUDA device, none otherwise
-    (asking a CPU run for ``torch.cuda.current_device()`` would initialise CUDA)."""
-    return [torch.cuda.current_device()] if str(device).startswith("cuda") and torch.cuda.is_available() else []
-
-
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module) -> None:
     """Rank 0's weights on every rank (after loading or the warm start, so no rank starts from weights that differ
@@ -267,15 +257,6 @@ def shard_in_place(model: torch.nn.Module) -> ShardedLM:
     """A frozen agent held as FSDP2 shards in its own dtype, sharded in place (the whole weights are freed unit by
     unit). Generation, behaviour log-probs and the KL's forwards gather one layer at a time."""
     return finish_sharding(shard_layers(ShardedLM(model)))
-
-
-def shard_team(team, on: bool) -> None:
-    """``--shard-frozen`` under torchrun: every agent of the team held as shards from now on."""
-    if not (on and active()):
-        return
-    for agent in team.agents:
-        if not is_sharded(agent.model):
-            agent.model = shard_in_place(agent.model)
 
 
 def reshard(model) -> None:
@@ -414,35 +395,3 @@ def as_sharded(local: torch.Tensor, shape: torch.Size):
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local.to(_comm_device()), device_mesh(), [Shard(0)], run_check=False, shape=shape,
                               stride=stride)
-
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, shaped like the parameter
-
-
-def sharded_optimizer_state(saved: dict, params: list) -> dict:
-    """An AdamW state_dict kept between turns as this rank's shards (host tensors), its moments made DTensors again
-    for the sharded agent's ``params``, so ``load_state_dict`` gives the step the moments it had."""
-    state = {idx: {k: as_sharded(v, params[int(idx)].shape) if k in MOMENTS else v for k, v in st.items()}
-             for idx, st in saved["state"].items()}
-    return {**saved, "state": state}
-
-
-# -- this process's CPU threads and seeds ------------------------------------------------------------------------
-def configure_threads(threads: int | None, device: str) -> int:
-    """torch's CPU threads: ``--threads``, else $OMP_NUM_THREADS, else 1. One thread by default: the thread count
-    changes float summation order (so the same seed would give other metrics on other machines), and a second busy
-    process on a 2-core machine makes every parallel region wait for a descheduled thread. On CUDA the host
-    threads only feed the GPU and are left alone."""
-    if threads is None:
-        threads = threads_from_env() or 1
-    if not str(device).startswith("cuda"):
-        torch.set_num_threads(threads)
-    return threads
-
-
-def seed_run(seed: int) -> random.Random:
-    """Seed torch's and NumPy's global generators for a run; returns the run's own Python generator (the
-    global ``random`` is left alone)."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    return random.Random(seed)

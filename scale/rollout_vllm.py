@@ -2,7 +2,7 @@
 
 Paper, Algorithm 1 (ROLLOUT under pi_cur; after the promotion of line 12 the promoted agent samples
 its new weights). ``VLLMBackend`` has the methods of ``rollout.HFBackend`` (generate, sync, sleep,
-health, close) and holds the run's engines; ``rollout.make_backend("vllm", ...)`` creates it. The
+health, close) and holds the run's engines; ``make_backend("vllm", ...)`` (below) creates it. The
 behaviour log-probabilities still come from the training model (``rollout.agent_turn``), so vLLM's
 numerics never enter the importance ratios; ``health`` measures how far vLLM's own are from them.
 
@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from config import BACKENDS
 from logprobs import cut_at_eos
+from rollout import HF
 from scale import distributed
 from scale.memory import cpu_kv_cache_bytes
 from scale.vllm_ranks import (
@@ -445,3 +447,17 @@ class VLLMBackend:
         outputs = self.engines[id(agent)].llm.generate(prompts, params, use_tqdm=False)
         return [scored_logprobs(o.prompt_logprobs, p["prompt_token_ids"], len(c))
                 for o, p, c in zip(outputs, prompts, contexts)]
+
+
+def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,
+                 tensor_parallel: int = 1, health: bool = True):
+    """The run's sampler: ``HF``, or vLLM engines (one per agent, per rank under torchrun, or per group of
+    ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the engines
+    also return their log-probabilities of the sampled tokens (``VLLMBackend.health``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
+    if name == "hf":
+        return HF
+    extra = {} if train_fraction is None else {"train_fraction": train_fraction}
+    return VLLMBackend(n_engines=n_engines, seed=seed, health_logprobs=health, tensor_parallel=tensor_parallel,
+                       **extra)

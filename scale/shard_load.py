@@ -11,7 +11,7 @@ Loading whole and sharding afterwards would cost every rank the whole team at lo
    the config, as ``from_pretrained`` does.
 
 The entry point is ``load_agent_sharded``. A tiny agent has no files: it is built whole and sharded with the team
-(``distributed.shard_team``).
+(``scale.torchrun.Torchrun.adopt``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def load_agent_sharded(spec: AgentSpec | str | Path, device: str, dtype: torch.d
 
     ``spec``: an ``AgentSpec`` or a name (``team.resolve_agent_spec``: a hub id, a short name, a folder), or a folder
     written by ``Agent.save`` (a checkpoint's ``agent_k``: its ``agent.json`` names the agent). A tiny spec is built
-    whole by ``Agent.load(spec, device, dtype, seed)``; ``distributed.shard_team`` shards it later."""
+    whole by ``Agent.load(spec, device, dtype, seed)``; ``Torchrun.adopt`` shards it later."""
     spec = folder_spec(spec if isinstance(spec, AgentSpec) else _spec_of(str(spec)))  # a GGUF file: its folder
     if spec.kind == "tiny":
         return Agent.load(spec, device=device, dtype=dtype, seed=seed)

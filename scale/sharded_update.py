@@ -8,6 +8,7 @@ import torch
 
 from scale import distributed
 from team import Agent, Team
+from training_state import MOMENTS
 
 
 def train_sharded(team: Team, slots: int | list[int], train):
@@ -34,9 +35,9 @@ def train_sharded(team: Team, slots: int | list[int], train):
             copy_ = distributed.training_copy(plain.model, masters)
         else:
             copy_ = distributed.shard_model(plain.model, masters)
-        team.agents[j] = Agent(plain.spec, copy_, plain.tokenizer)
+        team.agents[j] = Agent(plain.spec, copy_, plain.tokenizer, plain.procs)
         if plain.saved_optimizer_state is not None:  # --keep-optimizer-state: this rank's shards of the moments
-            team.agents[j].saved_optimizer_state = distributed.sharded_optimizer_state(
+            team.agents[j].saved_optimizer_state = sharded_optimizer_state(
                 plain.saved_optimizer_state, list(team.agents[j].model.parameters()))
             plain.saved_optimizer_state = None
     try:
@@ -62,3 +63,11 @@ def train_sharded(team: Team, slots: int | list[int], train):
             stats.anchor = [distributed.full(a).to(p.dtype) for a, p in zip(stats.anchor, plain.model.parameters(),
                                                                            strict=True)]
     return out
+
+
+def sharded_optimizer_state(saved: dict, params: list) -> dict:
+    """An AdamW state_dict kept between turns as this rank's shards (host tensors), its moments made DTensors again
+    for the sharded agent's ``params``, so ``load_state_dict`` gives the step the moments it had."""
+    state = {idx: {k: distributed.as_sharded(v, params[int(idx)].shape) if k in MOMENTS else v for k, v in st.items()}
+             for idx, st in saved["state"].items()}
+    return {**saved, "state": state}

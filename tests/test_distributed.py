@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout import SamplingConfig, concat_batches, rollout, rollout_in_blocks
-from scale import distributed
+from processes import ONE_PROCESS
+from rollout import SamplingConfig, concat_batches, rollout
+from scale.torchrun import Torchrun, check_config, rollout_in_blocks
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
@@ -35,21 +36,17 @@ CLOSE_AGENT = ("kl_quantile", "kl_mean", "loss", "surrogate_estimate", "ess")
 
 
 # -- without torchrun -------------------------------------------------------------------------
-def test_row_range_shares_rows_evenly_and_refuses_uneven():
-    assert distributed.row_range(10) == (0, 10)
-    try:
-        distributed.STATE.rank, distributed.STATE.world = 1, 2
-        assert distributed.row_range(8) == (4, 8)
-        with pytest.raises(ValueError, match="multiples of the number of processes"):
-            distributed.row_range(7)
-    finally:
-        distributed.STATE.rank, distributed.STATE.world = 0, 1
+def test_rows_are_shared_evenly_and_uneven_shares_are_refused():
+    assert ONE_PROCESS.rows(10) == (0, 10) and Torchrun().rows(10) == (0, 10)
+    assert [Torchrun(rank=r, world=2).rows(8) for r in (0, 1)] == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="multiples of the number of processes"):
+        Torchrun(rank=1, world=2).rows(7)
+    assert [Torchrun(rank=r, world=3).share(7) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
 
 
-def test_torchrun_refusals_match_docs_errors(monkeypatch):
-    """docs/errors.md "Under torchrun": each row's flags, resolved as with 2 processes (``sat.resolve``'s torchrun
-    block reads only the rank count), give its line. The single-process checks (``validate_run_inputs``: CUDA, an
-    installed vLLM, --resume) are not what these rows test, so they are skipped."""
+def test_torchrun_refusals_match_docs_errors():
+    """docs/errors.md "Under torchrun": each row's flags, resolved as with 2 processes (``Torchrun.join`` applies
+    ``check_config`` with the rank count), give its line; the options those refusals once covered pass."""
     import re
 
     import sat
@@ -57,21 +54,16 @@ def test_torchrun_refusals_match_docs_errors(monkeypatch):
     section = (ROOT / "docs" / "errors.md").read_text().split("## Under torchrun", 1)[1]
     rows = re.findall(r"^\| [^|]+ \| `(.*?)` \| `sat.py: error: (.*)` \|$", section, re.M)
     assert len(rows) == 2
-    monkeypatch.setattr(sat, "validate_run_inputs", lambda cfg: None)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)  # distributed.setup then leaves STATE as set here
-    try:
-        distributed.STATE.world = 2
-        for flags, line in rows:
-            with pytest.raises(ValueError) as err:
-                sat.resolve(sat.parse_args(flags.split()))
-            assert str(err.value) == line
-        for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"],  # sharded moments; sharded Stage-0;
-                       ["--shard-frozen", "--backend", "vllm"]):  # vLLM engines fed from the shards
-            ok = sat.parse_args(lifted)
-            sat.resolve(ok)
-            assert ok.shard_rollouts
-    finally:
-        distributed.STATE.world = 1
+    for flags, line in rows:
+        cfg = sat.parse_args(flags.split()).apply_preset()
+        with pytest.raises(ValueError) as err:
+            check_config(cfg, world=2)
+        assert str(err.value) == line
+    for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"],  # sharded moments; sharded Stage-0;
+                   ["--shard-frozen", "--backend", "vllm"]):  # vLLM engines fed from the shards
+        ok = sat.parse_args(lifted).apply_preset()
+        check_config(ok, world=2)
+        assert ok.shard_rollouts
 
 
 def test_rollout_blocks_are_seeded_blocks_concatenated():

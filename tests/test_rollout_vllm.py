@@ -36,7 +36,8 @@ def test_import_and_pure_helpers_do_not_import_vllm():
     code = (
         "import sys, torch\n"
         "from scale import rollout_vllm as rv, vllm_ranks, vllm_weights\n"
-        "from rollout import SamplingConfig, make_backend\n"
+        "from rollout import SamplingConfig\n"
+        "from scale.rollout_vllm import make_backend\n"
         "rv.engine_memory_fractions(3, 0.4)\n"
         "rv.sampling_kwargs(SamplingConfig(), 1, 2)\n"
         "rv.engine_kwargs('m', 0.2, torch.bfloat16, 0, 128)\n"
@@ -433,16 +434,16 @@ def test_engine_blocks_cover_every_block_once_per_engine(world, k):
     assert sorted({b for r in range(world) for b in vr.engine_blocks(n_blocks, r, world, k)}) == list(range(n_blocks))
 
 
-def test_blocks_of_rank_follows_the_engines(monkeypatch):
-    from rollout import HF, blocks_of_rank, make_backend
-    from scale import distributed
+def test_blocks_of_rank_follows_the_engines():
+    from rollout import HF
+    from scale.rollout_vllm import make_backend
+    from scale.torchrun import Torchrun
 
-    monkeypatch.setattr(distributed.STATE, "rank", 3)
-    monkeypatch.setattr(distributed.STATE, "world", 4)
-    assert list(blocks_of_rank(8, HF)) == [3, 7]
+    rank3 = Torchrun(rank=3, world=4)
+    assert list(rank3.blocks(8, HF, sharded=False)) == [3, 7]
     for k, blocks in ((1, [3, 7]), (2, [1, 3, 5, 7])):  # K = 2: engine group 1 of 2
         backend = make_backend("vllm", 1, 0, tensor_parallel=k)
-        assert backend.tensor_parallel == k and list(blocks_of_rank(8, backend)) == blocks
+        assert backend.tensor_parallel == k and list(rank3.blocks(8, backend, sharded=False)) == blocks
         backend.close()
 
 
@@ -450,7 +451,8 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
     """A turn carries its engine's log-probabilities, block by block through ``rollout_in_blocks`` (so
     every row is compared, whichever rank generated it), and ``health`` compares them per agent with
     the training model's behaviour log-probabilities; the HF backend has none to compare."""
-    from rollout import HF, HFBackend, rollout_in_blocks
+    from rollout import HF, HFBackend
+    from scale.torchrun import rollout_in_blocks
     from tasks import arithmetic_problems
     from team import Agent, Team, TeamConfig
 

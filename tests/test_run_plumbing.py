@@ -11,7 +11,7 @@ from test_sat import small_config
 import sat
 from logprobs import measure_kl
 from rollout import SamplingConfig
-from scale.distributed import configure_threads
+from sat import configure_threads
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig, warm_start
 from trust_region import QuantileController, kl_quantile

@@ -6,7 +6,8 @@ import torch
 
 from grading import answers_match, majority_vote, vote_reward
 from logprobs import TurnTensors, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
-from rollout import HF, SamplingConfig, make_backend, rollout
+from rollout import HF, SamplingConfig, rollout
+from scale.rollout_vllm import make_backend
 from tasks import Problem, arithmetic_problems
 from team import Agent, Team, TeamConfig, build_char_tokenizer, parse_agents, resolve_agent_spec
 

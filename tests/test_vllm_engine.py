@@ -217,7 +217,7 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     the trained agent (gap < BOUND); before the push it was far off."""
     from test_distributed import run_worker
 
-    from rollout import rollout_in_blocks
+    from scale.torchrun import rollout_in_blocks
     from tasks import arithmetic_problems
     from team import Team, TeamConfig
 

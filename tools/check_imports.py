@@ -9,9 +9,11 @@ name. Imports under ``if TYPE_CHECKING:`` never run and are listed apart.
     python tools/check_imports.py            # prints the graph; exit 1 on a cycle or an import of a top module
     python tools/check_imports.py --tests    # the same with the tests, benchmarks and tools as importers
 
-Fails on any cycle of top-level or lazy edges, and on any import of ``sat`` or
+Fails on any cycle of top-level or lazy edges, on any import of ``sat`` or
 ``eval_aime`` by another project module (only tests, benchmarks and tools may
-import them).
+import them), and on any import of ``scale/`` by a core module other than those
+two: scale-out sits above the core and the core reaches it through one seam
+(``processes.py``), so ``scale/`` imports the core, never the reverse.
 """
 from __future__ import annotations
 
@@ -163,6 +165,10 @@ def levels(graph: dict[str, dict[str, str]]) -> dict[str, int]:
     return height
 
 
+def is_scale(module: str) -> bool:
+    return module == "scale" or module.startswith("scale.")
+
+
 def report(graph: dict[str, dict[str, str]], core: set[str]) -> int:
     height = levels(graph)
     n_top = sum(k == "top" for deps in graph.values() for k in deps.values())
@@ -191,7 +197,11 @@ def report(graph: dict[str, dict[str, str]], core: set[str]) -> int:
             if w in TOP and v not in TOP:
                 print(f"TOP MODULE IMPORTED: {v} imports {w} ({graph[v][w]}); {', '.join(TOP)} must stay on top")
                 failed = 1
-    print("import graph: OK (a DAG, sat and eval_aime on top)" if not failed else "import graph: FAILED")
+            if is_scale(w) and not (is_scale(v) or v in TOP):
+                print(f"SCALE-OUT IN THE CORE: {v} imports {w} ({graph[v][w]}); only {', '.join(TOP)} pick it")
+                failed = 1
+    print("import graph: OK (a DAG, sat and eval_aime on top, scale/ above the rest of the core)" if not failed
+          else "import graph: FAILED")
     return failed
 
 

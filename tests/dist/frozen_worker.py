@@ -18,8 +18,9 @@ import sys
 import torch
 
 from logprobs import measure_kl
-from rollout import SamplingConfig, regenerate, rollout_in_blocks
+from rollout import SamplingConfig, regenerate
 from scale import distributed
+from scale.torchrun import Torchrun, rollout_in_blocks
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import interpolate_parameters
@@ -60,7 +61,7 @@ agree = distributed.extra_calls
 distributed.extra_calls = lambda n: extras.append(agree(n)) or extras[-1]
 team = make_team()
 whole = [p.detach().clone() for p in team.agents[1].model.parameters()]
-distributed.shard_team(team, True)
+Torchrun.current(shard_frozen=True).adopt(team.agents)  # held as shards, as --shard-frozen
 assert all(distributed.is_sharded(a.model) for a in team.agents)
 batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3)
 torch.manual_seed(11)

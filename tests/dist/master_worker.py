@@ -17,6 +17,7 @@ from records import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
 from scale import distributed
 from scale.sharded_update import train_sharded
+from scale.torchrun import Torchrun
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
@@ -83,7 +84,9 @@ restart.agents[0].master_weights = None
 turn(restart)
 restart_b = masters(restart.agents[0])
 distributed.setup("cpu")
+procs = Torchrun.current()
 two = fresh()
+procs.adopt(two.agents)
 turn(two)
 two_a = masters(two.agents[0])
 turn(two)
@@ -91,7 +94,8 @@ two_b = masters(two.agents[0])
 two_moments, two_steps = moments(two.agents[0]), adam_steps(two.agents[0])
 out = Path(sys.argv[1]).parent / "run"
 save_checkpoint(out, 1, two, {}, {}, random.Random(0), {})
-loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16)
+loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16, procs)
+procs.adopt(loaded.agents)
 bf16 = [p.detach() for p in two.agents[0].model.parameters()]
 if distributed.is_main():
     torch.save({"masters": two_b, "moments": two_moments}, sys.argv[2])

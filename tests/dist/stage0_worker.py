@@ -23,6 +23,7 @@ import sat
 from plug_and_play import stage0_align
 from rollout import SamplingConfig
 from scale import distributed
+from scale.torchrun import Torchrun
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
@@ -56,12 +57,14 @@ def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
     return info, trace, new
 
 
-one = upgrade()  # before setup(): one process
+Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)  # before setup(): one process, seeded blocks
+one = upgrade()
 distributed.setup("cpu")
+Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)
 two = upgrade()
 flat = [torch.cat([p.detach().flatten() for p in agent.model.parameters()]) for agent in (raw, one[2], two[2])]
 on_ranks = distributed.gather_objects(flat[2])  # the replacement as every rank holds it
-distributed.shard_team(team, True)
+Torchrun.current(shard_frozen=True, n_blocks=cfg.rollout_blocks).adopt(team.agents)  # held as shards
 three = upgrade(shard=True)
 held_as_shards = distributed.is_sharded(three[2].model) and all(distributed.is_sharded(a.model) for a in team.agents)
 whole3 = distributed.whole_copy_on_main(three[2].model)  # gathered layer by layer on rank 0

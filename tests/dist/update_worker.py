@@ -13,6 +13,7 @@ import sat
 from rollout import SamplingConfig, rollout
 from scale import distributed
 from scale.sharded_update import train_sharded
+from scale.torchrun import Torchrun
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
@@ -39,6 +40,7 @@ plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), te
 stats_plain = one_update(plain)  # before setup(): one process, no FSDP
 distributed.setup("cpu")
 sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+Torchrun.current().adopt(sharded.agents)
 stats_sharded = one_update(sharded)
 diff = max(float((a - b).abs().max())
            for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))

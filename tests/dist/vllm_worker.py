@@ -2,10 +2,10 @@
 ``torchrun --nproc-per-node 2``: the vLLM backend on several ranks.
 
 One tiny agent (seed 1, fp32, vLLM on CPU or CUDA) rolls out 4 problems x 4 in 4
-seeded blocks with ``--backend vllm`` (``rollout.rollout_in_blocks``: rank r
+seeded blocks with ``--backend vllm`` (``scale.torchrun.rollout_in_blocks``: rank r
 generates blocks r, r + N, ... in its own engine, every rank receives the
 union). Under torchrun the agent is then held as FSDP2 shards
-(``distributed.shard_team``, as ``--shard-frozen``): each rank's engine
+(``Torchrun.adopt``, as ``--shard-frozen``): each rank's engine
 receives the shards one layer at a time (``VLLMBackend.sync``, every
 rank at once, as ``sat.py`` does after sharding) and the same block rollout is
 drawn again, through the sharded agent (every rank runs as many blocks).
@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, right_pad
-from rollout import SamplingConfig, rollout_in_blocks
+from rollout import SamplingConfig
 from scale import distributed
 from scale import rollout_vllm as rv
+from scale.torchrun import Torchrun, rollout_in_blocks
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
@@ -50,6 +51,7 @@ def main(out_path: str) -> None:
     torch.set_num_threads(1)
     distributed.setup("cpu")
     team = Team([Agent.load("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
+    Torchrun.current().adopt(team.agents)
     reg = rv.VLLMBackend(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
     problems = arithmetic_problems(4, seed=1)
@@ -59,9 +61,9 @@ def main(out_path: str) -> None:
     result = {"world": distributed.STATE.world, "responses": rows_of(batch), "rewards": batch.rewards.tolist(),
               "health": health}
     if distributed.active():  # --shard-frozen: the agents as shards, the engines fed from them, the same rollout
-        distributed.shard_team(team, True)
+        Torchrun.current(shard_frozen=True).adopt(team.agents)
         for a in team.agents:
-            reg.sync(a)  # every rank at once (a collective), as sat.py after shard_team
+            reg.sync(a)  # every rank at once (a collective), as sat.py after adopting the team
         sharded = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4, backend=reg)
         reg.sleep()
         result.update(sharded_responses=rows_of(sharded), sharded_rewards=sharded.rewards.tolist(),
