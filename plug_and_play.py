@@ -19,7 +19,6 @@ Each model reads a state through its own chat template; per-token mixing needs a
 """
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 
@@ -397,10 +396,11 @@ def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int
     return agent
 
 
-def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: SamplingConfig, controllers: dict,
-                   value_heads: dict, rng: random.Random, log, evaluate=None, backend=HF) -> list[dict]:
-    """Replace the agents named by --upgrade SLOT=MODEL, each after Stage-0, with a fresh controller (and value
-    head with --adv gae). ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
+def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig, evaluate=None) -> list[dict]:
+    """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, controllers,
+    value heads, RNG, backend and log), each after Stage-0, with a fresh controller (and value head with
+    --adv gae). ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
+    team, log, backend = run.team, run.log, run.backend
     events = []
     for item in cfg.upgrade:
         slot_text, _, spec = item.partition("=")
@@ -419,15 +419,15 @@ def apply_upgrades(cfg, team: Team, train: list[Problem], stage: int, sampling: 
             log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
                 f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
         n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
-        prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
+        prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
         log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment "
             f"(delta_0 = {cfg.stage0_delta})")
         t0 = time.time()
         stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
         backend.release(team.swap(slot, new_agent))  # the incumbent's engine, if the backend keeps one
-        controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+        run.controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
         if cfg.adv == "gae":
-            value_heads[slot] = make_value_head(new_agent)
+            run.value_heads[slot] = make_value_head(new_agent)
         event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
                  "seconds": time.time() - t0, "stage0": stage0}
         if before is not None:

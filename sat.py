@@ -37,7 +37,8 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import asdict, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,18 @@ from update import TrainStats, UpdateInputs, build_inputs, make_value_head, trai
 ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this fraction of N
 
 
+@dataclass
+class RunState:
+    """What a run holds and changes from stage to stage (``start_team``); its settings are the ``Config``."""
+
+    team: Team
+    controllers: dict[int, QuantileController]  # each agent's beta and trust-region statistic
+    value_heads: dict[int, torch.nn.Linear]  # --adv gae: each agent's value head
+    rng: random.Random  # the run's Python RNG: prompts, the agents' order, Stage-0 prompts
+    backend: object = HF  # the sampler: rollout.HFBackend, or vLLM engines (scale.rollout_vllm)
+    log: Callable[[str], None] = print
+
+
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: one SAT stage (Algorithm 1, lines 4-14)
 # ---------------------------------------------------------------------------
@@ -97,25 +110,23 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
-def sat_stage(team: Team, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
-              controllers: dict[int, QuantileController], value_heads: dict, rng: random.Random, backend=HF,
-              pbar=None) -> dict:
+def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig, pbar=None) -> tuple:
     """One stage: roll out pi_cur, order the agents, then for each agent j =
     sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
     region and promote it; then either cache log rho on its tokens for the
     later agents' weights (``--reuse weights``, the paper) or redraw the turns
     the promotion changed (``--reuse regenerate``: the batch stays on-policy for
     pi_hat^i). Returns the stage's metrics record and its rollout B (what the team said)."""
+    team, controllers, value_heads, backend = run.team, run.controllers, run.value_heads, run.backend
     n_agents, t0 = len(team), time.time()
     batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, backend)  # line 4: B <- ROLLOUT
     backend.sleep()
     record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
-    sigma = order_agents(batch, n_agents, cfg.order, rng)  # line 4: sigma <- ORDERAGENTS(B)
+    sigma = order_agents(batch, n_agents, cfg.order, run.rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
     bounded = has_step_bounds(cfg)
     if cfg.update == "joint":
-        agents = [{**a, "step_bound": None} for a in joint_update(team, sigma, batch, cfg, controllers, value_heads,
-                                                                  backend)]
+        agents = [{**a, "step_bound": None} for a in joint_update(run, sigma, batch, cfg)]
     else:
         agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
@@ -174,10 +185,10 @@ def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config
     return finish_update(team, j, reference, inputs, stats, cfg, controller, batch)
 
 
-def joint_update(team: Team, sigma: list[int], batch: TeamBatch, cfg: Config, controllers: dict, value_heads: dict,
-                 backend) -> list[dict]:
+def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[dict]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
+    team, controllers, value_heads = run.team, run.controllers, run.value_heads
     inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
     references = {j: team.procs.frozen_copy(team.agents[j].model) for j in sigma}
     stats = team.procs.train(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
@@ -185,7 +196,7 @@ def joint_update(team: Team, sigma: list[int], batch: TeamBatch, cfg: Config, co
     agent_records = [None] * len(team)
     for j in sigma:
         agent_records[j] = finish_update(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j], batch)[0]
-        backend.sync(team.agents[j])
+        run.backend.sync(team.agents[j])
     return agent_records
 
 
@@ -371,8 +382,8 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS) -
 
 
 def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
-               log) -> tuple:
-    """(team, controllers, value heads, Python RNG, saved state, metrics so far):
+               log) -> tuple[RunState, dict, list[dict]]:
+    """(the run's state with the HF backend, the checkpoint's other saved state, the metrics so far):
     from a checkpoint (the run's metrics of stages 0..k kept), or new (tiny
     agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
     if resume_from is not None:
@@ -403,7 +414,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             value_heads[k] = make_value_head(agent)
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
-    return team, controllers, value_heads, rng, state, rows
+    return RunState(team, controllers, value_heads, rng, log=log), state, rows
 
 
 def seed_run(seed: int) -> random.Random:
@@ -432,25 +443,27 @@ def run_resolved(cfg: Config, resolved: tuple[Path | None, OneProcess], log=None
     replaced = records.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     procs.barrier()  # every process has looked before one writes anything
     train, heldout, instruction = load_problems(cfg)
-    team, controllers, value_heads, rng, state, rows = start_team(cfg, train, instruction, resume_from, procs, log)
-    train_fraction = memory.check_run(cfg, team, log)  # a team that cannot fit is refused before anything is written
+    run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log)
+    train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written
     if procs.main:
         records.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    backend = make_backend(cfg.backend, len(team), cfg.seed, train_fraction=train_fraction,
-                           tensor_parallel=cfg.vllm_tensor_parallel)
+    run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
+                               tensor_parallel=cfg.vllm_tensor_parallel)
     try:
-        return train_team(cfg, team, train, heldout, controllers, value_heads, rng, state, rows, backend, log)
+        return train_team(cfg, run, train, heldout, state, rows)
     finally:
-        backend.close()
+        run.backend.close()
 
 
-def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem], controllers: dict,
-               value_heads: dict, rng: random.Random, state: dict, rows: list[dict], backend, log) -> list[dict]:
+def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], state: dict,
+               rows: list[dict]) -> list[dict]:
     """Plug-and-play upgrades, if asked for, then Algorithm 1's stages; after
-    each, the held-out evaluation, its metrics row and a checkpoint."""
+    each, the held-out evaluation, its metrics row and a checkpoint. ``state``: what
+    the checkpoint resumed from saved besides the run's state; ``rows``: the metrics so far."""
     from tqdm import tqdm
 
+    team, backend, log = run.team, run.backend, run.log
     out = Path(cfg.out)
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
@@ -464,8 +477,7 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
     if cfg.upgrade:
-        baseline, pending = upgrade(cfg, team, train, heldout, start, sampling, controllers, value_heads, rng, backend,
-                                    pending, log)
+        baseline, pending = upgrade(cfg, run, train, heldout, start, sampling, pending)
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
     how, main = team.procs.describe(cfg.device), team.procs.main  # the main process writes the run's files
@@ -476,7 +488,7 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
         rows.append(row)
         if main:
             records.write_metrics(out, rows)
-        records.save_checkpoint(out, row["stage"], team, controllers, value_heads, rng, {})
+        records.save_checkpoint(out, row["stage"], team, run.controllers, run.value_heads, run.rng, {})
         log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
             f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n{records.STAGE_HEADER}")
 
@@ -488,8 +500,8 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
                 disable=not team.procs.main)
     for stage in pbar:
-        prompts = [train[rng.randrange(len(train))] for _ in range(n_prompts)]
-        rec, rollout_b = sat_stage(team, prompts, cfg, sampling, controllers, value_heads, rng, backend, pbar)
+        prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
+        rec, rollout_b = sat_stage(run, prompts, cfg, sampling, pbar)
         evaluation = evaluate(team, heldout, sampling, cfg, backend)
         samples = records.stage_samples(rollout_b, stage, cfg.samples, cfg.group_size)
         if main:
@@ -509,14 +521,13 @@ def train_team(cfg: Config, team: Team, train: list[Problem], heldout: list[Prob
     return rows
 
 
-def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem], start: int,
-            sampling: SamplingConfig, controllers: dict, value_heads: dict, rng: random.Random, backend,
-            pending: list, log) -> tuple[dict, list]:
+def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
+            sampling: SamplingConfig, pending: list) -> tuple[dict, list]:
     """Plug-and-play (Section 5): Stage-0 for every --upgrade SLOT=MODEL, the
     held-out accuracy after it, and a checkpoint of the upgraded team."""
-    out = Path(cfg.out)
-    events = apply_upgrades(cfg, team, train, start, sampling, controllers, value_heads, rng, log, backend=backend,
-                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend))
+    out, team, backend = Path(cfg.out), run.team, run.backend
+    events = apply_upgrades(cfg, run, train, start, sampling, evaluate=lambda t: evaluate(t, heldout, sampling, cfg,
+                                                                                          backend))
     baseline = evaluate(team, heldout, sampling, cfg, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
@@ -525,9 +536,9 @@ def upgrade(cfg: Config, team: Team, train: list[Problem], heldout: list[Problem
     pending = pending + events
     cfg.agents = ", ".join(a.spec.name for a in team.agents)
     cfg.upgrade = []  # done: a later --resume must not upgrade again
-    records.save_checkpoint(out, start, team, controllers, value_heads, rng,
-                    {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
-    log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
+    records.save_checkpoint(out, start, team, run.controllers, run.value_heads, run.rng,
+                            {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
+    run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     return baseline, pending
 
 

@@ -213,7 +213,8 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
-        record, _ = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(args.seed))
+        run = sat.RunState(team, controllers, {}, random.Random(args.seed))
+        record, _ = sat.sat_stage(run, problems, cfg, sampling)
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}
     del team

@@ -91,7 +91,8 @@ def one_stage(length: int, reuse: str, args) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.time()
-            rec, _ = sat.sat_stage(team, problems, cfg, sampling, controllers, {}, random.Random(args.seed))
+            run = sat.RunState(team, controllers, {}, random.Random(args.seed))
+            rec, _ = sat.sat_stage(run, problems, cfg, sampling)
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
             # after (a fresh rollout of the final team on the same problems, 2N trajectories)

@@ -42,7 +42,8 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     rollout = sat.rollout
     monkeypatch.setattr(sat, "rollout", lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1])
     torch.manual_seed(0)
-    rec, _ = sat.sat_stage(team, arithmetic_problems(8, seed=2), cfg, sampling, controllers, {}, random.Random(0))
+    run = sat.RunState(team, controllers, {}, random.Random(0))
+    rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg, sampling)
     assert any(a["early_stopped"] for a in rec["agents"])  # the case this test is for
     for j, a in enumerate(rec["agents"]):
         assert a["kl_quantile"] <= cfg.delta
