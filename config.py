@@ -14,7 +14,7 @@ import argparse
 import importlib.util
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -144,7 +144,7 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
 # ---------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """Every knob of a run. ``None`` means "take the preset" (``preset_for``): the tiny preset when every
     agent is tiny; for real models the paper preset (paper, Section 6.1) on CUDA, the real-CPU preset elsewhere."""
@@ -223,18 +223,13 @@ class Config:
                               "on CPU and 1 for the tiny team)")
 
     def apply_preset(self) -> "Config":
-        """Fill every ``None`` from the preset of the team and device (``preset_for``), then device, dtype
-        and backend."""
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        for k, v in preset_for(self.agents, self.device).items():
-            if getattr(self, k) is None:
-                setattr(self, k, v)
-        if self.dtype is None:
-            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
-        if self.backend is None:
-            self.backend = default_backend(self.device)
-        return self
+        """A copy with every ``None`` filled from the preset of the team and device (``preset_for``), then
+        device, dtype and backend. A Config never changes once built: each resolving step returns a new one."""
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        filled = {k: v for k, v in preset_for(self.agents, device).items() if getattr(self, k) is None}
+        return replace(self, device=device, **filled,
+                       dtype=self.dtype or ("float32" if device == "cpu" else "bfloat16"),
+                       backend=self.backend or default_backend(device))
 
     def validate(self) -> None:
         """One clear line per bad option; called before anything is loaded."""

@@ -38,8 +38,9 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -303,20 +304,27 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
 # ---------------------------------------------------------------------------
 # The run: configuration, the team, the stage loop
 # ---------------------------------------------------------------------------
-def resolve(cfg: Config) -> tuple[Path | None, OneProcess]:
+class Resolved(NamedTuple):
+    """A run ready to start (``resolve``): its final configuration, the checkpoint it resumes from, its processes."""
+
+    cfg: Config
+    resume_from: Path | None
+    procs: OneProcess
+
+
+def resolve(cfg: Config) -> Resolved:
     """Presets, device, dtype and backend, then one validation, then the processes
     that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``,
-    the one block that knows about it. Returns (the checkpoint to resume from, if
-    any; the processes)."""
-    cfg.apply_preset()
+    the one block that knows about it (it sets this rank's device and torchrun's defaults)."""
+    cfg = cfg.apply_preset()
     cfg.validate()
     validate_run_inputs(cfg)
-    cfg.threads = configure_threads(cfg.threads, cfg.device)
+    cfg = replace(cfg, threads=configure_threads(cfg.threads, cfg.device))
     if cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        procs = Torchrun.join(cfg)  # this rank's device and torchrun's defaults, set in cfg
+        procs, cfg = Torchrun.join(cfg)
     else:
-        procs, cfg.shard_frozen = ONE_PROCESS, False  # one process: nothing to shard
-    return (records.latest_checkpoint(cfg.resume) if cfg.resume else None), procs
+        procs, cfg = ONE_PROCESS, replace(cfg, shard_frozen=False)  # one process: nothing to shard
+    return Resolved(cfg, records.latest_checkpoint(cfg.resume) if cfg.resume else None, procs)
 
 
 def configure_threads(threads: int | None, device: str) -> int:
@@ -395,7 +403,6 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             raise ValueError(f"{run_dir / 'metrics.jsonl'} lacks the records of stages 0..{start} that {resume_from} "
                              "continues; resume from the run folder that holds both")
         log(f"resumed from {resume_from} at stage {start}")
-        cfg.agents = ", ".join(a.spec.name for a in team.agents)
     else:
         rng = seed_run(cfg.seed)
         team, state, rows = build_team(cfg, instruction, procs), {}, []
@@ -427,15 +434,15 @@ def seed_run(seed: int) -> random.Random:
 
 def run(cfg: Config, log=None) -> list[dict]:
     """Train a team with SAT; returns the metrics records (stage 0 = before training)."""
-    return run_resolved(cfg, resolve(cfg), log)
+    return run_resolved(resolve(cfg), log)
 
 
-def run_resolved(cfg: Config, resolved: tuple[Path | None, OneProcess], log=None) -> list[dict]:
+def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     """``run`` once ``resolve`` has checked the configuration and picked the processes."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
-    resume_from, procs = resolved
+    cfg, resume_from, procs = resolved
     hf_logging.disable_progress_bar()
     log = (log or tqdm.write) if procs.main else (lambda *args: None)  # one process speaks and writes
     out = Path(cfg.out)
@@ -476,13 +483,14 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
     start = state.get("stage", 0)
     baseline = state.get("baseline_eval")  # held-out accuracy right after an upgrade, if any
     pending = state.get("pending_upgrades", [])  # recorded in the next stage's metrics
-    if cfg.upgrade:
+    if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
         baseline, pending = upgrade(cfg, run, train, heldout, start, sampling, pending)
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
     how, main = team.procs.describe(cfg.device), team.procs.main  # the main process writes the run's files
     if main:
-        records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **how}, indent=2))
+        team_now = {"agents": ", ".join(a.spec.name for a in team.agents), "upgrade": []}  # after any upgrade
+        records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **team_now, **how}, indent=2))
 
     def close(row: dict) -> None:  # the metrics row on disk before the checkpoint that continues from it
         rows.append(row)
@@ -534,8 +542,6 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     if team.procs.main:
         records.record_upgrades(out, events)
     pending = pending + events
-    cfg.agents = ", ".join(a.spec.name for a in team.agents)
-    cfg.upgrade = []  # done: a later --resume must not upgrade again
     records.save_checkpoint(out, start, team, run.controllers, run.value_heads, run.rng,
                             {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
     run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
@@ -585,7 +591,7 @@ def main(argv=None) -> int:
             print(f"sat.py: error: {err}", file=sys.stderr)
             return 2
         try:
-            run_resolved(cfg, resolved)
+            run_resolved(resolved)
         except (ValueError, FileNotFoundError, RuntimeError) as err:
             print(f"sat.py: error: {err}", file=sys.stderr)
             return 1

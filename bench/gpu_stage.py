@@ -190,7 +190,7 @@ def stage_config(args, update: str, device: torch.device) -> sat.Config:
                      minibatch_size=args.minibatch_size, token_budget=args.token_budget,
                      kl_check_every=args.kl_check_every, eval_size=8, warmup_steps=0, device=str(device), backend="hf",
                      seed=args.seed)
-    cfg.apply_preset()  # fills any knob added to Config later
+    cfg = cfg.apply_preset()  # fills any knob added to Config later
     cfg.validate()
     return cfg
 

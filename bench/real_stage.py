@@ -74,12 +74,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if "--out" not in argv:
             argv += ["--out", str(Path(tmp) / "run")]
-        cfg = sat.parse_args(argv)
-        resume_from = sat.resolve(cfg)
+        resolved = sat.resolve(sat.parse_args(argv))
+        cfg = resolved.cfg
         meter, counters = PhaseMeter(torch.device(cfg.device)), defaultdict(int)
         t0 = time.perf_counter()
         with phases(meter, counters), meter.phase("run (load, stage 0 evaluation, stage 1)"):
-            rows = sat.run_resolved(cfg, resume_from, log=lambda *_: None)
+            rows = sat.run_resolved(resolved, log=lambda *_: None)
         wall = time.perf_counter() - t0
     rec = rows[-1]
     print(f"\n{cfg.agents}, backend {cfg.backend}, {cfg.batch_size} joint trajectories, max {cfg.max_new_tokens} new "

@@ -45,8 +45,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, li
         p.error(f"{owned[0].split('=')[0]} is set by the script for each run; use --seeds / --out")
     cfg = sat.parse_args(rest + ["--agents", args.agents])  # sat.py's own one-line error for an unknown option
     try:
-        cfg.apply_preset()
-        cfg.validate()
+        cfg.apply_preset().validate()
     except ValueError as err:
         p.error(str(err))
     return args, rest

@@ -56,8 +56,7 @@ def parse_args(argv=None):
 
 def heldout_file(run: Path, path: Path) -> tuple[Path, str, object]:
     """The run's held-out problems (duplicates dropped) as JSONL at ``path``; (path, instruction, run config)."""
-    cfg = sat.parse_args(["--resume", str(run)])
-    cfg.apply_preset()
+    cfg = sat.parse_args(["--resume", str(run)]).apply_preset()
     _, heldout, instruction = sat.load_problems(cfg)
     unique = list({(p.problem, p.answer): p for p in heldout}.values())
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ that N processes draw), and the core never asks which it has.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -29,15 +30,16 @@ class Torchrun(OneProcess):
         self.shard_frozen, self.n_blocks = shard_frozen, n_blocks
 
     @classmethod
-    def join(cls, cfg) -> "Torchrun":
-        """Join torchrun's process group (none with one process: a ``--shard-rollouts`` run) and set torchrun's
-        defaults in ``cfg``: this rank's device, seeded rollout blocks, and --shard-frozen on CUDA."""
-        cfg.device = distributed.setup(cfg.device)
+    def join(cls, cfg) -> tuple["Torchrun", object]:
+        """Join torchrun's process group (none with one process: a ``--shard-rollouts`` run); (the processes,
+        ``cfg`` with torchrun's defaults: this rank's device, seeded rollout blocks, --shard-frozen on CUDA)."""
+        cfg = replace(cfg, device=distributed.setup(cfg.device))
         world = distributed.STATE.world
         if world > 1:
-            check_config(cfg, world)
-        cfg.shard_frozen = bool(cfg.shard_frozen) and world > 1  # one process: nothing to shard
-        return cls(distributed.STATE.rank, world, distributed.STATE.device_kind, cfg.shard_frozen, cfg.rollout_blocks)
+            cfg = check_config(cfg, world)
+        cfg = replace(cfg, shard_frozen=bool(cfg.shard_frozen) and world > 1)  # one process: nothing to shard
+        state = distributed.STATE
+        return cls(state.rank, world, state.device_kind, cfg.shard_frozen, cfg.rollout_blocks), cfg
 
     @classmethod
     def current(cls, shard_frozen: bool = False, n_blocks: int = 8) -> "Torchrun":
@@ -169,12 +171,11 @@ class Torchrun(OneProcess):
         distributed.teardown()
 
 
-def check_config(cfg, world: int) -> None:
-    """torchrun's defaults (seeded blocks: the batch does not depend on the number of processes; on CUDA the
-    frozen agents held as shards) and refusals (docs/errors.md, "Under torchrun")."""
-    cfg.shard_rollouts = True
-    if cfg.shard_frozen is None:
-        cfg.shard_frozen = cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
+def check_config(cfg, world: int):
+    """``cfg`` with torchrun's defaults (seeded blocks: the batch does not depend on the number of processes; on
+    CUDA the frozen agents held as shards), or its refusal (docs/errors.md, "Under torchrun")."""
+    shard_frozen = cfg.device.startswith("cuda") and cfg.vllm_tensor_parallel == 1
+    cfg = replace(cfg, shard_rollouts=True, shard_frozen=shard_frozen if cfg.shard_frozen is None else cfg.shard_frozen)
     if cfg.shard_frozen and cfg.vllm_tensor_parallel > 1:
         raise ValueError("--shard-frozen with --vllm-tensor-parallel > 1 is not supported yet (the K ranks of an "
                          "engine must take the same rollout blocks): use --vllm-tensor-parallel 1 or --no-shard-frozen")
@@ -182,6 +183,7 @@ def check_config(cfg, world: int) -> None:
         if getattr(cfg, name) % world:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be a multiple of the number of "
                              f"processes ({world}) so every rank trains on as many rows")
+    return cfg
 
 
 def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int, n_blocks: int, backend=HF,

@@ -61,9 +61,7 @@ def test_torchrun_refusals_match_docs_errors():
         assert str(err.value) == line
     for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"],  # sharded moments; sharded Stage-0;
                    ["--shard-frozen", "--backend", "vllm"]):  # vLLM engines fed from the shards
-        ok = sat.parse_args(lifted).apply_preset()
-        check_config(ok, world=2)
-        assert ok.shard_rollouts
+        assert check_config(sat.parse_args(lifted).apply_preset(), world=2).shard_rollouts
 
 
 def test_rollout_blocks_are_seeded_blocks_concatenated():

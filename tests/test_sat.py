@@ -1,5 +1,6 @@
 """The SAT stage loop on tiny agents: exact KL, backtracking, weights, resume, CLI."""
 import copy
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -79,7 +80,7 @@ def run_finish_update(team, batch, scale, cfg, max_backtracks):
     reference = copy.deepcopy(agent.model)
     perturb(agent.model, scale)
     inputs = update.build_inputs(batch, j, [], cfg)
-    cfg.max_backtracks = max_backtracks
+    cfg = dataclasses.replace(cfg, max_backtracks=max_backtracks)
     stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
                               train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
     record, _ = sat.finish_update(team, j, reference, inputs, stats, cfg,
