@@ -51,3 +51,21 @@ def test_cli_prints_every_run_and_the_mean_change_and_plots(tmp_path):
 def test_a_folder_without_metrics_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="no metrics.jsonl with a stage-0 row"):
         summary(tmp_path)
+
+
+def test_stage_table_puts_each_paired_bound_beside_its_unpaired_figure(tmp_path):
+    from compare_runs import stage_table
+
+    folder = write_run(tmp_path / "a", [0.25, 0.5, 0.375])
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r, (low, unpaired) in zip(rows[1:], [(0.031, -0.12), (-0.25, -0.33)]):
+        cert = {"mean_change": 0.1, "stderr": 0.02, "nonzero": 0.25, "lower_bound": low,
+                "unpaired_lower_bound": unpaired}
+        r.update(certificate=cert, run_certificate={**cert, "lower_bound": low + 0.5}, violation=low < 0,
+                 certified_fall=False, eval_seconds=7.0)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = stage_table(summary(folder))
+    assert len(lines) == 3  # the header and the two trained stages; stage 0 has nothing to certify
+    assert lines[1].split()[:10] == ["1", "0.500", "+0.100+-0.020", "25%", "+0.031", "-0.120", "+0.531", "-0.120",
+                                     "no", "no"]
+    assert lines[2].split()[8] == "yes" and lines[2].split()[-1] == "7"

@@ -10,6 +10,11 @@ accuracy at the start and the end, and the run's wall time in the stages (the su
 mean change over the runs with the standard error of that mean (between runs; runs of different lengths are
 pooled as they are, so say so when reporting it). ``--plot`` draws held-out team accuracy per stage, one line per
 run, with +-1 standard error bands.
+
+``--stages`` adds a table per run, one line per stage: held-out accuracy, the paired change since the previous
+row with its standard error and the share of rows that changed, the stage's paired lower bound beside the
+unpaired Hoeffding bound on the same draws, the run certificate (since stage 0) beside its unpaired figure,
+the violation flags, and the seconds of the stage's training and of its evaluation.
 """
 from __future__ import annotations
 
@@ -39,6 +44,23 @@ def summary(run: Path) -> dict:
             "seconds": sum(r["seconds"] for r in rows), "rows": rows}
 
 
+def stage_table(s: dict) -> list[str]:
+    """``--stages``: one line per trained stage of a run (rows with certificates)."""
+    lines = [f"{Path(s['run']).name}: {'stage':>5} {'eval':>6} {'change':>15} {'rows chg':>8} {'bound':>7} "
+             f"{'unpaired':>8} {'run>=':>7} {'unpaired':>8} {'viol':>4} {'fall':>4} {'train s':>7} {'eval s':>6}"]
+    for r in s["rows"][1:]:
+        c, rc = r.get("certificate"), r.get("run_certificate")
+        if c is None or rc is None:
+            continue
+        lines.append(f"{'':>{len(Path(s['run']).name) + 1}} {r['stage']:>5} {r['eval_accuracy']:>6.3f} "
+                     f"{c['mean_change']:>+7.3f}+-{c['stderr']:.3f} {c['nonzero']:>8.0%} {c['lower_bound']:>+7.3f} "
+                     f"{c['unpaired_lower_bound']:>+8.3f} {rc['lower_bound']:>+7.3f} "
+                     f"{rc['unpaired_lower_bound']:>+8.3f} "
+                     f"{'yes' if r['violation'] else 'no':>4} {'yes' if r['certified_fall'] else 'no':>4} "
+                     f"{r['seconds']:>7.0f} {r.get('eval_seconds', float('nan')):>6.0f}")
+    return lines
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -66,6 +88,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="sat.py run folders")
     p.add_argument("--plot", type=Path, help="write the accuracy curves here (.png)")
+    p.add_argument("--stages", action="store_true", help="also a line per stage of each run (certificates, seconds)")
     args = p.parse_args(argv)
     runs = [summary(r) for r in args.runs]
     fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # noqa: E731
@@ -79,6 +102,9 @@ def main(argv=None) -> None:
     changes = [s["change"] for s in runs]
     spread = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
     print(f"mean change over {len(runs)} runs: {statistics.mean(changes):+.3f} (se between runs {spread:.3f})")
+    if args.stages:
+        for s in runs:
+            print("\n".join(stage_table(s)))
     if args.plot:
         plot(runs, args.plot)
         print(f"plot: {args.plot}")
