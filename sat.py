@@ -52,6 +52,7 @@ from config import Config, add_options, parse_agents, resolve_agent_spec, thread
 from logprobs import measure_kl
 from plug_and_play import apply_upgrades
 from processes import ONE_PROCESS, OneProcess
+from records import AgentStep, StageRecord
 from rollout import (
     HF,
     REWARD_RANGE,
@@ -111,7 +112,8 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
-def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig, pbar=None) -> tuple:
+def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
+              pbar=None) -> tuple[StageRecord, TeamBatch]:
     """One stage: roll out pi_cur, order the agents, then for each agent j =
     sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
     region and promote it; then either cache log rho on its tokens for the
@@ -122,12 +124,12 @@ def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: Sam
     n_agents, t0 = len(team), time.time()
     batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, backend)  # line 4: B <- ROLLOUT
     backend.sleep()
-    record = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
+    rollout_fields = records.rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
     sigma = order_agents(batch, n_agents, cfg.order, run.rng)  # line 4: sigma <- ORDERAGENTS(B)
     generations, generation_seconds = len(batch) * n_agents, time.time() - t0
     bounded = has_step_bounds(cfg)
     if cfg.update == "joint":
-        agents = [{**a, "step_bound": None} for a in joint_update(run, sigma, batch, cfg)]
+        agents = joint_update(run, sigma, batch, cfg)  # no step bounds: no sequence of steps
     else:
         agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
         for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
@@ -145,13 +147,13 @@ def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: Sam
                 generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
             elif i < n_agents - 1:
                 cached.append((log_rho, batch.turns[j].response_mask))
-            agents[j]["step_bound"] = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
+            agents[j].step_bound = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
                                                            REWARD_RANGE, cfg.delta_conf / n_agents)
                                        if bounded else None)
     # line 14: pi_cur <- the assembled team; the stage's certificate is records.stage_row's held-out bound
-    record.update(order=[k + 1 for k in sigma], agents=agents, generations=generations,
-                  generation_seconds=generation_seconds, step_bounds=step_bounds_kind(cfg))
-    record["seconds"] = time.time() - t0
+    record = StageRecord(**rollout_fields, order=[k + 1 for k in sigma], agents=agents, generations=generations,
+                         generation_seconds=generation_seconds, step_bounds=step_bounds_kind(cfg),
+                         seconds=time.time() - t0)
     return record, rollout_b
 
 
@@ -175,7 +177,7 @@ def step_bounds_kind(cfg: Config) -> str:
 
 
 def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
-                 value_heads: dict) -> tuple[dict, torch.Tensor]:
+                 value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
     """Lines 6-11 for agent j: weights w = prod min(1, rho_t) of the agents
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
     OPTIMIZE(L_i); the trust-region check. Returns its record and log rho."""
@@ -186,7 +188,7 @@ def update_agent(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config
     return finish_update(team, j, reference, inputs, stats, cfg, controller, batch)
 
 
-def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[dict]:
+def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[AgentStep]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
     team, controllers, value_heads = run.team, run.controllers, run.value_heads
@@ -202,7 +204,7 @@ def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config)
 
 
 def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
-                  controller: QuantileController, batch: TeamBatch) -> tuple[dict, torch.Tensor]:
+                  controller: QuantileController, batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
     """Lines 10-11: the trust-region check with backtracking, beta's update and
     the step's estimates; returns the record and log rho on agent j's tokens.
 
@@ -233,12 +235,11 @@ def finish_update(team: Team, j: int, reference, inputs: UpdateInputs, stats: Tr
     kl, log_rho = search.measurement if search.accepted else measure()  # [M], [N, Lr] at the weights kept
     beta_used = controller.beta
     controller.update(kl_quantile(kl, cfg.quantile) if accepted else math.inf)  # a rejection counts as a violation
-    record = {"agent": j + 1, "kl_mean": float(kl.mean()), "kl_quantile": kl_quantile(kl, cfg.quantile),
-              "kl_max": float(kl.max()), "kl_quantile_dkw": dkw_upper_quantile(kl, cfg.quantile),
-              "delta": cfg.delta, "beta": beta_used, "beta_next": controller.beta, "backtracks": search.backtracks,
-              "accepted": accepted, "step_fraction": search.fraction,
-              **step_estimates(inputs, log_rho, kl, batch, j), **stats.logged()}
-    return record, log_rho
+    step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kl_quantile(kl, cfg.quantile),
+                     kl_max=float(kl.max()), kl_quantile_dkw=dkw_upper_quantile(kl, cfg.quantile), delta=cfg.delta,
+                     beta=beta_used, beta_next=controller.beta, backtracks=search.backtracks, accepted=accepted,
+                     step_fraction=search.fraction, **step_estimates(inputs, log_rho, kl, batch, j), train=stats)
+    return step, log_rho
 
 
 def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor, batch: TeamBatch, j: int) -> dict:

@@ -214,7 +214,7 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
         run = sat.RunState(team, controllers, {}, random.Random(args.seed))
-        record, _ = sat.sat_stage(run, problems, cfg, sampling)
+        record = sat.sat_stage(run, problems, cfg, sampling)[0].row()
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}
     del team

@@ -92,7 +92,7 @@ def one_stage(length: int, reuse: str, args) -> dict:
             warnings.simplefilter("ignore")
             t0 = time.time()
             run = sat.RunState(team, controllers, {}, random.Random(args.seed))
-            rec, _ = sat.sat_stage(run, problems, cfg, sampling)
+            rec = sat.sat_stage(run, problems, cfg, sampling)[0].row()
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
             # after (a fresh rollout of the final team on the same problems, 2N trajectories)

@@ -202,8 +202,8 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     record, _ = sat.sat_stage(sat.RunState(team, controllers, {}, random.Random(0)), problems, cfg, sampling)
-    for rec in record["agents"]:
-        assert rec["step0_log_ratio_max"] < 1e-3
+    for step in record.agents:
+        assert step.train.step0_log_ratio_max < 1e-3
     assert all(a.dtype == torch.bfloat16 for a in team.agents)
 
 
@@ -313,4 +313,4 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     run = sat.RunState(team, controllers, {}, random.Random(0))
     record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg, sampling)
-    assert [rec["step0_log_ratio_max"] for rec in record["agents"]] == [0.0, 0.0]
+    assert [step.train.step0_log_ratio_max for step in record.agents] == [0.0, 0.0]

@@ -44,12 +44,12 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     torch.manual_seed(0)
     run = sat.RunState(team, controllers, {}, random.Random(0))
     rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg, sampling)
-    assert any(a["early_stopped"] for a in rec["agents"])  # the case this test is for
-    for j, a in enumerate(rec["agents"]):
-        assert a["kl_quantile"] <= cfg.delta
+    assert any(a.train.early_stopped for a in rec.agents)  # the case this test is for
+    for j, a in enumerate(rec.agents):
+        assert a.kl_quantile <= cfg.delta
         kl = measure_kl(team.agents[j], before[j].model, captured[0].turns[j], cfg.temperature, cfg.token_budget)[0]
         assert kl_quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
-        assert a["accepted"] or kl.abs().max() == 0  # rejected: pi_cur restored exactly
+        assert a.accepted or kl.abs().max() == 0  # rejected: pi_cur restored exactly
 
 
 def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():

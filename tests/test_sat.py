@@ -94,7 +94,7 @@ def test_backtracking_rejects_a_step_that_violates_delta(team_and_batch, tmp_pat
     saved = copy.deepcopy(team.agents[1].model.state_dict())
     try:
         agent, original, record = run_finish_update(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
-        assert not record["accepted"] and record["backtracks"] == 1
+        assert not record.accepted and record.backtracks == 1
         for p, q in zip(agent.model.parameters(), original.parameters()):
             assert torch.equal(p, q)  # pi_cur restored bit for bit: the violating step is not kept
     finally:
@@ -107,12 +107,12 @@ def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
     saved = copy.deepcopy(team.agents[1].model.state_dict())
     try:
         agent, original, record = run_finish_update(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
-        assert record["accepted"] and record["backtracks"] >= 1
-        assert record["kl_quantile"] <= cfg.delta
+        assert record.accepted and record.backtracks >= 1
+        assert record.kl_quantile <= cfg.delta
         # the parameters left in place really are inside: measure again independently
         kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
         assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
-        assert record["step_fraction"] == 0.5 ** record["backtracks"]
+        assert record.step_fraction == 0.5 ** record.backtracks
     finally:
         team.agents[1].model.load_state_dict(saved)
 
