@@ -183,16 +183,16 @@ class TrainStats:
     ``anchor``: the last iterate an in-loop check found inside the trust region
     (None if none did), where the line search backtracks to instead of pi_j,cur."""
 
-    loss: float
-    clip_fraction: float
-    ratio_mean: float
+    loss: float  # mean of the minibatches' -L_i (+ the KL penalty and, with GAE, the value loss)
+    clip_fraction: float  # the share of response tokens whose ratio the clip cut off
+    ratio_mean: float  # the sequence ratios pi_new / pi_behaviour seen in training
     ratio_min: float
     ratio_max: float
-    grad_norm: float
-    train_tokens_per_s: float
-    inner_steps: int
-    early_stopped: bool
-    step0_log_ratio_max: float
+    grad_norm: float  # mean gradient norm before clipping to 1
+    train_tokens_per_s: float  # (context + response) tokens through the optimiser per second
+    inner_steps: int  # AdamW steps taken
+    early_stopped: bool  # an in-loop KL check found the quantile beyond delta and stopped
+    step0_log_ratio_max: float  # max |log ratio| before the first step: 0 up to rounding (one forward for both)
     anchor: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def logged(self) -> dict:
