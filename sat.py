@@ -490,8 +490,10 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
         backend.sync(agent)
     how, main = team.procs.describe(cfg.device), team.procs.main  # the main process writes the run's files
     if main:
-        team_now = {"agents": ", ".join(a.spec.name for a in team.agents), "upgrade": []}  # after any upgrade
-        records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), **team_now, **how}, indent=2))
+        names = [a.spec.name for a in team.agents]  # the team after any upgrade, as --agents would name it
+        agents = cfg.agents if [s.name for s in parse_agents(cfg.agents)] == names else ", ".join(names)
+        records.atomic_write(out / "config.json", json.dumps({**asdict(cfg), "agents": agents, "upgrade": [], **how},
+                                                             indent=2))
 
     def close(row: dict) -> None:  # the metrics row on disk before the checkpoint that continues from it
         rows.append(row)

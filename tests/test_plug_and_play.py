@@ -63,6 +63,7 @@ def test_vocabulary_mismatch_is_refused():
 def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     sat.run(small_config(tmp_path, stages=1), **QUIET)
     run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "config.json").read_text())["agents"] == small_config(tmp_path).agents  # as given
     before = Team.load(latest_checkpoint(run_dir) / "team")
     cfg = sat.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
                           "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"])
@@ -78,7 +79,8 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     assert events[0]["slot"] == 2 and events[0]["from"] == "tiny" and events[0]["to"] == "tiny-3L"
     assert events[0]["at_stage"] == 1
     assert events[0]["stage0"]["kl_quantile"] <= 0.05
-    assert json.loads((run_dir / "config.json").read_text())["upgrade"] == []
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["upgrade"] == [] and saved["agents"] == "tiny, tiny-3L"  # the team as it now is
     # continue SAT with the upgraded team: the checkpoint resumes
     more = sat.run(sat.parse_args(["--resume", str(run_dir), "--stages", "2"]), **QUIET)
     assert [r["stage"] for r in more] == [0, 1, 2]
