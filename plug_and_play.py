@@ -42,6 +42,21 @@ STAGE0_PATIENCE = 10  # passes with neither a 1% better fit nor a 1% lower quant
 STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
 
 
+@dataclass(frozen=True)
+class Stage0Settings:
+    """Stage-0's settings (Eqs. (6)-(7)); ``stage0_align`` builds them from the run's options."""
+
+    delta0: float  # the ball's radius: per-state KL(pi_new || pi_j,cur) <= delta0
+    q_level: float  # the (1 - alpha) quantile of that KL that must be <= delta0
+    lr: float  # AdamW's learning rate for the fit
+    max_passes: int  # passes over the fit states before Stage-0 gives up (an error)
+    fit_tol: float  # relative fit tolerance: mean KL(target || pi_new) <= fit_tol x KL(target || pi_pre)
+    temperature: float  # the policies are the tempered softmax, as in the rollout
+    rows_per_step: int  # rows of one AdamW step
+    token_budget: int  # (context + response) tokens of one trunk micro-batch
+    logits_budget: int = STAGE0_LOGITS_BUDGET  # elements of one [positions, V] LM-head block
+
+
 @dataclass
 class Stage0States:
     """The states s of one slot: shared response prefixes after each model's own rendering of the context."""
@@ -109,17 +124,18 @@ def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> l
 
 
 @torch.no_grad()
-def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
-                   temperature: float, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET, slices=None):
+def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None,
+                   settings: Stage0Settings, slices=None):
     """Per state: KL(pi_new || pi_cur) and the fit KL(target || pi_new), exact over the vocabulary;
     ``t`` = 1/(1+lambda(s)) of the Eq. (7) targets, solved here by bisection when None. One trunk
-    forward per model per row slice (``slices``: ``row_slices`` by ``token_budget`` unless given).
+    forward per model per row slice (``slices``: ``row_slices`` by the token budget unless given).
     Returns (kl_cur [M], fit [M], t [M]) in row-major state order."""
+    delta0, temperature = settings.delta0, settings.temperature
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
-    step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
+    step = max(1, settings.logits_budget // head_new.weight.shape[0])  # positions per head block
     kls, fits, ts = [], [], []
     offset = 0
-    for sl in row_slices(states, len(states), token_budget) if slices is None else slices:
+    for sl in row_slices(states, len(states), settings.token_budget) if slices is None else slices:
         part = states.rows(sl)
         h_new = _hidden(new_model, part.new_turn)  # [M_b, H]
         h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
@@ -145,21 +161,21 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
     return kl.clamp_min(0.0), fit.clamp_min(0.0), torch.cat(ts) if ts else torch.zeros(0)
 
 
-def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None, delta0: float,
-                procs: OneProcess = ONE_PROCESS, **args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor | None,
+                settings: Stage0Settings, procs: OneProcess = ONE_PROCESS) -> tuple[torch.Tensor, ...]:
     """``measure_stage0`` over all the states: each process measures its share of the rows and gathers the
     rest in row order, so every process holds the [M] vectors and takes the same decisions."""
     lo, hi = procs.share(len(states))
     first, last = int(states.rmask[:lo].sum()), int(states.rmask[:hi].sum())
     share = states.rows(slice(lo, hi))
-    slices = row_slices(share, hi - lo, args["token_budget"])  # this process's forwards
+    slices = row_slices(share, hi - lo, settings.token_budget)  # this process's forwards
     models = (new_model, pre_model, cur_model)
     one_row = states.rows(slice(0, 1))
     dummy = lambda: [_hidden(m, x) for m, x in zip(models, (one_row.new_turn, one_row.new_turn,  # noqa: E731
                                                                one_row.cur_turn))]
     with torch.no_grad(), procs.lockstep(new_model, len(slices), dummy):
-        mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last], delta0,
-                              slices=slices, **args)
+        mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last],
+                              settings, slices)
     for model in models:
         procs.release(model)
     parts = procs.gather(mine)
@@ -186,18 +202,17 @@ def _my_rows(states: Stage0States, sl: slice, procs: OneProcess) -> tuple[slice,
     return slice(first, first + 1), 0.0
 
 
-def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, temperature: float,
-             rows_per_step: int, token_budget: int, logits_budget: int = STAGE0_LOGITS_BUDGET,
+def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Tensor, opt, settings: Stage0Settings,
              procs: OneProcess = ONE_PROCESS) -> float:
     """One pass over the fit states, one AdamW step per micro-batch of rows on the mean KL(target || pi_new);
     returns the mean loss. Each process's loss is its share of the micro-batch over the micro-batch's state
     count (``procs.backward``: the sum over processes), so the step is the one-process step up to float
     summation order."""
     head_new, head_pre, head_cur = (m.get_output_embeddings() for m in (new_model, pre_model, cur_model))
-    step = max(1, logits_budget // head_new.weight.shape[0])  # positions per head block
+    step = max(1, settings.logits_budget // head_new.weight.shape[0])  # positions per head block
     losses = []
     starts = torch.cat([torch.zeros(1, dtype=torch.long), states.rmask.sum(1).long().cumsum(0)])  # [N + 1]
-    for sl in row_slices(states, rows_per_step, token_budget):
+    for sl in row_slices(states, settings.rows_per_step, settings.token_budget):
         m_all = int(states.rmask[sl].sum())  # the micro-batch's states, on all ranks
         if m_all == 0:
             continue
@@ -212,7 +227,7 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
         t_b = t[first : first + m].to(h_new.device)  # [M_b]
         total = sum(torch.utils.checkpoint.checkpoint(_fit_piece, head_new, head_pre, head_cur, h_new[c : c + step],
                                                       h_pre[c : c + step], h_cur[c : c + step], t_b[c : c + step],
-                                                      temperature, use_reentrant=False)
+                                                      settings.temperature, use_reentrant=False)
                     for c in range(0, m, step))
         loss = total / m_all
         opt.zero_grad(set_to_none=True)
@@ -233,10 +248,8 @@ def _trainable(new_model, lr: float, procs: OneProcess):
     return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
 
 
-def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delta0: float, q_level: float, lr: float,
-               max_passes: int, fit_tol: float, temperature: float, rows_per_step: int, token_budget: int,
-               logits_budget: int = STAGE0_LOGITS_BUDGET, log=None, label: str = "agent",
-               trace: dict | None = None, procs: OneProcess = ONE_PROCESS) -> dict:
+def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, settings: Stage0Settings, log=None,
+               label: str = "agent", trace: dict | None = None, procs: OneProcess = ONE_PROCESS) -> dict:
     """Stage-0 (Eqs. (6)-(7)) on given states: ``new_model`` enters as pi_pre and leaves aligned (a frozen
     copy keeps pi_pre). Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit states is
     <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value KL(target || pi_pre)
@@ -254,14 +267,14 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
     Each process (``procs``) fits and measures its share: every decision is the one-process one up to float
     summation order."""
     log = log or (lambda *_: None)
+    delta0, q_level, lr, max_passes = settings.delta0, settings.q_level, settings.lr, settings.max_passes
     pre_model = procs.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre
-    args = dict(temperature=temperature, token_budget=token_budget, logits_budget=logits_budget, procs=procs)
-    kl, fit_kl, t = measure_all(new_model, pre_model, cur_model, fit, None, delta0, **args)
+    models = (new_model, pre_model, cur_model)
+    kl, fit_kl, t = measure_all(*models, fit, None, settings, procs)
     t_exact = t.clone()  # [M] the argmin's exponents
-    kl_held = (measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)[0] if len(held)
-               else torch.zeros(0))
+    kl_held = measure_all(*models, held, None, settings, procs)[0] if len(held) else torch.zeros(0)
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs rounding when pi_pre is inside
-    fit_tol = max(fit_tol * _mean(fit_kl), 1e-6)
+    fit_tol = max(settings.fit_tol * _mean(fit_kl), 1e-6)
     before = {"fit_mean_before": _mean(fit_kl), "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": _mean((t < 1).float())}
@@ -291,11 +304,10 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
             for group in opt.param_groups:
                 group["lr"] *= 0.5
             stall = 0
-        fit_pass(trained, pre_model, cur_model, fit, t, opt, temperature, rows_per_step, token_budget, logits_budget,
-                 procs)
+        fit_pass(trained, pre_model, cur_model, fit, t, opt, settings, procs)
         procs.write_back(trained, new_model)  # for the measurement
         new_model.eval()
-        kl, fit_kl, _ = measure_all(new_model, pre_model, cur_model, fit, t, delta0, **args)
+        kl, fit_kl, _ = measure_all(*models, fit, t, settings, procs)
         trained.train()
     trained.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
@@ -317,7 +329,7 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, delt
            "retargeted": _mean((t < t_exact).float()),
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
-        kl_h, fit_h, _ = measure_all(new_model, pre_model, cur_model, held, None, delta0, **args)
+        kl_h, fit_h, _ = measure_all(*models, held, None, settings, procs)
         out.update(heldout_states=held.num_states, heldout_kl_quantile=kl_quantile(kl_h, q_level),
                    heldout_kl_mean=_mean(kl_h), heldout_fit_mean=_mean(fit_h))
         if beyond(out["heldout_kl_quantile"], delta0):
@@ -372,9 +384,10 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
         new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trace = {} if trace is None else trace
     trace["fit"] = fit
-    info = fit_stage0(new_agent.model, incumbent.model, fit, held, cfg.stage0_delta, cfg.quantile, lr,
-                      cfg.stage0_max_passes, fit_tol, cfg.temperature, max(1, cfg.minibatch_size), cfg.token_budget,
-                      log=log, label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace, procs=team.procs)
+    settings = Stage0Settings(cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes, fit_tol, cfg.temperature,
+                              max(1, cfg.minibatch_size), cfg.token_budget)
+    info = fit_stage0(new_agent.model, incumbent.model, fit, held, settings, log=log,
+                      label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace, procs=team.procs)
     new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
     new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:

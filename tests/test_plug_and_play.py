@@ -126,6 +126,12 @@ def full_logp(model, st):
     return torch.log_softmax(logits.double(), -1).reshape(-1, logits.shape[-1])  # [M, V]
 
 
+def settings(delta0, lr, max_passes, fit_tol, rows_per_step=16):
+    """Stage-0 on the random LMs below: the 0.99 quantile, temperature 1, whole rows per trunk call."""
+    return plug_and_play.Stage0Settings(delta0, 0.99, lr, max_passes, fit_tol, temperature=1.0,
+                                        rows_per_step=rows_per_step, token_budget=4096)
+
+
 def kl_rows(p, q):
     return (p.exp() * (p - q)).sum(-1)  # [M]
 
@@ -147,8 +153,8 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     delta0 = float(kl_pre.median())  # about half the states violate
     new = copy.deepcopy(pre)
     trace = {}
-    info = plug_and_play.fit_stage0(new, cur, fit, held, delta0, 0.99, lr=1e-2, max_passes=300, fit_tol=0.1,
-                                    temperature=1.0, rows_per_step=16, token_budget=4096, trace=trace)
+    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(delta0, lr=1e-2, max_passes=300, fit_tol=0.1),
+                                    trace=trace)
     assert info["share_outside_before"] > 0.3 and info["kl_quantile_before"] > delta0
     assert info["fit_ok"] and info["passes"] >= 1
     # the exact targets at delta_0, computed independently: Stage-0 solved the same lambda(s)
@@ -186,8 +192,7 @@ def test_stage0_is_the_identity_when_pi_pre_is_already_inside():
     pre.lm_head.weight.data += 0.05 * torch.randn_like(pre.lm_head.weight)
     fit, held = random_states(8, 3, 6, 6, seed=3), random_states(4, 3, 6, 6, seed=4)
     new = copy.deepcopy(pre)
-    info = plug_and_play.fit_stage0(new, cur, fit, held, 10.0, 0.99, lr=1e-2, max_passes=5, fit_tol=0.05,
-                                    temperature=1.0, rows_per_step=16, token_budget=4096)
+    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(10.0, lr=1e-2, max_passes=5, fit_tol=0.05))
     assert info["passes"] == 0 and info["share_outside_before"] == 0.0 and info["fit_mean"] <= 1e-6
     for a, b in zip(new.parameters(), pre.parameters()):
         assert torch.equal(a, b)
@@ -202,8 +207,7 @@ def test_stage0_raises_a_clear_error_when_it_cannot_reach_delta0():
     fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
     with pytest.raises(RuntimeError, match=r"could not bring agent inside delta_0=0.001: KL quantile still .* "
                                            r"after 3 passes; raise --stage0-delta or --stage0-max-passes"):
-        plug_and_play.fit_stage0(copy.deepcopy(pre), cur, fit, held, 1e-3, 0.99, lr=1e-3, max_passes=3, fit_tol=0.1,
-                                 temperature=1.0, rows_per_step=16, token_budget=4096)
+        plug_and_play.fit_stage0(copy.deepcopy(pre), cur, fit, held, settings(1e-3, lr=1e-3, max_passes=3, fit_tol=0.1))
 
 
 def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
@@ -218,8 +222,8 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
     fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
     new, trace = copy.deepcopy(pre), {}
     with pytest.raises(RuntimeError, match="could not bring agent inside"):  # 3 passes: too few, the trace is kept
-        plug_and_play.fit_stage0(new, cur, fit, held, 1e-3, 0.99, lr=1e-5, max_passes=3, fit_tol=0.1,
-                                 temperature=1.0, rows_per_step=4, token_budget=4096, trace=trace)
+        plug_and_play.fit_stage0(new, cur, fit, held,
+                                 settings(1e-3, lr=1e-5, max_passes=3, fit_tol=0.1, rows_per_step=4), trace=trace)
     masters, params, start = trace["master_weights"], list(new.parameters()), list(pre.parameters())
     assert [m.shape for m in masters] == [p.shape for p in params] and all(m.dtype == torch.float32 for m in masters)
     assert all(torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, params))  # bf16 weight = round(master)
@@ -276,8 +280,9 @@ open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
 before = status_kb("VmRSS")
 t = torch.zeros(2 * length)  # targets = pi_cur: a real gradient
 # token_budget 1: one row per micro-batch, so a longer response means more positions in one row
-pp.fit_pass(new, pre, cur, st, t, opt, 1.0, rows_per_step=2, token_budget=1, logits_budget=budget)
-pp.measure_stage0(new, pre, cur, st, t, 0.01, 1.0, token_budget=1, logits_budget=budget)
+s = pp.Stage0Settings(0.01, 0.99, 1e-3, 1, 0.1, temperature=1.0, rows_per_step=2, token_budget=1, logits_budget=budget)
+pp.fit_pass(new, pre, cur, st, t, opt, s)
+pp.measure_stage0(new, pre, cur, st, t, s)
 print((status_kb("VmHWM") - before) / 1024)
 """
 
