@@ -457,7 +457,8 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
         records.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
     run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
-                               tensor_parallel=cfg.vllm_tensor_parallel)
+                               tensor_parallel=cfg.vllm_tensor_parallel,
+                               max_model_len=memory.run_max_len(cfg, len(run.team)))
     try:
         return train_team(cfg, run, train, heldout, state, rows)
     finally:

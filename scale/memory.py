@@ -126,6 +126,17 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * dtype_bytes
 
 
+PROMPT_ALLOWANCE = 1024  # tokens allowed for a task prompt in its chat template (and for the answers' wrapping)
+
+
+def run_max_len(cfg, n_agents: int) -> int:
+    """The longest sequence a run's rollout reaches (``config.Config``): the prompt allowance, the earlier
+    agents' answers in the chain protocol (at most --max-new-tokens each) and the response. The vLLM engines of
+    a run are sized to it (``rollout_vllm.make_backend``), the memory plan counts it."""
+    answers = n_agents if cfg.protocol == "chain" else 1
+    return PROMPT_ALLOWANCE + answers * cfg.max_new_tokens
+
+
 def cpu_kv_cache_bytes(config, dtype_bytes: int, max_model_len: int, sequences: int = 16,
                        floor: int = 64 << 20, cap: int = 4 << 30) -> int:
     """A CPU vLLM engine's KV cache (``kv_cache_memory_bytes``): room for ``sequences`` sequences of
@@ -393,7 +404,7 @@ def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
     ``model_config`` (the biggest agent), per rank; with --upgrade also Stage-0's (``stage0_rank_bytes``, the
     replacement taken to be as large as the biggest agent)."""
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if cfg.dtype == "float32" else 2
-    seq = 1024 + cfg.max_new_tokens  # prompt allowance + response
+    seq = run_max_len(cfg, n_agents)  # prompt allowance (+ earlier answers) + response
     rows = max(1, min(cfg.minibatch_size, cfg.token_budget // seq))  # rows of a training micro-batch
     est = estimate_memory(model_config, n_agents, cfg.update, dtype_bytes=dtype_bytes,
                           micro_batch_tokens=min(cfg.token_budget, cfg.minibatch_size * seq), max_seq_len=seq,
@@ -484,13 +495,15 @@ def ram_per_process() -> int | None:
 
 def cpu_plan(cfg, model_config, n_agents: int) -> tuple[dict[str, int], dict, dict, dict]:
     """(estimate, peaks, notes, fixes) of a CPU run. With --backend vllm (the CPU build) each agent has an engine
-    whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the model's
-    max_position_embeddings, 32768 without it), and engines stay resident in training (CPU_VLLM_PEAKS)."""
+    whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the run's longest
+    sequence, ``run_max_len``, or the model's max_position_embeddings where that is shorter), and engines stay
+    resident in training (CPU_VLLM_PEAKS)."""
     est = run_estimate(cfg, model_config, n_agents)
     if cfg.backend != "vllm":
         return est, PEAKS, PHASE_NOTES, CPU_FIXES
     max_len = (model_config.get("max_position_embeddings") if isinstance(model_config, dict)
                else getattr(model_config, "max_position_embeddings", None)) or 32768
+    max_len = min(max_len, run_max_len(cfg, n_agents))
     est["kv_cache"] = n_agents * cpu_kv_cache_bytes(model_config, 4 if cfg.dtype == "float32" else 2, max_len)
     for peak, parts in CPU_VLLM_PEAKS.items():
         est[peak] = sum(est[p] for p in parts)

@@ -146,8 +146,8 @@ def check_lengths(contexts, max_new_tokens: int, max_model_len: int) -> None:
     longest = max((len(c) for c in contexts), default=0)
     if longest + max_new_tokens > max_model_len:
         raise ValueError(f"a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} exceeds the vLLM "
-                         f"engine's max_model_len {max_model_len}; lower --max-new-tokens or configure a larger "
-                         "max_model_len")
+                         f"engine's max_model_len {max_model_len} (a run's engines hold memory.run_max_len tokens: a "
+                         "1024-token prompt allowance + the responses); lower --max-new-tokens or use --backend hf")
 
 
 # -- Outputs (pure): RequestOutput -> response ids / log-probabilities -----------------------------------
@@ -316,7 +316,7 @@ class VLLMBackend:
             if not self.sleep_mode:
                 log.warning("vLLM has no sleep mode on %s: engines stay resident and sleep() does nothing", self.device)
         path = engine_source(agent, self._tmp.name)
-        max_len = self.max_model_len or default_max_model_len(agent)
+        max_len = min(self.max_model_len or default_max_model_len(agent), default_max_model_len(agent))
         dtype = next(agent.model.parameters()).dtype
         kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
@@ -450,14 +450,16 @@ class VLLMBackend:
 
 
 def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,
-                 tensor_parallel: int = 1, health: bool = True):
+                 tensor_parallel: int = 1, health: bool = True, max_model_len: int | None = None):
     """The run's sampler: ``HF``, or vLLM engines (one per agent, per rank under torchrun, or per group of
     ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the engines
-    also return their log-probabilities of the sampled tokens (``VLLMBackend.health``)."""
+    also return their log-probabilities of the sampled tokens (``VLLMBackend.health``). ``max_model_len``: the
+    longest sequence the run reaches (``memory.run_max_len``; the model's own limit where that is shorter); a
+    CPU engine's KV cache is sized to it."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
     if name == "hf":
         return HF
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
     return VLLMBackend(n_engines=n_engines, seed=seed, health_logprobs=health, tensor_parallel=tensor_parallel,
-                       **extra)
+                       max_model_len=max_model_len, **extra)

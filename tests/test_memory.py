@@ -2,6 +2,7 @@
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -314,13 +315,35 @@ def test_cpu_vllm_engines_stay_resident_in_training():
     hf, peaks, _, _ = memory.cpu_plan(hf_cfg, dims, 3)
     assert peaks is memory.PEAKS and hf == memory.run_estimate(hf_cfg, dims, 3)
     est, peaks, notes, fixes = memory.cpu_plan(vllm_cfg, dims, 3)
-    assert est["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(dims, 4, 32768)
+    assert est["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(dims, 4, memory.run_max_len(vllm_cfg, 3))
     assert est["engine_weights"] == est["weights"] > 0
     for peak, parts in peaks.items():
         assert est[peak] == sum(est[p] for p in parts)
     assert est["peak_training"] == hf["peak_training"] + est["engine_weights"] + est["kv_cache"]
     assert "resident" in notes["engine_weights"] and "--backend hf" in fixes["kv_cache"]
     assert "engine_weights" in memory.format_table(est, None, peaks, notes).splitlines()[-2]  # peak_training's sum
+
+
+def test_cpu_vllm_engines_are_sized_to_what_the_run_reaches():
+    """A CPU engine's KV cache holds 16 sequences of the run's longest sequence (prompt allowance + responses:
+    one in the independent protocol, every agent's in the chain), not of the model's whole context: SmolLM2-135M
+    x3 (8,192-token context) at the CPU preset needs 3 x 0.4 GiB of cache in bf16, not 3 x 3.0 GiB, so
+    ``--backend vllm`` fits on a 24 GiB machine."""
+    from config import Config
+
+    smollm2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, vocab_size=49152,
+                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+    cfg = Config(agents="SmolLM2-135M x3", device="cpu", backend="vllm", dtype="bfloat16").apply_preset()
+    assert memory.run_max_len(cfg, 3) == memory.PROMPT_ALLOWANCE + cfg.max_new_tokens
+    chain = replace(cfg, protocol="chain")
+    assert memory.run_max_len(chain, 3) == memory.PROMPT_ALLOWANCE + 3 * cfg.max_new_tokens
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16
+    est, _, _, _ = memory.cpu_plan(cfg, smollm2, 3)
+    assert est["kv_cache"] == 3 * 16 * (memory.PROMPT_ALLOWANCE + cfg.max_new_tokens) * per_token
+    assert est["kv_cache"] < 3 * 16 * 8192 * per_token / 4
+    assert memory.cpu_plan(chain, smollm2, 3)[0]["kv_cache"] > est["kv_cache"]
+    long = replace(cfg, max_new_tokens=16384)  # past the model's context: the model's limit holds
+    assert memory.cpu_plan(long, smollm2, 3)[0]["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(smollm2, 2, 8192)
 
 
 def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
