@@ -27,15 +27,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-STATE = SimpleNamespace(rank=0, world=1, device_kind="cpu", mesh=None)  # this process's place in torchrun's group
-
 
 # -- process group ---------------------------------------------------------------------------------------------
 def setup(device: str) -> str:
     """Join torchrun's process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA); returns this rank's device
     (cuda:LOCAL_RANK under torchrun)."""
-    cuda = device.startswith("cuda") and torch.cuda.is_available()
-    STATE.device_kind = torch.cuda.get_device_name() if cuda else "cpu"
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return device
     if device.startswith("cuda"):
@@ -44,22 +40,35 @@ def setup(device: str) -> str:
         device = f"cuda:{local}"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    STATE.rank, STATE.world = dist.get_rank(), dist.get_world_size()
     return device
 
 
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-    STATE.rank, STATE.world, STATE.mesh = 0, 1, None
+
+
+def world() -> int:
+    """Processes in torchrun's group (1 before ``setup`` or without torchrun)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in torchrun's group (0 before ``setup`` or without torchrun)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def device_kind(device: str) -> str:
+    """The accelerator's name (the GPU model) or "cpu"."""
+    return torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
 
 
 def active() -> bool:
-    return STATE.world > 1
+    return world() > 1
 
 
 def is_main() -> bool:
-    return STATE.rank == 0
+    return rank() == 0
 
 
 def barrier() -> None:
@@ -75,19 +84,21 @@ def _comm_device() -> torch.device:
 # -- rows and gathers --------------------------------------------------------------------------------------------
 def row_range(n: int) -> tuple[int, int]:
     """This rank's contiguous n / N rows: equal shares, so every rank makes as many (collective) forward calls."""
-    if n % STATE.world:
-        raise ValueError(f"{n} rows cannot be shared evenly by {STATE.world} processes: "
+    r, w = rank(), world()
+    if n % w:
+        raise ValueError(f"{n} rows cannot be shared evenly by {w} processes: "
                          f"use --batch-size and --minibatch-size that are multiples of the number of processes")
-    per = n // STATE.world
-    return STATE.rank * per, (STATE.rank + 1) * per
+    per = n // w
+    return r * per, (r + 1) * per
 
 
 def row_share(n: int) -> tuple[int, int]:
     """This rank's contiguous rows of n when shares may differ by one (work without collectives whose results are
     gathered in rank order, e.g. Stage-0's per-state values); (0, n) with one process."""
-    per, extra = divmod(n, STATE.world)
-    lo = STATE.rank * per + min(STATE.rank, extra)
-    return lo, lo + per + (1 if STATE.rank < extra else 0)
+    r = rank()
+    per, extra = divmod(n, world())
+    lo = r * per + min(r, extra)
+    return lo, lo + per + (1 if r < extra else 0)
 
 
 def sum_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +114,7 @@ def gather_objects(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank."""
     if not active():
         return [obj]
-    out = [None] * STATE.world
+    out = [None] * world()
     dist.all_gather_object(out, obj)
     return out
 
@@ -366,12 +377,11 @@ def whole_copy_on_main(model: torch.nn.Module):
 
 # -- shards of whole tensors (records.py's sharded checkpoints) --------------------------------------------------
 def device_mesh():
-    """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0))."""
-    if STATE.mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
+    """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0)); a 1-D mesh of the whole group reuses the
+    default process group, so building it is not a collective."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-        STATE.mesh = init_device_mesh(_comm_device().type, (STATE.world,))
-    return STATE.mesh
+    return init_device_mesh(_comm_device().type, (world(),))
 
 
 def local_rows(t: torch.Tensor) -> torch.Tensor:
@@ -381,8 +391,8 @@ def local_rows(t: torch.Tensor) -> torch.Tensor:
         return t
     if hasattr(t, "to_local"):
         return t.to_local()
-    chunks = t.chunk(STATE.world, 0)
-    return chunks[STATE.rank] if STATE.rank < len(chunks) else t[:0]
+    chunks, r = t.chunk(world(), 0), rank()
+    return chunks[r] if r < len(chunks) else t[:0]
 
 
 def as_sharded(local: torch.Tensor, shape: torch.Size):

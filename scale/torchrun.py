@@ -34,18 +34,17 @@ class Torchrun(OneProcess):
         """Join torchrun's process group (none with one process: a ``--shard-rollouts`` run); (the processes,
         ``cfg`` with torchrun's defaults: this rank's device, seeded rollout blocks, --shard-frozen on CUDA)."""
         cfg = replace(cfg, device=distributed.setup(cfg.device))
-        world = distributed.STATE.world
+        world = distributed.world()
         if world > 1:
             cfg = check_config(cfg, world)
         cfg = replace(cfg, shard_frozen=bool(cfg.shard_frozen) and world > 1)  # one process: nothing to shard
-        state = distributed.STATE
-        return cls(state.rank, world, state.device_kind, cfg.shard_frozen, cfg.rollout_blocks), cfg
+        return cls(distributed.rank(), world, distributed.device_kind(cfg.device), cfg.shard_frozen,
+                   cfg.rollout_blocks), cfg
 
     @classmethod
-    def current(cls, shard_frozen: bool = False, n_blocks: int = 8) -> "Torchrun":
+    def current(cls, device: str = "cpu", shard_frozen: bool = False, n_blocks: int = 8) -> "Torchrun":
         """This process as ``distributed.setup`` left it (one process before it)."""
-        state = distributed.STATE
-        return cls(state.rank, state.world, state.device_kind, shard_frozen, n_blocks)
+        return cls(distributed.rank(), distributed.world(), distributed.device_kind(device), shard_frozen, n_blocks)
 
     @property
     def main(self) -> bool:

@@ -6,10 +6,10 @@ rendezvous, the process group) costs about 10 s on the loaded 2-core CI machine.
     all_workers.py WORKER.py ARG ... -- WORKER.py ARG ... -- ...
 
 Each worker runs as if it had the processes to itself: the torch / numpy /
-Python RNG states of a fresh process, ``distributed.STATE`` at one process
-until the worker's own ``distributed.setup`` (each computes its one-process
-reference first), and the process group kept for the next worker
-(``distributed.teardown`` waits until the last one is done)."""
+Python RNG states of a fresh process, and no process group until the worker's
+own ``distributed.setup`` (each computes its one-process reference first); its
+``distributed.teardown`` leaves the group, and the next worker joins a new one
+through the store torchrun keeps for both processes."""
 import random
 import runpy
 import sys
@@ -26,16 +26,10 @@ for arg in sys.argv[1:] + ["--"]:
     else:
         job.append(arg)
 fresh = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-teardown, distributed.teardown = distributed.teardown, (lambda: None)
-try:
-    for script, *args in jobs:
-        torch.set_rng_state(fresh[0])
-        np.random.set_state(fresh[1])
-        random.setstate(fresh[2])
-        distributed.STATE.rank, distributed.STATE.world = 0, 1  # the worker's one-process part comes first
-        sys.argv = [script, *args]
-        runpy.run_path(script, run_name="__main__")
-        distributed.barrier()
-finally:
-    distributed.teardown = teardown
-    distributed.teardown()
+for script, *args in jobs:
+    torch.set_rng_state(fresh[0])
+    np.random.set_state(fresh[1])
+    random.setstate(fresh[2])
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+    distributed.teardown()  # if the worker did not

@@ -89,7 +89,7 @@ def max_diff(a, b) -> float:
 
 if distributed.is_main():
     p_batch, p_again, p_eval, p_kl, p_logp = plain
-    json.dump({"world": distributed.STATE.world, "rows": len(batch), "dummy_calls": dummy_calls,
+    json.dump({"world": distributed.world(), "rows": len(batch), "dummy_calls": dummy_calls,
                "response_tokens": batch.num_tokens, "rollout_same_ids": same_turns(batch, p_batch),
                "rollout_same_rewards": torch.equal(batch.rewards, p_batch.rewards),
                "rollout_logprob_diff": max_diff(batch, p_batch),

@@ -19,7 +19,7 @@ from scale.shard_load import load_into_shards
 torch.set_num_threads(1)
 distributed.setup("cpu")
 ids = torch.tensor([[1, 5, 9, 100, 3, 7], [2, 4, 6, 8, 10, 99]])  # [2, 6]
-out: dict = {"world": distributed.STATE.world}
+out: dict = {"world": distributed.world()}
 root = Path(sys.argv[1]).parent / "checkpoints"  # beside the output, in the test's temporary folder
 for name, tied, saved_dtype in (("tied", True, torch.bfloat16), ("untied", False, torch.float32)):
     config = Qwen3Config(vocab_size=101, hidden_size=32, intermediate_size=37, num_hidden_layers=2,

@@ -99,7 +99,7 @@ procs.adopt(loaded.agents)
 bf16 = [p.detach() for p in two.agents[0].model.parameters()]
 if distributed.is_main():
     torch.save({"masters": two_b, "moments": two_moments}, sys.argv[2])
-    json.dump({"world": distributed.STATE.world, "lr": cfg.lr,
+    json.dump({"world": distributed.world(), "lr": cfg.lr,
                "turn1_mean_diff": mean_diff(one_a, two_a), "turn2_mean_diff": mean_diff(one_b, two_b),
                "turn2_max_diff": max_diff(one_b, two_b), "turn2_mean_step": mean_diff(one_b, one_a),
                "restart_mean_diff": mean_diff(one_b, restart_b),

@@ -79,7 +79,7 @@ if distributed.is_main():
                "mean_param_diff": float((flat[1] - flat3).abs().mean())}
     (i1, t1, _), (i2, t2, _) = one, two
     fit1, fit2 = t1["fit"], t2["fit"]
-    json.dump({"world": distributed.STATE.world, "same_states": same_fit(fit1, fit2), "rows": len(fit1),
+    json.dump({"world": distributed.world(), "same_states": same_fit(fit1, fit2), "rows": len(fit1),
                "states": [i1["states"], i2["states"]],
                "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
                "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),

@@ -61,7 +61,7 @@ if distributed.is_main():
                "layers_groups": len(sizes), "layers_leaked": leaked, "layers_max_group_bytes": max(sizes[1:]),
                "layers_root_bytes": sizes[0], "layer_bytes": layer_bytes,
                "n_layers": len(plain.agents[0].model.base_model.layers),
-               "world": distributed.STATE.world, "max_param_diff": diff, "max_step": step,
+               "world": distributed.world(), "max_param_diff": diff, "max_step": step,
                "loss": [stats_plain.loss, stats_sharded.loss],
                "grad_norm": [stats_plain.grad_norm, stats_sharded.grad_norm],
                "steps": [stats_plain.inner_steps, stats_sharded.inner_steps]}, open(sys.argv[1], "w"))

@@ -58,7 +58,7 @@ def main(out_path: str) -> None:
     batch = rollout_in_blocks(team, problems, 4, sampling, seed=7, n_blocks=4, backend=reg)
     reg.sleep()
     health = reg.health(team, batch)  # the engines' log-probs of the whole batch vs the training model's
-    result = {"world": distributed.STATE.world, "responses": rows_of(batch), "rewards": batch.rewards.tolist(),
+    result = {"world": distributed.world(), "responses": rows_of(batch), "rewards": batch.rewards.tolist(),
               "health": health}
     if distributed.active():  # --shard-frozen: the agents as shards, the engines fed from them, the same rollout
         Torchrun.current(shard_frozen=True).adopt(team.agents)
