@@ -119,16 +119,15 @@ WORKERS = {"frozen": ("frozen_worker.py", "frozen.json"), "load": ("load_worker.
 
 @pytest.fixture(scope="module")
 def worker_outputs(tmp_path_factory) -> dict[str, list[Path]]:
-    """Every tests/dist worker of this file in ONE ``torchrun --nproc-per-node 2``
-    (tests/dist/all_workers.py: a torchrun start costs ~10 s on the loaded CI
-    machine); each worker its own folder; {name: [its output paths]}."""
+    """Every tests/dist worker of this file, each under its own ``torchrun --nproc-per-node 2`` (a fresh pair of
+    processes: its one-process reference first, then its process group), once for the module; each worker its
+    own folder; {name: [its output paths]}."""
     root = tmp_path_factory.mktemp("workers")
-    outputs, args = {}, []
+    outputs = {}
     for name, (script, *files) in WORKERS.items():
         (root / name).mkdir()
         outputs[name] = [root / name / f for f in files]
-        args += ["--", str(ROOT / "tests" / "dist" / script), *map(str, outputs[name])]
-    run_worker("all_workers.py", *args[1:], timeout=600)
+        run_worker(script, *outputs[name], timeout=600)
     return outputs
 
 

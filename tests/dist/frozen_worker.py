@@ -75,7 +75,6 @@ interpolate_parameters(params, [p.detach().clone() for p in params], new, 0.5)
 kl, logp, _ = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
 exported = distributed.whole_copy_on_main(team.agents[1].model)
 dummy_calls = sum(distributed.gather_objects(sum(extras)))
-distributed.extra_calls = agree  # the next worker in the same torchrun (all_workers.py) sees the plain function
 
 
 def same_turns(a, b) -> bool:
