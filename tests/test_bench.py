@@ -34,6 +34,7 @@ def test_every_bench_script_is_run_here():
     assert sorted(p.name for p in (ROOT / "bench").glob("*.py")) == sorted(RUNS)
 
 
+@pytest.mark.slow  # about 20 s each on two busy cores: a process importing torch and transformers
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_bench_script_prints_its_figures(script, tmp_path):
     args, pattern = RUNS[script]

@@ -104,6 +104,7 @@ def promote(agent, scale=0.3, seed=0):
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+@pytest.mark.slow  # over 10 s on two busy cores
 def test_regenerate_independent_redraws_only_the_promoted_turn_from_the_promoted_policy(tiny3):
     agents = [Agent(a.spec, copy.deepcopy(a.model), a.tokenizer) for a in tiny3]
     team = Team(agents, TeamConfig(protocol="independent"))
@@ -215,6 +216,7 @@ def test_surrogate_identity_matches_brute_force_on_two_agents(protocol, seed):
         assert total_gain == pytest.approx(J(new1, new2) - J(pi1, pi2), abs=1e-12)  # Theorem 4.4 telescopes
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: two runs
 def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
     for update, reuse in (("joint", "regenerate"), ("sequential", "weights")):
         cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
@@ -227,6 +229,7 @@ def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
         assert all(0.0 < a["ess_ratio"] <= 1.0 for a in rec["agents"])
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: a whole run
 def test_regenerate_run_keeps_weights_at_one(tmp_path):
     cfg = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
                      warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",

@@ -143,6 +143,7 @@ def test_plug_and_play_branches_and_table(tmp_path, capsys):
     assert len(said) == 5 and all(ln.endswith("skipped (finished)") for ln in said)
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: two small runs
 def test_team_vs_single_equal_tokens_and_table(tmp_path, capsys):
     out = tmp_path / "tvs"
     argv = ["--agents", "tiny x2", "--seeds", "0", "--stages", "1", "--vote-groups", "2", "--out", str(out)] + SMALL

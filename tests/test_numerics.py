@@ -110,6 +110,7 @@ def test_master_weights_persist_between_turns_and_restart_where_the_weights_chan
     assert agent.optimizer is None and all(p.grad is None for p in agent.model.parameters())
 
 
+@pytest.mark.slow  # over 10 s on two busy cores
 # -- 2. the sampler is the tempered softmax, whatever the checkpoint ships ------------------
 def test_sampler_ignores_the_checkpoints_generation_config():
     """repetition_penalty 1.3, min_p 0.2 and no_repeat_ngram_size 2 in the

@@ -24,6 +24,7 @@ def small_config(tmp_path, **overrides) -> sat.Config:
     return sat.Config(**cfg).apply_preset()
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: Stage-0 on a tiny team's rollouts
 def test_stage0_brings_replacement_inside_delta0(tmp_path):
     torch.manual_seed(0)
     cfg = small_config(tmp_path, stage0_delta=0.05, stage0_fit_tol=0.3)
@@ -60,6 +61,7 @@ def test_vocabulary_mismatch_is_refused():
     assert team.agents[0] is incumbent
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: a run, an upgrade and a resume
 def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     sat.run(small_config(tmp_path, stages=1), **QUIET)
     run_dir = tmp_path / "run"
@@ -88,6 +90,7 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     assert len(more[-1]["agents"]) == 2
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: a run before the refusals
 def test_upgrade_needs_resume_and_a_valid_slot(tmp_path, capsys):
     assert sat.main(["--upgrade", "2=tiny", "--stages", "1", "--out", str(tmp_path / "x"), "--warmup-steps", "0",
                      "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 2  # refused before any work

@@ -33,6 +33,7 @@ def straight(tmp_path_factory):
     return sat.run(sat.parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET), out
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: a run and its resumed twin
 # -- resume from a stage folder keeps the run's history -------------------------------------------
 def test_resume_from_a_stage_folder_keeps_rows_and_continues(straight, tmp_path):
     records, _ = straight

@@ -177,9 +177,9 @@ def strip_timing(records):
 
 @pytest.mark.parametrize("overrides", [
     dict(protocol="independent"),
-    dict(protocol="chain", order="greedy"),
+    pytest.param(dict(protocol="chain", order="greedy"), marks=pytest.mark.slow),  # over 10 s on two busy cores
     dict(update="joint", order="random"),
-    dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"),
+    pytest.param(dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"), marks=pytest.mark.slow),
 ])
 def test_stage_loop_end_to_end(tmp_path, overrides):
     cfg = small_config(tmp_path, **overrides)
@@ -228,6 +228,7 @@ def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
     assert strip_timing(resumed) == strip_timing(straight)
 
 
+@pytest.mark.slow  # over 10 s on two busy cores: a whole run
 def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     cfg = small_config(tmp_path, stages=1)
     sat.run(cfg, log=lambda *_: None)
