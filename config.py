@@ -327,8 +327,8 @@ PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0
 # Temperature 0.4: sampled at 1.0 or 0.8 the model is right on 0-3% of the task, at 0.4 on 23% (held out;
 # bench/smollm2_task.py). lr 1e-6: at 2e-5 (and 1e-5) the line search halved every agent's step 4-5 times to keep
 # the KL quantile within delta 0.05 (the tempered policy at 0.4 moves fast); at 1e-6 a step backtracks 0-2 times
-# and the team learns (held-out +0.17 over 3 seeds, docs/results.md). 8 stages: about 30 minutes on two cores with 64
-# held-out rows; the 256 paired rows below roughly double it (an estimate from one loaded stage, docs/results.md).
+# and the team learns (held-out +0.17 over 3 seeds, docs/results.md). The 256 paired held-out rows below cost
+# 529-691 s an evaluation against 700-884 s for a stage's training (one thread, 3 runs on 2 cores; docs/results.md).
 # eval_samples 4: 64 x 4 = 256 paired held-out rows, about what the run certificate needs to be positive at a gain
 # of +0.17 when one row in five changes (bounds.bernstein_radius at delta_conf 0.05: +0.056 at 256 rows).
 REAL_CPU_PRESET = dict(task="arithmetic-chat", reuse="regenerate", stages=8, delta=0.05, beta=0.01, lr=1e-6,
