@@ -377,8 +377,7 @@ def whole_copy_on_main(model: torch.nn.Module):
 
 # -- shards of whole tensors (records.py's sharded checkpoints) --------------------------------------------------
 def device_mesh():
-    """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0)); a 1-D mesh of the whole group reuses the
-    default process group, so building it is not a collective."""
+    """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0)), built from the current process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(_comm_device().type, (world(),))
