@@ -50,6 +50,7 @@ from scale.vllm_weights import EXTENSION_CLS, VersionBook, check_in_sync, weight
 
 WAKE_TAGS = ("weights", "kv_cache")
 SEED_MODULUS = 2 ** 31 - 1
+CPU_STEP_TOKENS = 4096  # tokens a CPU engine schedules per step (vLLM's own CPU default)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
     """Arguments of ``vllm.LLM`` for one agent's engine: token ids in and out (the agent's tokenizer
     decodes); ``generation_config="vllm"`` ignores the checkpoint's sampling defaults (the behaviour
     log-probs assume plain tempered sampling); CUDA: a memory fraction and sleep mode; CPU: a KV cache in
-    bytes, eager, no sleep mode (vLLM refuses it there); processed (tempered) log-probs for the health
-    metric; K > 1 tensor-parallel ranks through vLLM's ``external_launcher`` (CUDA under torchrun)."""
+    bytes, eager, no sleep mode (vLLM refuses it there), no chunked prefill; processed (tempered) log-probs
+    for the health metric; K > 1 tensor-parallel ranks through vLLM's ``external_launcher`` (CUDA under torchrun)."""
     kwargs = dict(model=str(model_path), skip_tokenizer_init=True, dtype=dtype_name(dtype), seed=int(seed),
                   enable_prefix_caching=True, max_model_len=int(max_model_len), generation_config="vllm",
                   tensor_parallel_size=int(tensor_parallel), worker_extension_cls=EXTENSION_CLS)
@@ -99,7 +100,10 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
     if device == "cpu":
         if not kv_cache_bytes or kv_cache_bytes <= 0:
             raise ValueError(f"a CPU engine needs a KV cache size in bytes (got kv_cache_bytes={kv_cache_bytes})")
-        kwargs.update(kv_cache_memory_bytes=int(kv_cache_bytes), enforce_eager=True)
+        # Whole prompts only: a prompt split over two engine steps makes vLLM rewind the request's seeded
+        # generator, which a CPU generator cannot do (the engine dies: "CPU Generator does not use offset").
+        kwargs.update(kv_cache_memory_bytes=int(kv_cache_bytes), enforce_eager=True, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(int(max_model_len), CPU_STEP_TOKENS))
     else:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1] (got {memory_fraction})")

@@ -97,6 +97,22 @@ def test_generation_is_well_formed_and_seeded(team2):
     print(f"\n[vllm] {len(first)} responses, {len(stopped)} stopped at eos, the rest at {MAX_NEW} tokens")
 
 
+def test_prompts_past_one_engine_step_generate_as_alone(team2):
+    """Seeded requests whose prompts add up to more than an engine schedules in one step (the held-out
+    evaluation of a real team: 256 chat prompts) are each drawn as if asked alone. On CPU a prompt split
+    over two steps would kill the engine (vLLM rewinds the seeded generator, which a CPU one cannot)."""
+    agents, reg = team2
+    agent = agents[0]
+    ctx = [agent.encode_prompt([{"role": "user", "content": " ".join(f"{k + a}+{k * 7 % 13}" for k in range(40))}])
+           for a in range(32)]
+    assert sum(map(len, ctx)) > rv.CPU_STEP_TOKENS
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    seeds = response_seeds(11, len(ctx), 0)
+    together = reg.generate(agent, ctx, sampling, seeds)
+    alone = [reg.generate(agent, [c], sampling, [s])[0] for c, s in zip(ctx[-3:], seeds[-3:])]
+    assert together[-3:] == alone
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_token_logprobs_match_the_training_model(team2, temperature):
     agents, reg = team2
