@@ -9,7 +9,8 @@ real pretrained team on this machine:
     python bench/real_stage.py --backend vllm                  # the same stage, rollouts from CPU vLLM engines
     python bench/real_stage.py --agents "tiny x2" --batch-size 8 --eval-size 4 --warmup-steps 0   # CI size
 
-Prints the phase table (seconds, share of the stage, calls) and the generated tokens/s of the rollout.
+Prints the phase table (seconds, share of the stage, calls), the generated tokens/s of the rollout and, on the
+HF backend, the share of ``generate``'s decoding spent on rows that had already finished.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from gpu_stage import PhaseMeter, timed  # noqa: E402
 import records  # noqa: E402
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
+from logprobs import chunks_by_budget  # noqa: E402
 from scale.rollout_vllm import VLLMBackend  # noqa: E402
 
 
@@ -41,7 +43,20 @@ def phases(meter: PhaseMeter, counters: dict):
     def named(name, after=None):
         return lambda fn: timed(meter, fn, lambda *a, **k: name, after)
 
+    def hf_work(fn):  # decode steps HF generate runs for rows already finished (it stops at its chunk's longest)
+        def wrapper(agent, contexts, sampling, seeds):
+            out = fn(agent, contexts, sampling, seeds)
+            order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+            for sl in chunks_by_budget([len(contexts[i]) + sampling.max_new_tokens for i in order],
+                                       sampling.token_budget):
+                lengths = [len(out[i]) for i in order[sl]]
+                counters["hf_row_steps"] += len(lengths) * max(lengths)
+                counters["hf_kept_tokens"] += sum(lengths)
+            return out
+        return wrapper
+
     patches = [
+        (rollout_mod, "generate_hf", hf_work),
         (sat, "team_rollout", named("team rollouts (the stage's and the evaluations')")),
         (sat, "redraw", named("redraw (regenerate, step bounds)")),
         (rollout_mod.HFBackend, "generate", named("  generation", count)),
@@ -93,6 +108,10 @@ def main(argv=None) -> None:
     gen = meter.records["  generation"]["seconds"]
     print(f"stage 1 (sat_stage) {stage:.1f} s of {wall:.1f} s; generated {counters['generated_tokens']} tokens in "
           f"{gen:.1f} s = {counters['generated_tokens'] / max(gen, 1e-9):.1f} tokens/s")
+    if counters["hf_row_steps"]:
+        steps, kept = counters["hf_row_steps"], counters["hf_kept_tokens"]
+        print(f"HF generate: {steps} row-steps decoded for {kept} kept tokens: {1 - kept / steps:.0%} of its "
+              "decoding is on rows already finished")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ RUNS = {
                      "hf"], r"(?m)^hf +[\d.]+ +\d+ +[\d.]+ +[\d.]+$"),
     "real_stage.py": (["--agents", "tiny x2", "--batch-size", "8", "--minibatch-size", "8", "--eval-size", "4",
                        "--warmup-steps", "0", "--reuse", "regenerate"],
-                      r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s"),
+                      r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s.*\n"
+                      r"HF generate: \d+ row-steps decoded for \d+ kept tokens: \d+% of its decoding"),
     "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
                         r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }
