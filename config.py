@@ -227,6 +227,7 @@ class Config:
         device, dtype and backend. A Config never changes once built: each resolving step returns a new one."""
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         filled = {k: v for k, v in preset_for(self.agents, device).items() if getattr(self, k) is None}
+        # float32 on CPU: at REAL_CPU_PRESET's lr 1e-6 a bf16 team's steps round away (docs/claims.md)
         return replace(self, device=device, **filled,
                        dtype=self.dtype or ("float32" if device == "cpu" else "bfloat16"),
                        backend=self.backend or default_backend(device))
