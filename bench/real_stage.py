@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from transformers import GenerationMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,7 +31,6 @@ from gpu_stage import PhaseMeter, timed  # noqa: E402
 import records  # noqa: E402
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
-from logprobs import chunks_by_budget  # noqa: E402
 from scale.rollout_vllm import VLLMBackend  # noqa: E402
 
 
@@ -43,20 +43,15 @@ def phases(meter: PhaseMeter, counters: dict):
     def named(name, after=None):
         return lambda fn: timed(meter, fn, lambda *a, **k: name, after)
 
-    def hf_work(fn):  # decode steps HF generate runs for rows already finished (it stops at its chunk's longest)
-        def wrapper(agent, contexts, sampling, seeds):
-            out = fn(agent, contexts, sampling, seeds)
-            order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
-            for sl in chunks_by_budget([len(contexts[i]) + sampling.max_new_tokens for i in order],
-                                       sampling.token_budget):
-                lengths = [len(out[i]) for i in order[sl]]
-                counters["hf_row_steps"] += len(lengths) * max(lengths)
-                counters["hf_kept_tokens"] += sum(lengths)
+    def decode_steps(fn):  # rows x decode steps of each HF generate call (it stops at its batch's longest row)
+        def wrapper(model, *args, input_ids, **kwargs):
+            out = fn(model, *args, input_ids=input_ids, **kwargs)  # [rows, prompt + steps]
+            counters["hf_row_steps"] += out.shape[0] * (out.shape[1] - input_ids.shape[1])
             return out
         return wrapper
 
     patches = [
-        (rollout_mod, "generate_hf", hf_work),
+        (GenerationMixin, "generate", decode_steps),
         (sat, "team_rollout", named("team rollouts (the stage's and the evaluations')")),
         (sat, "redraw", named("redraw (regenerate, step bounds)")),
         (rollout_mod.HFBackend, "generate", named("  generation", count)),
@@ -109,7 +104,7 @@ def main(argv=None) -> None:
     print(f"stage 1 (sat_stage) {stage:.1f} s of {wall:.1f} s; generated {counters['generated_tokens']} tokens in "
           f"{gen:.1f} s = {counters['generated_tokens'] / max(gen, 1e-9):.1f} tokens/s")
     if counters["hf_row_steps"]:
-        steps, kept = counters["hf_row_steps"], counters["hf_kept_tokens"]
+        steps, kept = counters["hf_row_steps"], counters["generated_tokens"]
         print(f"HF generate: {steps} row-steps decoded for {kept} kept tokens: {1 - kept / steps:.0%} of its "
               "decoding is on rows already finished")
 
