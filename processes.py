@@ -65,6 +65,10 @@ class OneProcess:
     def release(self, model: torch.nn.Module) -> None:
         """Drop whatever a forward kept gathered, so the next forward reads the current weights."""
 
+    def synced_forwards(self, model: torch.nn.Module) -> bool:
+        """Whether ``model``'s forwards are collectives every process makes together (never on one)."""
+        return False
+
     def lockstep(self, model: torch.nn.Module, calls: int, dummy):
         """Around ``calls`` forward calls into ``model``: nothing to match on one process."""
         return nullcontext()

@@ -193,6 +193,16 @@ class SeededSampler:
         self.temperature, self.top_p, self.position = temperature, top_p, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores [n, V]
+        """As a logits processor: 0 on each row's drawn token, -inf elsewhere (greedy then takes it)."""
+        token = self.draw(scores)  # [n]
+        return torch.full_like(scores, -torch.inf).scatter_(-1, token[:, None], 0.0)  # [n, V]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on drawing for ``rows`` only (the rows of a batch still unfinished)."""
+        self.seeds = self.seeds[rows.cpu()]  # [m]
+
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:  # scores [n, V] -> [n]
+        """Each row's token at the next position."""
         n, vocab = scores.shape
         weights = tempered_weights(scores, self.temperature, self.top_p)  # [n, V]
         if vocab % self.BLOCK:
@@ -206,7 +216,7 @@ class SeededSampler:
         offset = torch.searchsorted(inner_cdf, u[:, None].contiguous()).clamp_max(self.BLOCK - 1)  # [n, 1]
         token = (block * self.BLOCK + offset).clamp_max(vocab - 1)  # [n, 1]
         self.position += 1
-        return torch.full_like(scores, -torch.inf).scatter_(-1, token, 0.0)  # [n, V]
+        return token[:, 0]  # [n]
 
 
 # -- The HF sampler: the tempered softmax only -----------------------------------------------------------
@@ -292,10 +302,44 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
 
 
 @torch.no_grad()
+def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler, max_new_tokens: int,
+           eos_id: int, pad_id: int) -> torch.Tensor:  # ids, mask [n, Lc] left-padded -> [n, <= max_new_tokens]
+    """Sampling with a KV cache, each step forwarding only the rows not yet ended, where HF ``generate``
+    forwards every row until the batch's last ends (in a SmolLM2 stage 68% of its row-steps were on ended
+    rows; ``bench/backends.py --backends hf-generate,hf`` times the two). A row's draws are its own
+    (``SeededSampler``: the row's seed and the position), so dropping ended rows changes what is computed,
+    not what is sampled."""
+    from transformers import DynamicCache
+
+    new = torch.full((ids.shape[0], max_new_tokens), pad_id, dtype=torch.long)  # [n, T] pads after an eos
+    live = torch.arange(ids.shape[0])  # [m] the rows still sampling
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [m, Lc] left padding leaves positions unchanged
+    cache, step_ids = DynamicCache(config=model.config.get_text_config(decoder=True)), ids  # as generate's
+    for t in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [m, V]
+        token = sampler.draw(logits).cpu()  # [m]
+        new[live, t] = token
+        going = token != eos_id  # [m]
+        if not going.all():
+            if not going.any():
+                break
+            rows = going.nonzero()[:, 0]  # [m'] the rows that go on
+            live, token, mask, positions = live[rows], token[rows], mask[rows], positions[rows]
+            cache.batch_select_indices(rows.to(mask.device))
+            sampler.keep(rows)
+        step_ids = token[:, None].to(mask.device)  # [m, 1]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)  # [m, Lc + t + 1]
+        positions = positions[:, -1:] + 1  # [m, 1]
+    return new[:, :t + 1]
+
+
+@torch.no_grad()
 def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[int]]:
     """One sampled response per context (ids cut after the first eos), response i under ``seeds[i]``
-    (``SeededSampler``): one left-padded ``generate`` per token-budget chunk, contexts sorted by length so
-    a chunk pads little."""
+    (``SeededSampler``): one left-padded ``decode`` per token-budget chunk, contexts sorted by length so a
+    chunk pads little. A model whose forwards are collectives (``procs.synced_forwards``: FSDP2 shards)
+    samples through HF ``generate``, whose ``synced_gpus`` keeps every rank forwarding until all are done."""
     from transformers import LogitsProcessorList
 
     tok = agent.tokenizer
@@ -303,12 +347,17 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     chunks = chunks_by_budget([len(contexts[i]) + sampling.max_new_tokens for i in order], sampling.token_budget)
     inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its LM
+    synced = agent.procs.synced_forwards(agent.model)
 
-    def gen(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int]) -> torch.Tensor:  # [n, Lc + <= new]
-        sampler = LogitsProcessorList([SeededSampler(row_seeds, sampling.temperature, sampling.top_p)])
+    def gen(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int]) -> torch.Tensor:  # [n, <= new]
+        ids, mask = ids.to(agent.device), mask.to(agent.device)  # [n, Lc]
+        sampler = SeededSampler(row_seeds, sampling.temperature, sampling.top_p)
+        if not synced:
+            return decode(inner, ids, mask, sampler, sampling.max_new_tokens, tok.eos_token_id, tok.pad_token_id)
         with _sampler(inner, gen_cfg):
-            return agent.model.generate(input_ids=ids.to(agent.device), attention_mask=mask.to(agent.device),
-                                        generation_config=gen_cfg, logits_processor=sampler)
+            out = agent.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                       logits_processor=LogitsProcessorList([sampler]))  # [n, Lc + <= new]
+        return out[:, ids.shape[1]:].cpu()
 
     responses: list[list[int]] = [None] * len(contexts)
     dummy = lambda: gen(*left_pad([contexts[order[0]]], tok.pad_token_id), [0])  # noqa: E731  (discarded)
@@ -316,7 +365,7 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
         for sl in chunks:
             idx = order[sl]
             ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
-            new = gen(ids, mask, [seeds[i] for i in idx])[:, ids.shape[1]:].cpu()  # [n, <= max_new_tokens]
+            new = gen(ids, mask, [seeds[i] for i in idx])  # [n, <= max_new_tokens]
             for row, i in enumerate(idx):
                 responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
     return responses

@@ -1,4 +1,6 @@
-"""The two rollout backends side by side on one team: Hugging Face ``generate`` against CPU (or GPU) vLLM.
+"""The rollout backends side by side on one team: Hugging Face (``rollout.decode``) against CPU (or GPU) vLLM,
+and against HF ``generate``, which forwards every row of a batch until its last row ends (``hf-generate``: the
+path of a model whose forwards are collectives, ``rollout.generate_hf``).
 
 The same agents, the same problems, the same sampler (the tempered softmax, nothing else); each backend draws
 the agents' turns of one joint rollout (``rollout.rollout`` with ``score=False``: generation only), repeated,
@@ -9,7 +11,10 @@ the first rollout) is one warm-up rollout of one prompt, timed apart.
     python bench/backends.py --prompts 128 --dtype bfloat16           # a larger batch, bf16 weights
     python bench/backends.py --agents "tiny x2" --prompts 4 --max-new-tokens 4 --repeats 1 --backends hf  # CI
 
-Prints per backend: generated tokens, seconds (median of the repeats) and tokens/s, then the ratio.
+    python bench/backends.py --agents "SmolLM2-135M x1" --backends hf-generate,hf --threads 1  # ended rows dropped
+
+Prints per backend: generated tokens, seconds (median of the repeats) and tokens/s, then the ratio. The two HF
+paths draw the same tokens (one ``SeededSampler``), so their token counts agree up to float rounding.
 """
 from __future__ import annotations
 
@@ -24,9 +29,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sat  # noqa: E402
-from rollout import SamplingConfig, rollout  # noqa: E402
+from processes import OneProcess  # noqa: E402
+from rollout import HFBackend, SamplingConfig, rollout  # noqa: E402
 from scale.rollout_vllm import make_backend  # noqa: E402
 from tasks import load_task  # noqa: E402
+
+
+class EveryRowForwarded(OneProcess):
+    """One process whose forwards ``generate_hf`` treats as collectives: it samples through HF ``generate``."""
+
+    def synced_forwards(self, model) -> bool:
+        return True
+
+
+class HFGenerate(HFBackend):
+    """``hf-generate``: the HF backend sampling through ``generate`` (every row forwarded to the batch's end)."""
+
+    name = "hf-generate"
+
+    def generate(self, agent, contexts, sampling, seeds):
+        saved, agent.procs = agent.procs, EveryRowForwarded()
+        try:
+            return super().generate(agent, contexts, sampling, seeds)
+        finally:
+            agent.procs = saved
 
 
 def main(argv=None) -> None:
@@ -52,7 +78,7 @@ def main(argv=None) -> None:
     backends, started = {}, {}
     for name in names:
         t0 = time.perf_counter()
-        backends[name] = make_backend(name, len(team), seed=0, health=False)
+        backends[name] = HFGenerate() if name == "hf-generate" else make_backend(name, len(team), seed=0, health=False)
         for agent in team.agents:
             backends[name].sync(agent)
         rollout(team, problems[:1], 1, sampling, backend=backends[name], score=False)  # vLLM: the engines start here
@@ -71,12 +97,12 @@ def main(argv=None) -> None:
             b.close()
     print(f"\n{args.agents}, {args.prompts} prompts x {len(team)} turns, max {args.max_new_tokens} new tokens, "
           f"{args.dtype}, {args.threads} threads, median of {args.repeats}")
-    print(f"{'backend':<8} {'start s':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    print(f"{'backend':<11} {'start s':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
     speed = {}
     for name in names:
         med = statistics.median(seconds[name])
         speed[name] = tokens[name] / med
-        print(f"{name:<8} {started[name]:>8.1f} {tokens[name]:>7} {med:>8.2f} {speed[name]:>9.1f}")
+        print(f"{name:<11} {started[name]:>8.1f} {tokens[name]:>7} {med:>8.2f} {speed[name]:>9.1f}")
     if len(names) == 2:
         print(f"ratio {names[1]}/{names[0]} tokens/s: {speed[names[1]] / speed[names[0]]:.2f}")
 

@@ -9,8 +9,7 @@ real pretrained team on this machine:
     python bench/real_stage.py --backend vllm                  # the same stage, rollouts from CPU vLLM engines
     python bench/real_stage.py --agents "tiny x2" --batch-size 8 --eval-size 4 --warmup-steps 0   # CI size
 
-Prints the phase table (seconds, share of the stage, calls), the generated tokens/s of the rollout and, on the
-HF backend, the share of ``generate``'s decoding spent on rows that had already finished.
+Prints the phase table (seconds, share of the stage, calls) and the generated tokens/s of the rollout.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import GenerationMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,15 +41,7 @@ def phases(meter: PhaseMeter, counters: dict):
     def named(name, after=None):
         return lambda fn: timed(meter, fn, lambda *a, **k: name, after)
 
-    def decode_steps(fn):  # rows x decode steps of each HF generate call (it stops at its batch's longest row)
-        def wrapper(model, *args, input_ids, **kwargs):
-            out = fn(model, *args, input_ids=input_ids, **kwargs)  # [rows, prompt + steps]
-            counters["hf_row_steps"] += out.shape[0] * (out.shape[1] - input_ids.shape[1])
-            return out
-        return wrapper
-
     patches = [
-        (GenerationMixin, "generate", decode_steps),
         (sat, "team_rollout", named("team rollouts (the stage's and the evaluations')")),
         (sat, "redraw", named("redraw (regenerate, step bounds)")),
         (rollout_mod.HFBackend, "generate", named("  generation", count)),
@@ -103,10 +93,6 @@ def main(argv=None) -> None:
     gen = meter.records["  generation"]["seconds"]
     print(f"stage 1 (sat_stage) {stage:.1f} s of {wall:.1f} s; generated {counters['generated_tokens']} tokens in "
           f"{gen:.1f} s = {counters['generated_tokens'] / max(gen, 1e-9):.1f} tokens/s")
-    if counters["hf_row_steps"]:
-        steps, kept = counters["hf_row_steps"], counters["generated_tokens"]
-        print(f"HF generate: {steps} row-steps decoded for {kept} kept tokens: {1 - kept / steps:.0%} of its "
-              "decoding is on rows already finished")
 
 
 if __name__ == "__main__":

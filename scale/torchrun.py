@@ -102,6 +102,9 @@ class Torchrun(OneProcess):
     def release(self, model: torch.nn.Module) -> None:
         distributed.reshard(model)
 
+    def synced_forwards(self, model: torch.nn.Module) -> bool:
+        return distributed.is_sharded(model)  # an FSDP2 forward all-gathers each layer's shards
+
     def lockstep(self, model: torch.nn.Module, calls: int, dummy):
         """A sharded model's forwards are collectives: every rank makes as many calls as the busiest, agreed
         before the first; this rank's extra calls are ``dummy()``, their results discarded."""

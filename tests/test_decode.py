@@ -1,0 +1,46 @@
+"""``rollout.decode``: sampling that forwards only the rows not yet ended draws exactly what HF ``generate``
+draws with the same ``SeededSampler``, and forwards each row once per token it keeps."""
+import copy
+
+from transformers import LogitsProcessorList
+
+from logprobs import cut_at_eos, left_pad
+from rollout import SamplingConfig, SeededSampler, decode, response_seeds, sampler_config
+from team import Agent
+
+MAX_NEW = 24
+
+
+def batch(agent: Agent, n: int = 32):
+    """Left-padded prompts of several lengths and their seeds; an untrained tiny agent ends about a quarter of
+    them with eos inside ``MAX_NEW`` tokens, at different steps."""
+    contexts = [agent.encode_prompt([{"role": "user", "content": f"{a}+{a * 7 % 13}" * (1 + a % 3)}]) for a in range(n)]
+    return (*left_pad(contexts, agent.tokenizer.pad_token_id), response_seeds(7, n, 0))
+
+
+def test_decode_draws_what_generate_draws_and_forwards_only_live_rows():
+    agent = Agent.load("tiny", seed=0)
+    model = copy.deepcopy(agent.model).double()  # float64: a smaller batch cannot flip a token by rounding
+    tok, ids, mask, seeds = agent.tokenizer, *batch(agent)
+    rows_forwarded = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: rows_forwarded.append(kw["input_ids"].shape),
+                                           with_kwargs=True)
+    ours = decode(model, ids, mask, SeededSampler(seeds, 1.0), MAX_NEW, tok.eos_token_id, tok.pad_token_id)
+    hook.remove()
+    gen_cfg = sampler_config(agent, SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW))
+    theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                            logits_processor=LogitsProcessorList([SeededSampler(seeds, 1.0)]))[:, ids.shape[1]:]
+    cut = lambda t: [cut_at_eos(r.tolist(), tok.eos_token_id, tok.pad_token_id) for r in t]  # noqa: E731
+    responses = cut(ours)
+    assert responses == cut(theirs)
+    lengths = [len(r) for r in responses]
+    ended = sum(r[-1] == tok.eos_token_id for r in responses)
+    assert 0 < ended < len(responses) and len(set(lengths)) > 2  # rows really ended at different steps
+    assert rows_forwarded[0] == ids.shape  # one prefill of every row
+    assert all(s[1] == 1 for s in rows_forwarded[1:])  # then one token per live row per step
+    assert sum(s[0] for s in rows_forwarded[1:]) == sum(n - 1 for n in lengths)  # no step on an ended row
+
+    done = [i for i, r in enumerate(responses) if r[-1] == tok.eos_token_id]  # rows that all end: decoding stops
+    alone = decode(model, ids[done], mask[done], SeededSampler([seeds[i] for i in done], 1.0), MAX_NEW,
+                   tok.eos_token_id, tok.pad_token_id)  # at the last one's eos
+    assert cut(alone) == [responses[i] for i in done] and alone.shape[1] == max(lengths[i] for i in done)
