@@ -237,10 +237,10 @@ ALLOWED_PROCESSORS = {"SeededSampler"}  # generate runs greedily on the SeededSa
 
 
 def sampler_config(agent, sampling: SamplingConfig):
-    """The GenerationConfig of every HF rollout: greedy on ``SeededSampler``'s output (which applies the
-    temperature and top-p), every other processor at its neutral value whatever the checkpoint ships
-    (Qwen3: top_k=20, temperature=0.6). Built from the global defaults and installed as the model's
-    generation_config while sampling (``_sampler``)."""
+    """The GenerationConfig of an HF rollout through ``generate`` (``generate_hf``): greedy on
+    ``SeededSampler``'s output (which applies the temperature and top-p), every other processor at its
+    neutral value whatever the checkpoint ships (Qwen3: top_k=20, temperature=0.6). Built from the global
+    defaults and installed as the model's generation_config while sampling (``_sampler``)."""
     from transformers import GenerationConfig
 
     tok = agent.tokenizer
@@ -308,7 +308,8 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler,
     forwards every row until the batch's last ends (in a SmolLM2 stage 68% of its row-steps were on ended
     rows; ``bench/backends.py --backends hf-generate,hf`` times the two). A row's draws are its own
     (``SeededSampler``: the row's seed and the position), so dropping ended rows changes what is computed,
-    not what is sampled."""
+    not the distribution sampled (the tokens too, up to float rounding that depends on the batch's shape).
+    For models whose cache is attention alone (``drops_rows``)."""
     from transformers import DynamicCache
 
     new = torch.full((ids.shape[0], max_new_tokens), pad_id, dtype=torch.long)  # [n, T] pads after an eos
@@ -334,12 +335,24 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler,
     return new[:, :t + 1]
 
 
+def drops_rows(model) -> bool:
+    """Whether ``decode`` can cut rows out of ``model``'s cache: every layer's cache is attention keys and
+    values. A linear-attention or state-space layer keeps a recurrent state that ``batch_select_indices``
+    does not cut (Qwen3.5, Qwen3-Next, FalconH1); such a model samples through HF ``generate``."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
 @torch.no_grad()
 def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seeds: list[int]) -> list[list[int]]:
     """One sampled response per context (ids cut after the first eos), response i under ``seeds[i]``
     (``SeededSampler``): one left-padded ``decode`` per token-budget chunk, contexts sorted by length so a
     chunk pads little. A model whose forwards are collectives (``procs.synced_forwards``: FSDP2 shards)
-    samples through HF ``generate``, whose ``synced_gpus`` keeps every rank forwarding until all are done."""
+    samples through HF ``generate``, whose ``synced_gpus`` keeps every rank forwarding until all are done, and
+    so does a model whose cache cannot drop rows (``drops_rows``)."""
     from transformers import LogitsProcessorList
 
     tok = agent.tokenizer
@@ -347,12 +360,12 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     chunks = chunks_by_budget([len(contexts[i]) + sampling.max_new_tokens for i in order], sampling.token_budget)
     inner = getattr(agent.model, "lm", agent.model)  # a sharded agent (--shard-frozen) generates through its LM
-    synced = agent.procs.synced_forwards(agent.model)
+    through_generate = agent.procs.synced_forwards(agent.model) or not drops_rows(inner)
 
     def gen(ids: torch.Tensor, mask: torch.Tensor, row_seeds: list[int]) -> torch.Tensor:  # [n, <= new]
         ids, mask = ids.to(agent.device), mask.to(agent.device)  # [n, Lc]
         sampler = SeededSampler(row_seeds, sampling.temperature, sampling.top_p)
-        if not synced:
+        if not through_generate:
             return decode(inner, ids, mask, sampler, sampling.max_new_tokens, tok.eos_token_id, tok.pad_token_id)
         with _sampler(inner, gen_cfg):
             out = agent.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
@@ -373,8 +386,8 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
 
 # -- The backend seam ------------------------------------------------------------------------------------
 class HFBackend:
-    """Hugging Face ``generate`` in the training process: sampling reads the training weights, so a
-    promotion needs no sync and nothing sleeps. Stateless."""
+    """Hugging Face sampling in the training process (``generate_hf``): sampling reads the training
+    weights, so a promotion needs no sync and nothing sleeps. Stateless."""
 
     name = "hf"
     tensor_parallel = 1

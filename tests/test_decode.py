@@ -1,11 +1,12 @@
 """``rollout.decode``: sampling that forwards only the rows not yet ended draws exactly what HF ``generate``
 draws with the same ``SeededSampler``, and forwards each row once per token it keeps."""
 import copy
+from types import SimpleNamespace
 
 from transformers import LogitsProcessorList
 
 from logprobs import cut_at_eos, left_pad
-from rollout import SamplingConfig, SeededSampler, decode, response_seeds, sampler_config
+from rollout import SamplingConfig, SeededSampler, decode, drops_rows, response_seeds, sampler_config
 from team import Agent
 
 MAX_NEW = 24
@@ -44,3 +45,13 @@ def test_decode_draws_what_generate_draws_and_forwards_only_live_rows():
     alone = decode(model, ids[done], mask[done], SeededSampler([seeds[i] for i in done], 1.0), MAX_NEW,
                    tok.eos_token_id, tok.pad_token_id)  # at the last one's eos
     assert cut(alone) == [responses[i] for i in done] and alone.shape[1] == max(lengths[i] for i in done)
+
+
+def test_only_attention_caches_drop_rows():
+    """Attention layers (full or sliding window) can lose rows; a model with linear-attention or state-space
+    layers, whose recurrent state ``batch_select_indices`` does not cut, samples through ``generate``."""
+    from transformers import FalconH1Config, LlamaConfig, Qwen3Config, Qwen3NextConfig
+
+    sliding = Qwen3Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert all(drops_rows(SimpleNamespace(config=c)) for c in (Qwen3Config(), LlamaConfig(), sliding))
+    assert not any(drops_rows(SimpleNamespace(config=c)) for c in (Qwen3NextConfig(), FalconH1Config()))

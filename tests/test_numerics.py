@@ -15,6 +15,7 @@ import logprobs
 import sat
 import update
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
+from processes import OneProcess
 from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
 from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -110,14 +111,26 @@ def test_master_weights_persist_between_turns_and_restart_where_the_weights_chan
     assert agent.optimizer is None and all(p.grad is None for p in agent.model.parameters())
 
 
-@pytest.mark.slow  # over 10 s on two busy cores
 # -- 2. the sampler is the tempered softmax, whatever the checkpoint ships ------------------
-def test_sampler_ignores_the_checkpoints_generation_config():
+class SyncedForwards(OneProcess):
+    """One process sampling as a sharded model does: through HF ``generate`` (``rollout.generate_hf``)."""
+
+    def synced_forwards(self, model) -> bool:
+        return True
+
+
+@pytest.mark.slow  # over 10 s on two busy cores
+@pytest.mark.parametrize("through_generate", [False, True], ids=["decode", "generate"])
+def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
     """repetition_penalty 1.3, min_p 0.2 and no_repeat_ngram_size 2 in the
     checkpoint: first-token frequencies still match the teacher-forced
-    tempered softmax (chi-square), and the start-up check passes."""
+    tempered softmax (chi-square), and the start-up check passes; both on
+    ``rollout.decode`` and on HF ``generate`` (the sharded path, which reads
+    the generation config)."""
     torch.manual_seed(0)
     agent = Agent.load("tiny", seed=5)
+    if through_generate:
+        agent.procs = SyncedForwards()
     with torch.no_grad():
         agent.model.model.norm.weight.mul_(4.0)  # top token 0.32 (a context token): min_p 0.2 would cut 46% of the mass
     gc = agent.model.generation_config
