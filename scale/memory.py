@@ -11,7 +11,7 @@ under torchrun), so a run says at start whether it fits, and why not:
     reference            the frozen pi_j,cur copy for the exact per-state KL
     trust_region_copies  the line search's snapshots (theta_cur, theta_new)
     activations          one micro-batch's saved activations + the LM-head logits chunk + the fp32 head weight
-    kv_cache             the rollout's KV cache (HF generate, or the vLLM engines)
+    kv_cache             the rollout's KV cache (HF sampling, or the vLLM engines)
     engine_weights       the vLLM engines' copy of the weights (0 with --backend hf)
     gathered             --shard-frozen (weights, reference, snapshots as FSDP2 shards, 1/N each): units held whole
                          at once in training: two models' root and two decoder layers, two layers' fp32 gradients
