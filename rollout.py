@@ -310,12 +310,10 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler,
     (``SeededSampler``: the row's seed and the position), so dropping ended rows changes what is computed,
     not the distribution sampled (the tokens too, up to float rounding that depends on the batch's shape).
     For models whose cache is attention alone (``drops_rows``)."""
-    from transformers import DynamicCache
-
     new = torch.full((ids.shape[0], max_new_tokens), pad_id, dtype=torch.long)  # [n, T] pads after an eos
     live = torch.arange(ids.shape[0])  # [m] the rows still sampling
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [m, Lc] left padding leaves positions unchanged
-    cache, step_ids = DynamicCache(config=model.config.get_text_config(decoder=True)), ids  # as generate's
+    cache, step_ids = new_cache(model), ids
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [m, V]
@@ -335,15 +333,21 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler,
     return new[:, :t + 1]
 
 
+def new_cache(model):
+    """The empty KV cache HF ``generate`` would start ``model`` with: one layer cache per decoder layer, of
+    the kind its config names (full or sliding-window attention, linear attention, state space)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
 def drops_rows(model) -> bool:
     """Whether ``decode`` can cut rows out of ``model``'s cache: every layer's cache is attention keys and
     values. A linear-attention or state-space layer keeps a recurrent state that ``batch_select_indices``
     does not cut (Qwen3.5, Qwen3-Next, FalconH1); such a model samples through HF ``generate``."""
-    from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in new_cache(model).layers)
 
 
 @torch.no_grad()
