@@ -30,6 +30,7 @@ seed, ~150 for 5 seeds.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -75,24 +76,39 @@ def evaluate(run: Path, data: Path, instruction: str, cfg, k: int, out: Path) ->
     return eval_aime.read_predictions(out / "predictions.jsonl")
 
 
-def accuracy(rows: list[dict], who: str) -> float:
-    """Mean correctness of ``who``'s samples (avg@K)."""
-    return statistics.mean(bool(r["correct"]) for r in rows if r["who"] == who)
-
-
-def majority_at(rows: list[dict], who: str, n: int) -> float:
-    """maj@n averaged over problems and the disjoint groups of n consecutive samples of each problem."""
+def per_problem(rows: list[dict], who: str, n: int | None = None) -> dict[str, float]:
+    """{problem: score} of ``who``'s samples: their mean correctness (avg@K), or with ``n`` maj@n averaged over
+    the disjoint groups of n consecutive samples."""
     by_problem: dict[str, dict[int, dict]] = {}
     for r in rows:
         if r["who"] == who:
             by_problem.setdefault(r["problem_id"], {})[r["sample"]] = r
-    scores = []
-    for samples in by_problem.values():
+    scores = {}
+    for problem, samples in by_problem.items():
         ordered = [samples[s] for s in sorted(samples)]
-        for g in range(len(ordered) // n):
-            group = ordered[g * n:(g + 1) * n]
-            scores.append(float(eval_aime.majority_correct([r["answer"] for r in group], group[0]["gold"])))
-    return statistics.mean(scores)
+        if n is None:
+            scores[problem] = statistics.mean(bool(r["correct"]) for r in ordered)
+        else:
+            groups = [ordered[g * n:(g + 1) * n] for g in range(len(ordered) // n)]
+            scores[problem] = statistics.mean(
+                float(eval_aime.majority_correct([r["answer"] for r in g], g[0]["gold"])) for g in groups)
+    return scores
+
+
+def accuracy(rows: list[dict], who: str) -> float:
+    """Mean correctness of ``who``'s samples (avg@K; every problem has K samples)."""
+    return statistics.mean(per_problem(rows, who).values())
+
+
+def majority_at(rows: list[dict], who: str, n: int) -> float:
+    """maj@n averaged over problems and the disjoint groups of n consecutive samples of each problem."""
+    return statistics.mean(per_problem(rows, who, n).values())
+
+
+def paired_over_problems(a: dict[str, float], b: dict[str, float]) -> tuple[float, float]:
+    """(mean, standard error) over the problems both score of a - b: one seed's comparison on the same problems."""
+    d = [a[p] - b[p] for p in sorted(set(a) & set(b))]
+    return statistics.mean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan"))
 
 
 def run_seed(args, rest: list[str], seed: int) -> dict:
@@ -106,12 +122,15 @@ def run_seed(args, rest: list[str], seed: int) -> dict:
     k = args.n * args.vote_groups
     team_eval = evaluate(team, data, instruction, cfg, k, Path(args.out) / "eval" / "team" / f"seed{seed}")
     single_eval = evaluate(single, data, instruction, cfg, k, Path(args.out) / "eval" / "single" / f"seed{seed}")
+    vote = per_problem(team_eval, "team")
     tokens_team = common.training_tokens(common.trained(team_rows))
     tokens_single = common.training_tokens(common.trained(single_rows))
     return {"team_rows": team_rows, "single_rows": single_rows, "problems": len({r["problem_id"] for r in team_eval}),
             "team_vote": accuracy(team_eval, "team"),
             "team_agents": statistics.mean(accuracy(team_eval, f"agent_{i + 1}") for i in range(args.n)),
             "single_avg": accuracy(single_eval, "agent_1"), "single_maj": majority_at(single_eval, "agent_1", args.n),
+            "vote_minus_maj": paired_over_problems(vote, per_problem(single_eval, "agent_1", args.n)),
+            "vote_minus_avg": paired_over_problems(vote, per_problem(single_eval, "agent_1")),
             "tokens_team": tokens_team, "tokens_single": tokens_single,
             "seconds_team": common.seconds(team_rows), "seconds_single": common.seconds(single_rows)}
 
@@ -143,7 +162,11 @@ def main(argv=None) -> int:
              + (f"(outside {TOKEN_TOLERANCE:.0%} for {', '.join(off)})." if off else
                 f"(within {TOKEN_TOLERANCE:.0%}: equal compute holds)."),
              "Mean ± half-width of the 95% t interval over seeds; paired: by seed (same held-out problems, agent 1 "
-             "and the single agent start from the same weights)."]
+             "and the single agent start from the same weights).",
+             "Per seed, paired over its held-out problems (mean ± standard error over problems): "
+             + "; ".join(f"seed {s}: team vote - single maj@{n} {v['vote_minus_maj'][0]:+.3f} ± "
+                         f"{v['vote_minus_maj'][1]:.3f}, - single avg@{n} {v['vote_minus_avg'][0]:+.3f} ± "
+                         f"{v['vote_minus_avg'][1]:.3f}" for s, v in per_seed.items()) + "."]
     common.write_table(args.out, "Team vs one agent at equal training tokens (claim 4)",
                        common.markdown_table(header, rows), notes)
     common.plot_curves(Path(args.out) / "plot.png",

@@ -168,6 +168,19 @@ def test_majority_at_n_uses_disjoint_groups():
     assert team_vs_single.majority_at(rows, "agent_1", 3) == 0.5  # (5,5,4) right, (3,4,4) wrong
 
 
+def test_per_problem_scores_and_their_pairing():
+    rows = [{"who": w, "problem_id": pid, "sample": s, "answer": a, "gold": "5", "correct": a == "5"}
+            for w, pid, answers in [("team", "p", "5545"), ("team", "q", "4444"),
+                                    ("agent_1", "p", "5455"), ("agent_1", "q", "4544")]
+            for s, a in enumerate(answers)]
+    vote, avg = team_vs_single.per_problem(rows, "team"), team_vs_single.per_problem(rows, "agent_1")
+    assert vote == {"p": 0.75, "q": 0.0} and avg == {"p": 0.75, "q": 0.25}
+    assert team_vs_single.per_problem(rows, "agent_1", 2) == {"p": 1.0, "q": 0.0}  # a tie goes to the first seen
+    assert team_vs_single.accuracy(rows, "agent_1") == 0.5  # the sample mean: 4 of 8
+    mean, se = team_vs_single.paired_over_problems(vote, avg)
+    assert mean == pytest.approx(-0.125) and se == pytest.approx(0.125)  # d = (0, -0.25): stdev 0.177 / sqrt 2
+
+
 def test_statistics_helpers():
     mean, half = common.mean_ci([0.1, 0.2, 0.3])
     assert mean == pytest.approx(0.2) and half == pytest.approx(4.302653 * 0.1 / 3 ** 0.5, rel=1e-5)
