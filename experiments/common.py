@@ -104,16 +104,17 @@ def run_state(folder: Path, last_stage: int) -> str:
 
 def ensure_run(folder: Path, argv: list[str], last_stage: int, quiet: bool = False,
                min_stage: int = 0) -> list[dict]:
-    """The metrics of the sat.py run ``argv`` in ``folder`` up to ``last_stage``: skipped if finished,
-    resumed from its checkpoint if killed (only past ``min_stage``: a branch's rows up to it are its
-    base's), else started (``--overwrite`` clears the debris of a run killed before its first checkpoint)."""
+    """The metrics of the sat.py run ``argv`` in ``folder`` up to ``last_stage``: skipped if finished
+    (a run trained further reads as its first ``last_stage`` stages), resumed from its checkpoint if killed
+    (only past ``min_stage``: a branch's rows up to it are its base's), else started (``--overwrite`` clears
+    the debris of a run killed before its first checkpoint)."""
     folder = Path(folder)
     state = run_state(folder, last_stage)
     if state == "partial" and read_metrics(folder)[-1]["stage"] <= min_stage:
         state = "new"
     print(f"[experiments] {folder}: {'skipped (finished)' if state == 'done' else state}", flush=True)
     if state == "done":
-        return read_metrics(folder)
+        return [r for r in read_metrics(folder) if r["stage"] <= last_stage]
     if state == "partial":
         options = ["--resume", str(folder), "--stages", str(last_stage)]
     else:

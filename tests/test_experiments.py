@@ -94,6 +94,13 @@ def test_partial_runs_resume_and_debris_restarts(svj, capsys):
     assert [r["stage"] for r in read_metrics(debris)] == [0, 1, 2]
 
 
+def test_a_run_trained_further_reads_as_its_first_stages(tmp_path, capsys):
+    rows = [{"stage": s, "eval_accuracy": 0.1 * s} for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert common.ensure_run(tmp_path, ["--never-parsed"], 2) == rows[:3]  # finished: nothing runs
+    assert capsys.readouterr().out.strip().endswith("skipped (finished)")
+
+
 @pytest.mark.slow
 def test_a_killed_script_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "svj"
