@@ -141,8 +141,9 @@ def mean_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
     return statistics.mean(xs), t_quantile(len(xs) - 1, level) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-def paired_differences(a: dict[int, float], b: dict[int, float]) -> list[float]:
-    """a[seed] - b[seed] over the seeds both have (same seed: same initial team, same held-out problems)."""
+def paired_differences(a: dict, b: dict) -> list[float]:
+    """a[key] - b[key] over the keys both have: seeds (same seed: same initial team, same held-out problems),
+    or one seed's held-out problems."""
     return [a[s] - b[s] for s in sorted(set(a) & set(b))]
 
 

@@ -107,7 +107,7 @@ def majority_at(rows: list[dict], who: str, n: int) -> float:
 
 def paired_over_problems(a: dict[str, float], b: dict[str, float]) -> tuple[float, float]:
     """(mean, standard error) over the problems both score of a - b: one seed's comparison on the same problems."""
-    d = [a[p] - b[p] for p in sorted(set(a) & set(b))]
+    d = common.paired_differences(a, b)
     return statistics.mean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan"))
 
 
@@ -122,15 +122,16 @@ def run_seed(args, rest: list[str], seed: int) -> dict:
     k = args.n * args.vote_groups
     team_eval = evaluate(team, data, instruction, cfg, k, Path(args.out) / "eval" / "team" / f"seed{seed}")
     single_eval = evaluate(single, data, instruction, cfg, k, Path(args.out) / "eval" / "single" / f"seed{seed}")
-    vote = per_problem(team_eval, "team")
+    vote, single_avg = per_problem(team_eval, "team"), per_problem(single_eval, "agent_1")
+    single_maj = per_problem(single_eval, "agent_1", args.n)
     tokens_team = common.training_tokens(common.trained(team_rows))
     tokens_single = common.training_tokens(common.trained(single_rows))
     return {"team_rows": team_rows, "single_rows": single_rows, "problems": len({r["problem_id"] for r in team_eval}),
-            "team_vote": accuracy(team_eval, "team"),
+            "team_vote": statistics.mean(vote.values()),
             "team_agents": statistics.mean(accuracy(team_eval, f"agent_{i + 1}") for i in range(args.n)),
-            "single_avg": accuracy(single_eval, "agent_1"), "single_maj": majority_at(single_eval, "agent_1", args.n),
-            "vote_minus_maj": paired_over_problems(vote, per_problem(single_eval, "agent_1", args.n)),
-            "vote_minus_avg": paired_over_problems(vote, per_problem(single_eval, "agent_1")),
+            "single_avg": statistics.mean(single_avg.values()), "single_maj": statistics.mean(single_maj.values()),
+            "vote_minus_maj": paired_over_problems(vote, single_maj),
+            "vote_minus_avg": paired_over_problems(vote, single_avg),
             "tokens_team": tokens_team, "tokens_single": tokens_single,
             "seconds_team": common.seconds(team_rows), "seconds_single": common.seconds(single_rows)}
 
