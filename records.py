@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bounds import heldout_change_bound, paired_change_bound
 from processes import ONE_PROCESS, OneProcess
@@ -48,35 +49,22 @@ from update import TrainStats
 # ---------------------------------------------------------------------------
 # Checkpoints (atomic) and resume
 # ---------------------------------------------------------------------------
-def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random, extra: dict,
-                    suffix: str = "") -> Path:
-    """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
-    point latest.json at it (also via rename): a crash leaves the previous
-    checkpoint intact. Every process writes its part of the fp32 training state
-    (``training_state``); the main process writes the rest and the others wait. checksums.json in
-    the folder holds the size and sha256 of every file, verified by
-    ``load_checkpoint``. Pruning keeps the new folder and the one before it in
-    stage order; folders of later stages (a future discarded by resuming from
-    an earlier stage folder) are removed."""
-    root = out / "checkpoints"
-    final = root / f"stage_{stage:04d}{suffix}"
-    tmp = root / f".stage_{stage:04d}{suffix}.tmp"
+def write_stage_folder(folder: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random,
+                       extra: dict) -> None:
+    """Every file of one checkpoint. Every process writes its part of the fp32 training state
+    (``training_state``); the main process writes the agents' Hugging Face folders (whole models, one at a time),
+    state.pt and checksums.json (the size and sha256 of every file, verified by ``load_checkpoint``)."""
     procs = team.procs
-    if procs.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    procs.barrier()  # the folder exists before any process writes its part
-    procs.save_state(tmp / "sharded", team)  # every process
-    for k, agent in enumerate(team.agents):  # Hugging Face folders: whole models, one agent at a time
+    procs.save_state(folder / "sharded", team)  # every process
+    for k, agent in enumerate(team.agents):
         whole = procs.whole_copy(agent.model)  # the model itself, or gathered from shards on the main process
         if procs.main:
             (agent if whole is agent.model else Agent(agent.spec, whole, agent.tokenizer)).save(
-                tmp / "team" / f"agent_{k}")
+                folder / "team" / f"agent_{k}")
         del whole
     if not procs.main:
-        procs.barrier()
-        return final
-    team.save_meta(tmp / "team")
+        return
+    team.save_meta(folder / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
@@ -85,8 +73,52 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
              "optimizers": {k: optimizer_skeleton(a) for k, a in enumerate(team.agents)
                             if a.saved_optimizer_state is not None},
              **extra}
-    torch.save(state, tmp / "state.pt")
-    (tmp / CHECKSUMS).write_text(json.dumps(folder_digests(tmp), indent=1))
+    torch.save(state, folder / "state.pt")
+    (folder / CHECKSUMS).write_text(json.dumps(folder_digests(folder), indent=1))
+
+
+def unwritten_checkpoint(out: Path, final: Path, err: Exception) -> str:
+    """One line for a checkpoint that could not be written: what failed, the free space, what to resume from."""
+    if isinstance(err, CheckpointException) and err.failures:  # the sharded state's writer wraps each rank's error
+        err = next(iter(err.failures.values()))[0]
+    free = shutil.disk_usage(out).free / 2**30
+    cause = (str(err).strip().splitlines() or [""])[0]
+    pointer = out / "latest.json"
+    if pointer.exists():
+        then = f"resume from its last complete checkpoint (stage {json.loads(pointer.read_text())['stage']}) with " \
+               f"--resume {out}"
+    else:
+        then = "rerun it with --overwrite (no checkpoint of this run is complete)"
+    return (f"could not write checkpoint {final} ({type(err).__name__}: {cause}); {free:.1f} GiB free on its "
+            f"disk: free space or choose another --out, then {then}")
+
+
+def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random, extra: dict,
+                    suffix: str = "") -> Path:
+    """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
+    point latest.json at it (also via rename): a crash leaves the previous
+    checkpoint intact. A write that fails (a full disk, a quota) removes the
+    partial folder and raises one line naming the checkpoint, the free space
+    and the run's last complete checkpoint to resume from. Pruning keeps the
+    new folder and the one before it in stage order; folders of later stages
+    (a future discarded by resuming from an earlier stage folder) are removed."""
+    root = out / "checkpoints"
+    final = root / f"stage_{stage:04d}{suffix}"
+    tmp = root / f".stage_{stage:04d}{suffix}.tmp"
+    procs = team.procs
+    if procs.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    procs.barrier()  # the folder exists before any process writes its part
+    try:
+        write_stage_folder(tmp, stage, team, controllers, value_heads, rng, extra)
+    except (Exception, CheckpointException) as err:  # a full disk comes as each writer's own error
+        if procs.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(unwritten_checkpoint(out, final, err)) from err
+    if not procs.main:
+        procs.barrier()
+        return final
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write(out / "latest.json", json.dumps({"stage": stage, "path": final.name}))

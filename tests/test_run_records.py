@@ -95,6 +95,32 @@ def test_pruning_keeps_the_new_folder_and_the_one_before_it(tmp_path, straight):
     assert verify_checkpoint(latest_checkpoint(out)) is not None
 
 
+def test_a_checkpoint_that_cannot_be_written_is_named_and_the_last_one_kept(tmp_path, straight, monkeypatch):
+    _, run = straight
+    import torch
+
+    import records
+
+    team, _, rng, controllers = records.load_checkpoint(latest_checkpoint(run), "cpu", torch.float32)
+    out = tmp_path / "r"
+    save_checkpoint(out, 1, team, controllers, {}, rng, {})
+    kept = snapshot(out)
+
+    def full_disk(*_, **__):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(records.torch, "save", full_disk)  # the disk, not the code under test, fails
+    with pytest.raises(RuntimeError) as err:
+        save_checkpoint(out, 2, team, controllers, {}, rng, {})
+    message = str(err.value)
+    assert "\n" not in message and "stage_0002" in message and "No space left on device" in message
+    assert "GiB free" in message and f"--resume {out}" in message and "(stage 1)" in message
+    assert snapshot(out) == kept  # no partial folder left behind, latest.json still at stage 1
+    assert verify_checkpoint(latest_checkpoint(out)) is not None
+    with pytest.raises(RuntimeError, match=r"rerun it with --overwrite \(no checkpoint of this run is complete\)"):
+        save_checkpoint(tmp_path / "fresh", 0, team, controllers, {}, rng, {})
+
+
 def test_a_damaged_file_is_named_and_the_previous_stage_offered(straight, tmp_path):
     _, run = straight
     import shutil
