@@ -83,9 +83,8 @@ def unwritten_checkpoint(out: Path, final: Path, err: Exception) -> str:
         err = next(iter(err.failures.values()))[0]
     free = shutil.disk_usage(out).free / 2**30
     cause = (str(err).strip().splitlines() or [""])[0]
-    pointer = out / "latest.json"
-    if pointer.exists():
-        then = f"resume from its last complete checkpoint (stage {json.loads(pointer.read_text())['stage']}) with " \
+    if (out / "latest.json").exists():
+        then = f"resume from its last complete checkpoint (stage {stage_key(latest_checkpoint(out))[0]}) with " \
                f"--resume {out}"
     else:
         then = "rerun it with --overwrite (no checkpoint of this run is complete)"
