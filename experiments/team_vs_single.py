@@ -100,11 +100,6 @@ def accuracy(rows: list[dict], who: str) -> float:
     return statistics.mean(per_problem(rows, who).values())
 
 
-def majority_at(rows: list[dict], who: str, n: int) -> float:
-    """maj@n averaged over problems and the disjoint groups of n consecutive samples of each problem."""
-    return statistics.mean(per_problem(rows, who, n).values())
-
-
 def paired_over_problems(a: dict[str, float], b: dict[str, float]) -> tuple[float, float]:
     """(mean, standard error) over the problems both score of a - b: one seed's comparison on the same problems."""
     d = common.paired_differences(a, b)

@@ -172,7 +172,7 @@ def test_team_vs_single_equal_tokens_and_table(tmp_path, capsys):
 def test_majority_at_n_uses_disjoint_groups():
     rows = [{"who": "agent_1", "problem_id": "p", "sample": s, "answer": a, "gold": "5"}
             for s, a in enumerate(["5", "5", "4", "3", "4", "4"])]
-    assert team_vs_single.majority_at(rows, "agent_1", 3) == 0.5  # (5,5,4) right, (3,4,4) wrong
+    assert team_vs_single.per_problem(rows, "agent_1", 3) == {"p": 0.5}  # (5,5,4) right, (3,4,4) wrong
 
 
 def test_per_problem_scores_and_their_pairing():
