@@ -1,10 +1,22 @@
-"""Advantage estimators and sequence-aware importance weights for SAT (paper, Section 5)."""
+"""Everything that turns a batch into agent j's weighted advantages and the step's estimate (paper, Section 5).
+
+Group-relative advantages (Eq. (2)), GAE(lambda) with a value head, the sequence-aware truncated importance
+weights w = prod min(1, rho_t) of the agents promoted earlier in the stage, the counterfactual baseline's
+signal R - b_j, the truncation bias zeta, and the surrogate L_i estimated at the step kept
+(``build_inputs`` for Algorithm 1's lines 6-7, ``step_estimates`` after line 11).
+"""
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from logprobs import response_hidden_states
+from rollout import TeamBatch, Turn
+from team import Agent
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -151,7 +163,7 @@ def truncation_bias(log_w_full: torch.Tensor, log_w_trunc: torch.Tensor, ratio: 
 
     Both logs are capped at ``log_cap`` (log 1e6) before exp: W can overflow, and an inf would make the
     certificate meaningless. The cap is NOT conservative: where it binds, zeta can come out smaller.
-    ``sat.finish_update`` logs how many rows hit it (``zeta_capped_rows``); a non-zero count means the
+    ``sat.trust_region_step`` logs how many rows hit it (``zeta_capped_rows``); a non-zero count means the
     weights have collapsed and zeta should not be trusted (``--reuse regenerate``: zeta is exactly 0)."""
     if not (log_w_full.shape == log_w_trunc.shape == ratio.shape == adv.shape) or log_w_full.dim() != 1:
         raise ValueError("truncation_bias expects four [B] tensors of equal shape")
@@ -170,3 +182,103 @@ def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None
     a, c = a - a.mean(), c - c.mean()
     denom = float((a.square().sum() * c.square().sum()).sqrt())
     return float((a * c).sum()) / denom if denom > 0 else None
+
+
+# ---------------------------------------------------------------------------
+# Agent j's weighted advantages from the batch (Algorithm 1, lines 6-7) and the step's estimate
+# ---------------------------------------------------------------------------
+@dataclass
+class UpdateInputs:
+    """What agent j's update needs from the batch."""
+
+    turn: Turn
+    adv: torch.Tensor  # [N] or [N, L] advantages (normalised, clipped)
+    raw_adv: torch.Tensor  # [N] R - group mean, in reward units, for the certificate
+    log_w: torch.Tensor  # [N] truncated log weights from earlier agents (0 for the first)
+    log_w_full: torch.Tensor  # [N] untruncated, for zeta
+    returns: torch.Tensor | None = None  # [N, L] value targets (gae)
+
+
+def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]], cfg,
+                 model=None, value_head=None) -> UpdateInputs:
+    """Sequence-aware weights and advantages for the agent updated at this step.
+
+    w(tau) = prod over the tokens of agents already updated this stage of
+    min(1, rho_t), from their cached log-ratios (empty for the first agent, with
+    --reuse regenerate, and with --update joint). Group advantages use w as
+    weights, so the baseline is an estimate under pi_hat^{i-1}, not under the
+    stale pi_cur."""
+    n = len(batch)
+    log_w = truncated_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
+    log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
+    weights = log_w.exp()  # [N]
+    if cfg.baseline == "counterfactual" and batch.counterfactual is not None:
+        # R - b_j: the others' answers held fixed (rollout.counterfactual_baselines), then Eq. (2)'s normalisation
+        signal = batch.rewards - batch.counterfactual[j]  # [N], in [-(R_max - R_min), R_max - R_min]
+        adv = group_advantages(signal, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
+        raw_adv = signal.float()  # [N] reward units, for the certificate
+    else:
+        adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
+        raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights,
+                                   normalize=False).float()  # [N]
+    turn, returns = batch.turns[j], None
+    if cfg.adv == "gae":
+        adv, returns = gae_advantages(turn, batch.rewards, model, value_head, cfg)  # [N, Lr] x2
+    return UpdateInputs(turn, adv, raw_adv, log_w, log_w_full, returns)
+
+
+@torch.no_grad()
+def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE(lambda) advantages (whitened over valid tokens, clipped
+    like the group advantages) and value targets, the reward on the last token."""
+    values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
+    for s in range(0, len(rewards), cfg.minibatch_size):
+        sl = slice(s, s + cfg.minibatch_size)
+        rows = turn.tensors.rows(sl, value_head.weight.device)  # [b, Lc] and [b, Lr] tensors
+        hidden = response_hidden_states(model, *rows)  # [b, Lr, H]
+        values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
+    mask = turn.response_mask.float()  # [N, Lr]
+    last = (mask.sum(1) - 1).clamp_min(0).long()  # [N] index of the final token
+    token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].float()) * mask  # [N, Lr]
+    tok_adv, returns = gae(token_rewards, values, mask, gamma=1.0, lam=cfg.gae_lambda)  # [N, Lr] x2
+    mean = masked_mean(tok_adv, mask)
+    std = masked_mean((tok_adv - mean) ** 2, mask).sqrt()
+    adv = ((tok_adv - mean) / (std + 1e-6)).clamp(-cfg.adv_clip, cfg.adv_clip) * mask  # [N, Lr]
+    return adv.float(), returns
+
+
+def make_value_head(agent: Agent) -> torch.nn.Linear:
+    hidden = agent.model.config.hidden_size
+    head = torch.nn.Linear(hidden, 1).to(agent.device, torch.float32)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.constant_(head.bias, 0.5)  # a neutral prior for a {0, 1} reward
+    return head
+
+
+ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this fraction of N
+
+
+def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor, batch: TeamBatch, j: int) -> dict:
+    """The paper's surrogate L_i (Section 3, Eq. (5) at the step kept, in reward units), an ESTIMATE of the
+    step's change: agent j acts once per joint trajectory and the states at its turn come from agents the
+    step does not change, so J(pi_hat^i) - J(pi_hat^{i-1}) = E_{pi_hat^{i-1}}[(r_j - 1)(R - b)] exactly, for
+    any baseline b of the problem; the sample mean of w (r_j - 1) A estimates it. It is not a bound: the
+    rows are those the step was trained on, and r_j, a whole response's ratio, is heavy-tailed at real
+    response lengths (``surrogate_ess``: the effective sample size of w r_j). Also the truncation bias
+    zeta of the weights and their effective sample size."""
+    mask = inputs.turn.response_mask  # [N, Lr]
+    log_r_seq = masked_sum(log_rho, mask, dim=1).clamp(-20, 20)  # [N] sequence ratio of the step kept
+    w = inputs.log_w.exp()  # [N] truncated weights of the agents promoted before j
+    surrogate = float((w * (log_r_seq.exp() - 1) * inputs.raw_adv).mean())  # E_new[A] - E_cur[A]
+    zeta = truncation_bias(inputs.log_w_full, inputs.log_w, log_r_seq.exp(), inputs.raw_adv)
+    # the response is the agent's action: its KL is the sum of its tokens' per-state KLs
+    seq_kl = torch.zeros(mask.shape).masked_scatter_(mask.bool(), kl).sum(1)  # [N]
+    n, wr = len(batch), w * log_r_seq.exp()  # wr: [N] the estimate's importance weights
+    ess = float(w.sum() ** 2 / (w ** 2).sum())
+    if ess < ESS_WARN_RATIO * n:
+        warnings.warn(f"the effective sample size of the sequence-aware weights fell below {ESS_WARN_RATIO:.0%} of N: "
+                      "later agents get little gradient; consider --reuse regenerate", stacklevel=2)
+    return {"surrogate_estimate": surrogate, "surrogate_ess": float(wr.sum() ** 2 / (wr ** 2).sum()), "zeta": zeta,
+            "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()), "N": n, "ess": ess,
+            "ess_ratio": ess / n, "seq_kl_max": float(seq_kl.max()),
+            "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j])}

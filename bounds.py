@@ -14,7 +14,7 @@ run (the held-out evaluation: the same problems under the same seeds at every
 stage, against the previous evaluation and against stage 0). The bound is
 the larger of Hoeffding and a variance-adaptive Bernstein bound
 (``paired_lower_bound``). The paper's sample estimate of L_i is logged as an
-estimate (``sat.step_estimates``), never as a bound.
+estimate (``advantage.step_estimates``), never as a bound.
 """
 from __future__ import annotations
 

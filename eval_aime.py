@@ -36,13 +36,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import BACKENDS, add_options, default_backend, opt
-from grading import answers_match, majority_vote, normalize_answer
-from records import folder_digests, latest_checkpoint, verify_checkpoint
+from harness.config import BACKENDS, PROTOCOLS, add_options, default_backend, opt, parse_agents
+from harness.loading import check_hub_available, load_agent, load_saved_team
+from harness.run_folder import folder_digests, latest_checkpoint, verify_checkpoint
+from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, load_dataset_by_name, load_jsonl
+from reward import answers_match, majority_vote, normalize_answer
 from rollout import SamplingConfig, TeamBatch, rollout
 from scale.rollout_vllm import make_backend  # the entry point picks the backend
-from tasks import BOXED_INSTRUCTION, Problem, canonical_dataset_name, load_dataset_by_name, load_jsonl
-from team import PROTOCOLS, Agent, Team, TeamConfig, check_hub_available, parse_agents
+from team import Problem, Team, TeamConfig
 
 TRUNCATION_WARNING = 0.05  # warn when more than this share of an agent's responses hit --max-new-tokens
 BOOTSTRAP_RESAMPLES = 2000
@@ -187,7 +188,7 @@ def _quiet_hub_logging() -> None:
 
 
 def team_folder(ckpt: str) -> Path:
-    """The folder Team.load reads: <stage>/team for a run or stage folder, or a team folder itself."""
+    """The folder load_saved_team reads: <stage>/team for a run or stage folder, or a team folder itself."""
     path = Path(ckpt)
     if (path / "team.json").exists():
         return path
@@ -234,11 +235,11 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     team_cfg = TeamConfig(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
                           instruction=identity["instruction"])
     if cfg.ckpt:
-        team = Team.load(identity["ckpt"], device=device, dtype=dtype)
+        team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question
         return team
     # seed * 100 + k: the same tiny weights as sat.py's initial team
-    agents = [Agent.load(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
+    agents = [load_agent(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
               for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, team_cfg)
 

@@ -20,18 +20,18 @@ Each model reads a state through its own chat template; per-token mixing needs a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from advantage import make_value_head
+from harness.processes import ONE_PROCESS, OneProcess
 from logprobs import TurnTensors, left_pad, response_hidden_states
-from processes import ONE_PROCESS, OneProcess
 from rollout import HF, SamplingConfig, rollout
-from tasks import Problem
-from team import Agent, MasterWeightAdamW, Team, check_same_vocabulary, warm_start
+from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
-from update import make_value_head
 
 # ``cfg`` below is the run's ``config.Config``.
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
@@ -309,16 +309,8 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, sett
         new_model.eval()
         kl, fit_kl, _ = measure_all(*models, fit, t, settings, procs)
         trained.train()
-    trained.zero_grad(set_to_none=True)
-    new_model.requires_grad_(False).eval()
-    masters = opt.release() if isinstance(opt, MasterWeightAdamW) else None  # hooks off the bf16 weights
-    del opt
-    if trace is not None:
-        trace.update(t=t.clone(), t_exact=t_exact)
-        if low:  # the replacement's first SAT turn continues these fp32 masters
-            shards = procs.kept_masters(trained)
-            trace.update(master_weights=masters) if shards is None else trace.update(master_shards=shards)
-    del trained
+    _stop_fitting(new_model, trained, opt, trace, t, t_exact, low, procs)
+    del opt, trained
     if beyond(q, delta0):  # a NaN quantile too
         del pre_model
         raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
@@ -329,14 +321,34 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, sett
            "retargeted": _mean((t < t_exact).float()),
            "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
     if len(held):
-        kl_h, fit_h, _ = measure_all(*models, held, None, settings, procs)
-        out.update(heldout_states=held.num_states, heldout_kl_quantile=kl_quantile(kl_h, q_level),
-                   heldout_kl_mean=_mean(kl_h), heldout_fit_mean=_mean(fit_h))
-        if beyond(out["heldout_kl_quantile"], delta0):
-            log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is "
-                f"{out['heldout_kl_quantile']:.4f} > delta_0 {delta0} (in sample {q:.4f}): the fit does not carry "
-                "to new states; more Stage-0 states (--stage0-problems) narrow the gap")
+        out.update(_heldout_report(models, held, settings, procs, q, log))
     del pre_model
+    return out
+
+
+def _stop_fitting(new_model, trained, opt, trace: dict | None, t: torch.Tensor, t_exact: torch.Tensor, low: bool,
+                  procs: OneProcess) -> None:
+    """Stage-0's model frozen again, its optimizer's hooks off the bf16 weights, and ``trace`` filled."""
+    trained.zero_grad(set_to_none=True)
+    new_model.requires_grad_(False).eval()
+    masters = opt.release() if isinstance(opt, MasterWeightAdamW) else None  # hooks off the bf16 weights
+    if trace is not None:
+        trace.update(t=t.clone(), t_exact=t_exact)
+        if low:  # the replacement's first SAT turn continues these fp32 masters
+            shards = procs.kept_masters(trained)
+            trace.update(master_weights=masters) if shards is None else trace.update(master_shards=shards)
+
+
+def _heldout_report(models: tuple, held: Stage0States, settings: Stage0Settings, procs: OneProcess, q: float,
+                    log) -> dict:
+    """Stage-0's KL and fit on states it was not fitted to; a warning when the ball does not carry to them."""
+    kl_h, fit_h, _ = measure_all(*models, held, None, settings, procs)
+    out = dict(heldout_states=held.num_states, heldout_kl_quantile=kl_quantile(kl_h, settings.q_level),
+               heldout_kl_mean=_mean(kl_h), heldout_fit_mean=_mean(fit_h))
+    if beyond(out["heldout_kl_quantile"], settings.delta0):
+        log(f"  WARNING stage-0: on {held.num_states} held-out states the KL quantile is "
+            f"{out['heldout_kl_quantile']:.4f} > delta_0 {settings.delta0} (in sample {q:.4f}): the fit does not "
+            "carry to new states; more Stage-0 states (--stage0-problems) narrow the gap")
     return out
 
 
@@ -397,22 +409,12 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     return info
 
 
-def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
-    """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
-    own (longer) warm start, standing in for a stronger pretrained model."""
-    dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = team.procs.load_agent(Agent.load, spec, cfg.device, dtype, seed=cfg.seed * 100 + 50 + slot)
-    if agent.spec.kind == "tiny":
-        steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
-        holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
-        warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
-    return agent
-
-
-def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig, evaluate=None) -> list[dict]:
+def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig,
+                   load_replacement: Callable[[str, int], Agent], evaluate=None) -> list[dict]:
     """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, controllers,
     value heads, RNG, backend and log), each after Stage-0, with a fresh controller (and value head with
-    --adv gae). ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
+    --adv gae). ``load_replacement(spec, slot)`` builds the new agent (``harness.run``: loading, and a tiny
+    agent's warm start); ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
     team, log, backend = run.team, run.log, run.backend
     events = []
     for item in cfg.upgrade:
@@ -422,7 +424,7 @@ def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: Samplin
         slot = int(slot_text) - 1
         if not 0 <= slot < len(team):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
-        new_agent = load_replacement(spec.strip(), cfg, team, train, slot)
+        new_agent = load_replacement(spec.strip(), slot)
         team.procs.adopt([new_agent])  # torchrun: rank 0's weights on every rank (and as shards with them)
         old_name = team.agents[slot].spec.name
         check_same_vocabulary(team.agents[slot], new_agent)

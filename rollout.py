@@ -26,8 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from config import TOP_P_TRAINING_ERROR
-from grading import answers_match, vote_reward
+from harness.config import TOP_P_TRAINING_ERROR
 from logprobs import (
     TurnTensors,
     batched_response_logprobs,
@@ -38,8 +37,8 @@ from logprobs import (
     turn_forward,
     turn_rows,
 )
-from tasks import Problem
-from team import Team
+from reward import answers_match, vote_reward
+from team import Problem, Team
 
 REWARD_RANGE = (0.0, 1.0)  # (R_min, R_max) of the team reward: the certificate's A_max = R_max - R_min
 

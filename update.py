@@ -34,9 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from advantage import full_log_weights, gae, group_advantages, masked_mean, masked_sum, truncated_log_weights
-from logprobs import measure_kl, response_hidden_states, turn_forward, turn_rows
-from rollout import TeamBatch, Turn
+from advantage import UpdateInputs, masked_mean, masked_sum
+from logprobs import measure_kl, turn_forward, turn_rows
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
@@ -104,77 +103,6 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------------------
-# What agent j's update reads from the batch: advantages and weights
-# ---------------------------------------------------------------------------
-@dataclass
-class UpdateInputs:
-    """What agent j's update needs from the batch."""
-
-    turn: Turn
-    adv: torch.Tensor  # [N] or [N, L] advantages (normalised, clipped)
-    raw_adv: torch.Tensor  # [N] R - group mean, in reward units, for the certificate
-    log_w: torch.Tensor  # [N] truncated log weights from earlier agents (0 for the first)
-    log_w_full: torch.Tensor  # [N] untruncated, for zeta
-    returns: torch.Tensor | None = None  # [N, L] value targets (gae)
-
-
-def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]], cfg,
-                 model=None, value_head=None) -> UpdateInputs:
-    """Sequence-aware weights and advantages for the agent updated at this step.
-
-    w(tau) = prod over the tokens of agents already updated this stage of
-    min(1, rho_t), from their cached log-ratios (empty for the first agent, with
-    --reuse regenerate, and with --update joint). Group advantages use w as
-    weights, so the baseline is an estimate under pi_hat^{i-1}, not under the
-    stale pi_cur."""
-    n = len(batch)
-    log_w = truncated_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
-    log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
-    weights = log_w.exp()  # [N]
-    if cfg.baseline == "counterfactual" and batch.counterfactual is not None:
-        # R - b_j: the others' answers held fixed (rollout.counterfactual_baselines), then Eq. (2)'s normalisation
-        signal = batch.rewards - batch.counterfactual[j]  # [N], in [-(R_max - R_min), R_max - R_min]
-        adv = group_advantages(signal, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
-        raw_adv = signal.float()  # [N] reward units, for the certificate
-    else:
-        adv = group_advantages(batch.rewards, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
-        raw_adv = group_advantages(batch.rewards, batch.group_ids, clip=None, weights=weights,
-                                   normalize=False).float()  # [N]
-    turn, returns = batch.turns[j], None
-    if cfg.adv == "gae":
-        adv, returns = gae_advantages(turn, batch.rewards, model, value_head, cfg)  # [N, Lr] x2
-    return UpdateInputs(turn, adv, raw_adv, log_w, log_w_full, returns)
-
-
-@torch.no_grad()
-def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level GAE(lambda) advantages (whitened over valid tokens, clipped
-    like the group advantages) and value targets, the reward on the last token."""
-    values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
-    for s in range(0, len(rewards), cfg.minibatch_size):
-        sl = slice(s, s + cfg.minibatch_size)
-        rows = turn.tensors.rows(sl, value_head.weight.device)  # [b, Lc] and [b, Lr] tensors
-        hidden = response_hidden_states(model, *rows)  # [b, Lr, H]
-        values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
-    mask = turn.response_mask.float()  # [N, Lr]
-    last = (mask.sum(1) - 1).clamp_min(0).long()  # [N] index of the final token
-    token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].float()) * mask  # [N, Lr]
-    tok_adv, returns = gae(token_rewards, values, mask, gamma=1.0, lam=cfg.gae_lambda)  # [N, Lr] x2
-    mean = masked_mean(tok_adv, mask)
-    std = masked_mean((tok_adv - mean) ** 2, mask).sqrt()
-    adv = ((tok_adv - mean) / (std + 1e-6)).clamp(-cfg.adv_clip, cfg.adv_clip) * mask  # [N, Lr]
-    return adv.float(), returns
-
-
-def make_value_head(agent: Agent) -> torch.nn.Linear:
-    hidden = agent.model.config.hidden_size
-    head = torch.nn.Linear(hidden, 1).to(agent.device, torch.float32)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.constant_(head.bias, 0.5)  # a neutral prior for a {0, 1} reward
-    return head
-
-
-# ---------------------------------------------------------------------------
 # ALGO LOGIC: OPTIMIZE(L_i), Algorithm 1 line 8
 # ---------------------------------------------------------------------------
 @dataclass
@@ -225,7 +153,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
     Every ``cfg.kl_check_every`` steps the exact per-state KL quantile to
     pi_j,cur (``references[j]``) is measured; an agent whose quantile crossed
     delta stops there (like PPO's target-KL stop, on the trust-region statistic
-    itself) and ``sat.finish_update`` backtracks toward the last iterate found
+    itself) and ``sat.trust_region_step`` backtracks toward the last iterate found
     inside (``TrainStats.anchor``)."""
     agents = {j: team.agents[j] for j in slots}
     heads = {j: value_heads.get(j) if cfg.adv == "gae" else None for j in slots}

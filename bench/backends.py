@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import harness.run
 import sat  # noqa: E402
-from processes import OneProcess  # noqa: E402
+from harness.processes import OneProcess  # noqa: E402
+from harness.tasks import load_task  # noqa: E402
 from rollout import HFBackend, SamplingConfig, rollout  # noqa: E402
 from scale.rollout_vllm import make_backend  # noqa: E402
-from tasks import load_task  # noqa: E402
 
 
 class EveryRowForwarded(OneProcess):
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     cfg = sat.Config(agents=args.agents, device="cpu" if not torch.cuda.is_available() else "cuda", dtype=args.dtype,
                      warmup_steps=0, stages=0).apply_preset()
     train, _, instruction = load_task(cfg)
-    team = sat.build_team(cfg, instruction)
+    team = harness.run.build_team(cfg, instruction)
     problems = train[: args.prompts]
     sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                               token_budget=cfg.token_budget)

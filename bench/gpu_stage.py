@@ -43,10 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402
+from harness.config import AgentSpec  # noqa: E402
+from harness.loading import build_char_tokenizer  # noqa: E402
+from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
-from tasks import arithmetic_problems  # noqa: E402
-from team import Agent, AgentSpec, Team, TeamConfig, build_char_tokenizer  # noqa: E402
+from team import Agent, Team, TeamConfig  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 QWEN3_06B = memory.QWEN3_DIMS["qwen3-0.6b"]
@@ -134,7 +136,7 @@ def instrumented(meter: PhaseMeter, counters: dict, synthetic: bool):
         (sat, "build_inputs", lambda fn: timed(meter, fn, lambda *a, **k: "advantages + weights")),
         (sat, "train_agents", lambda fn: timed(meter, fn, lambda team, slots, *a, **k:
                                                "update agent " + ",".join(str(j + 1) for j in slots))),
-        (sat, "finish_update", lambda fn: timed(meter, fn, lambda team, j, *a, **k:
+        (sat, "trust_region_step", lambda fn: timed(meter, fn, lambda team, j, *a, **k:
                                                 f"trust-region check agent {j + 1}")),
         (sat, "measure_kl", kl_phase),
         (update_mod, "measure_kl", kl_phase),

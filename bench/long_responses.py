@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
+from harness.loading import load_agent
+from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
-from tasks import arithmetic_problems  # noqa: E402
 from team import Agent, Team, TeamConfig  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
@@ -75,7 +76,7 @@ def never_stop(agent: Agent) -> None:
 
 def one_stage(length: int, reuse: str, args) -> dict:
     torch.manual_seed(args.seed)
-    agents = [Agent.load("tiny", seed=args.seed * 100 + k) for k in range(3)]
+    agents = [load_agent("tiny", seed=args.seed * 100 + k) for k in range(3)]
     for a in agents:
         never_stop(a)
     team = Team(agents, TeamConfig(protocol="independent"))

@@ -1,6 +1,6 @@
 """Where a real team's stage spends its time: one ``sat.py`` stage, seconds per phase.
 
-The run is ``sat.run`` itself (rollout, the turns redrawn after each promotion, each agent's update, the
+The run is ``harness.run.run`` itself (rollout, the turns redrawn after each promotion, each agent's update, the
 trust-region check with its exact-KL forwards, the held-out evaluation, the checkpoint), with timers around
 the functions each phase calls; nothing else changes. Any ``sat.py`` option can be given; the defaults are a
 real pretrained team on this machine:
@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_stage import PhaseMeter, timed  # noqa: E402
 
-import records  # noqa: E402
+import harness.cli
+import harness.run
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
+from harness import run_folder  # noqa: E402
 from scale.rollout_vllm import VLLMBackend  # noqa: E402
 
 
@@ -50,10 +52,10 @@ def phases(meter: PhaseMeter, counters: dict):
         (rollout_mod, "behaviour_logprobs", named("  behaviour log-probs")),
         (sat, "build_inputs", named("advantages and weights")),
         (sat, "train_agents", named("update (optimiser steps)")),
-        (sat, "finish_update", named("trust-region check")),
+        (sat, "trust_region_step", named("trust-region check")),
         (sat, "measure_kl", named("  exact KL forwards")),
         (sat, "evaluate", named("held-out evaluation")),
-        (records, "save_checkpoint", named("checkpoint")),
+        (run_folder, "save_checkpoint", named("checkpoint")),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     try:
@@ -74,12 +76,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if "--out" not in argv:
             argv += ["--out", str(Path(tmp) / "run")]
-        resolved = sat.resolve(sat.parse_args(argv))
+        resolved = harness.run.resolve(harness.cli.parse_args(argv))
         cfg = resolved.cfg
         meter, counters = PhaseMeter(torch.device(cfg.device)), defaultdict(int)
         t0 = time.perf_counter()
         with phases(meter, counters), meter.phase("run (load, stage 0 evaluation, stage 1)"):
-            rows = sat.run_resolved(resolved, log=lambda *_: None)
+            rows = harness.run.run_resolved(resolved, log=lambda *_: None)
         wall = time.perf_counter() - t0
     rec = rows[-1]
     print(f"\n{cfg.agents}, backend {cfg.backend}, {cfg.batch_size} joint trajectories, max {cfg.max_new_tokens} new "

@@ -33,11 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import AgentSpec  # noqa: E402
-from grading import answers_match, extract_answer  # noqa: E402
+from harness.config import AgentSpec  # noqa: E402
+from harness.loading import prepare_tokenizer  # noqa: E402
+from harness.tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
+from reward import answers_match, extract_answer  # noqa: E402
 from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
-from tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
-from team import Agent, Team, TeamConfig, prepare_tokenizer  # noqa: E402
+from team import Agent, Team, TeamConfig  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLUMNS = ("accuracy", "lenient", "boxed", "mean_tokens", "truncated", "tokens_per_s")
@@ -45,7 +46,7 @@ COLUMNS = ("accuracy", "lenient", "boxed", "mean_tokens", "truncated", "tokens_p
 
 def load_agent(model: str) -> Agent:
     if model == "tiny":
-        return Agent.load("tiny", seed=0)
+        return load_agent("tiny", seed=0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model == "smollm2":

@@ -2,7 +2,8 @@
 condition and seed, finished runs skipped and killed ones resumed, metrics.jsonl read back, the mean and its
 95% t interval over seeds, paired-by-seed differences, a markdown table and one plot.
 
-Every run is ``sat.run(sat.parse_args([...]))``: a script builds sat.py options, never a stage loop of its own.
+Every run is ``harness.run.run(harness.cli.parse_args([...]))``: a script builds sat.py options, never a stage
+loop of its own.
 A run folder is ``OUT/<setting>/<condition>/seed<S>``; options a script does not know are handed to sat.py
 unchanged for every run (e.g. ``--batch-size 64 --eval-size 32``).
 """
@@ -17,9 +18,11 @@ from pathlib import Path
 # the repository first: its core modules (sat, plug_and_play, ...) before the scripts of the same name here
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sat  # noqa: E402
-from config import parse_agents  # noqa: E402
-from records import read_metrics  # noqa: E402
+
+import harness.cli
+import harness.run
+from harness.config import parse_agents  # noqa: E402
+from harness.run_folder import read_metrics  # noqa: E402
 
 
 # -- Flags -----------------------------------------------------------------------------------------------
@@ -43,7 +46,7 @@ def parse(p: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, li
     owned = [tok for tok in rest if tok.split("=")[0] in ("--seed", "--resume", "--overwrite")]
     if owned:
         p.error(f"{owned[0].split('=')[0]} is set by the script for each run; use --seeds / --out")
-    cfg = sat.parse_args(rest + ["--agents", args.agents])  # sat.py's own one-line error for an unknown option
+    cfg = harness.cli.parse_args(rest + ["--agents", args.agents])  # sat.py's own one-line error for an unknown option
     try:
         cfg.apply_preset().validate()
     except ValueError as err:
@@ -120,7 +123,7 @@ def ensure_run(folder: Path, argv: list[str], last_stage: int, quiet: bool = Fal
     else:
         options = argv + ["--out", str(folder), "--stages", str(last_stage), "--overwrite"]
     log = (lambda *_: None) if quiet else None
-    return sat.run(sat.parse_args(options), log=log)
+    return harness.run.run(harness.cli.parse_args(options), log=log)
 
 
 # -- Statistics over seeds ------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ sys.path.append(str(Path(__file__).resolve().parent))  # common.py; the core mod
 import common  # noqa: E402
 
 import eval_aime  # noqa: E402
-import sat  # noqa: E402
+import harness.cli
+import harness.run
 
 TOKEN_TOLERANCE = 0.10
 
@@ -57,8 +58,8 @@ def parse_args(argv=None):
 
 def heldout_file(run: Path, path: Path) -> tuple[Path, str, object]:
     """The run's held-out problems (duplicates dropped) as JSONL at ``path``; (path, instruction, run config)."""
-    cfg = sat.parse_args(["--resume", str(run)]).apply_preset()
-    _, heldout, instruction = sat.load_problems(cfg)
+    cfg = harness.cli.parse_args(["--resume", str(run)]).apply_preset()
+    _, heldout, instruction = harness.run.load_problems(cfg)
     unique = list({(p.problem, p.answer): p for p in heldout}.values())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n"

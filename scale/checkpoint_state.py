@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from harness.training_state import kept_moments, single_process_quiet
 from scale import distributed
 from team import Team
-from training_state import kept_moments, single_process_quiet
 
 
 def fp32_state(agent) -> list[torch.Tensor]:

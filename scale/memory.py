@@ -558,7 +558,7 @@ def spec_model_config(spec):
 
 
 def check_team_ram(cfg, specs) -> None:
-    """Before any weights are loaded (``sat.validate_run_inputs``), on CPU: refuse in one line a team
+    """Before any weights are loaded (``harness.run.validate_run_inputs``), on CPU: refuse in one line a team
     (``config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
     loading it could exhaust the RAM. The team is estimated as ``check_run`` estimates it after loading, every
     slot as large as the agent with the most parameters, taken among the agents whose config

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import BACKENDS
+from harness.config import BACKENDS
 from logprobs import cut_at_eos
 from rollout import HF
 from scale import distributed

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from harness.config import AgentSpec, resolve_agent_spec
+from harness.loading import folder_spec, hub_offline, load_agent, prepare_tokenizer
 from scale import distributed
-from team import Agent, AgentSpec, folder_spec, hub_offline, prepare_tokenizer, resolve_agent_spec
+from team import Agent
 
 WEIGHT_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # config, weights, tokenizer
 
@@ -32,10 +34,10 @@ def load_agent_sharded(spec: AgentSpec | str | Path, device: str, dtype: torch.d
 
     ``spec``: an ``AgentSpec`` or a name (``team.resolve_agent_spec``: a hub id, a short name, a folder), or a folder
     written by ``Agent.save`` (a checkpoint's ``agent_k``: its ``agent.json`` names the agent). A tiny spec is built
-    whole by ``Agent.load(spec, device, dtype, seed)``; ``Torchrun.adopt`` shards it later."""
+    whole by ``load_agent(spec, device, dtype, seed)``; ``Torchrun.adopt`` shards it later."""
     spec = folder_spec(spec if isinstance(spec, AgentSpec) else _spec_of(str(spec)))  # a GGUF file: its folder
     if spec.kind == "tiny":
-        return Agent.load(spec, device=device, dtype=dtype, seed=seed)
+        return load_agent(spec, device=device, dtype=dtype, seed=seed)
     from transformers import AutoTokenizer
 
     folder = snapshot_folder(spec.source)

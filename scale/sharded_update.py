@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from harness.training_state import MOMENTS
 from scale import distributed
 from team import Agent, Team
-from training_state import MOMENTS
 
 
 def train_sharded(team: Team, slots: int | list[int], train):

@@ -1,6 +1,6 @@
 """torchrun's side of the seam (``processes.OneProcess``): the answers Algorithm 1 gets when several
 processes run it data-parallel, each with a share of every batch's rows, the trained agent as FSDP2
-shards, and (``--shard-frozen``) every agent held as shards. ``sat.resolve`` picks it under torchrun and
+shards, and (``--shard-frozen``) every agent held as shards. ``harness.run.resolve`` picks it under torchrun and
 for a one-process ``--shard-rollouts`` run (the seeded rollout blocks, so one process draws the batch
 that N processes draw), and the core never asks which it has.
 """
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from processes import OneProcess
+from harness.processes import OneProcess
 from rollout import HF, concat_batches, rng_devices, rollout
 from scale import distributed
 from scale.checkpoint_state import load_sharded, save_sharded

@@ -11,9 +11,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from harness.loading import load_agent
+from harness.tasks import arithmetic_problems
 from rollout import SamplingConfig, SeededSampler, generate_hf, response_seeds, rollout, tempered_probs
-from tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from team import Team, TeamConfig
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # [V] a small vocabulary
 
@@ -57,7 +58,7 @@ def test_positions_and_rows_draw_independent_uniforms():
 
 
 def tiny_team(seed: int, n: int = 2) -> Team:
-    return Team([Agent.load("tiny", seed=seed + k) for k in range(n)], TeamConfig(protocol="chain"))
+    return Team([load_agent("tiny", seed=seed + k) for k in range(n)], TeamConfig(protocol="chain"))
 
 
 def test_identical_policies_under_one_seed_give_identical_responses():
@@ -76,7 +77,7 @@ def test_identical_policies_under_one_seed_give_identical_responses():
 def test_a_response_does_not_depend_on_the_rest_of_its_batch():
     """Row i drawn alone or among 31 others (sorted and chunked differently) under its seed: the same
     response."""
-    agent = Agent.load("tiny", seed=0)
+    agent = load_agent("tiny", seed=0)
     contexts = [agent.encode_prompt([{"role": "user", "content": f"{a}+{a * 7 % 13}"}]) for a in range(32)]
     seeds = response_seeds(7, len(contexts), 0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)

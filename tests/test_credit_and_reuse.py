@@ -10,12 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bounds
+import harness.cli
+import harness.run
 import sat
 from advantage import credit_correlation
-from grading import answers_match, majority_vote, vote_reward
+from harness.loading import load_agent
+from harness.tasks import arithmetic_problems
 from logprobs import batched_response_logprobs
+from reward import answers_match, majority_vote, vote_reward
 from rollout import SamplingConfig, regenerate, rollout
-from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 
 
@@ -94,7 +97,7 @@ def test_credit_correlation_exact():
 # -- --reuse regenerate is exact -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny3():
-    return [Agent.load("tiny", seed=k) for k in range(3)]
+    return [load_agent("tiny", seed=k) for k in range(3)]
 
 
 def promote(agent, scale=0.3, seed=0):
@@ -154,7 +157,7 @@ def test_regenerate_chain_redraws_the_promoted_turn_and_the_turns_after_it(tiny3
 
 
 def test_cli_reuse_and_its_preset_defaults():
-    assert sat.parse_args(["--reuse", "regenerate"]).reuse == "regenerate"
+    assert harness.cli.parse_args(["--reuse", "regenerate"]).reuse == "regenerate"
     assert sat.Config().apply_preset().reuse == "weights"
     assert sat.Config(agents="Qwen3-4B x3").apply_preset().reuse == "regenerate"
 
@@ -181,7 +184,7 @@ def joint(mu, pi1, pi2):
 
 def exact_surrogate(mu, pi1, pi2, R, agent, new):
     """E_{tau ~ old}[(r_j - 1)(R - b(s))], b(s) = E_old[R | s]: the population value of what
-    sat.finish_update estimates (the group mean of one prompt's trajectories is b(s))."""
+    sat.trust_region_step estimates (the group mean of one prompt's trajectories is b(s))."""
     P = joint(mu, pi1, pi2)  # [S, V, V]
     b = (P * R).sum((1, 2)) / P.sum((1, 2))  # [S]
     r = (new / pi1)[:, :, None].expand_as(R) if agent == 0 else new / pi2  # [S, V, V]
@@ -191,7 +194,7 @@ def exact_surrogate(mu, pi1, pi2, R, agent, new):
 @pytest.mark.parametrize("protocol", ["chain", "independent"])
 @pytest.mark.parametrize("seed", range(6))
 def test_surrogate_identity_matches_brute_force_on_two_agents(protocol, seed):
-    """sat.step_estimates' identity: with exact quantities the surrogate IS the step's change."""
+    """advantage.step_estimates' identity: with exact quantities the surrogate IS the step's change."""
     mu, pi1, pi2, R = two_agent_team(seed, protocol)
     g = torch.Generator().manual_seed(100 + seed)
     tilt = lambda p: torch.softmax(p.log() + torch.randn(p.shape, generator=g, dtype=torch.float64), -1)  # noqa: E731
@@ -222,7 +225,7 @@ def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
         cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
                          warmup_steps=10, eval_size=8, out=str(tmp_path / update), device="cpu", update=update,
                          reuse=reuse).apply_preset()
-        rec = sat.run(cfg, log=lambda *_: None)[-1]
+        rec = harness.run.run(cfg, log=lambda *_: None)[-1]
         assert rec["step_bounds"].startswith("none:") and all(a["step_bound"] is None for a in rec["agents"])
         assert "surrogate_estimate" in rec["agents"][0] and "lower_bound" not in rec["agents"][0]
         assert -1.0 <= rec["certificate"]["lower_bound"] <= rec["measured_change"]  # the held-out stage bound
@@ -234,7 +237,7 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
     cfg = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
                      warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
                      reuse="regenerate").apply_preset()
-    rec = sat.run(cfg, log=lambda *_: None)[-1]
+    rec = harness.run.run(cfg, log=lambda *_: None)[-1]
     assert [a["ess_ratio"] for a in rec["agents"]] == [1.0, 1.0, 1.0] and all(a["zeta"] == 0.0 for a in rec["agents"])
     # the rollout, then per step the turn it changes drawn before it (the bound's "before") and after it
     assert rec["generations"] == 16 * 3 + 16 * 3 * 2
@@ -247,13 +250,13 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
     no_bounds = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
                            warmup_steps=10, eval_size=8, out=str(tmp_path / "plain"), device="cpu",
                            reuse="regenerate", step_bounds=False).apply_preset()
-    assert sat.run(no_bounds, log=lambda *_: None)[-1]["generations"] == 16 * 3 + 16 * 2  # no draw for a bound
+    assert harness.run.run(no_bounds, log=lambda *_: None)[-1]["generations"] == 16 * 3 + 16 * 2  # no draw for a bound
 
 
 
 def test_counterfactual_baseline_brute_force_and_independent_of_own_answer():
     from rollout import counterfactual_baselines
-    from tasks import Problem
+    from team import Problem
 
     gold = Problem(id="p", problem="1+4", answer="5")
     answers = [["5", "6", "7"], ["6", "6", "5"], ["5", "5", None], ["8", "6", "7"]]  # one group of G = 4, 3 agents

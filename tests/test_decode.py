@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from transformers import LogitsProcessorList
 
+from harness.loading import load_agent
 from logprobs import cut_at_eos, left_pad
 from rollout import SamplingConfig, SeededSampler, decode, drops_rows, response_seeds, sampler_config
 from team import Agent
@@ -20,7 +21,7 @@ def batch(agent: Agent, n: int = 32):
 
 
 def test_decode_draws_what_generate_draws_and_forwards_only_live_rows():
-    agent = Agent.load("tiny", seed=0)
+    agent = load_agent("tiny", seed=0)
     model = copy.deepcopy(agent.model).double()  # float64: a smaller batch cannot flip a token by rounding
     tok, ids, mask, seeds = agent.tokenizer, *batch(agent)
     rows_forwarded = []

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import ONE_PROCESS
+from harness.loading import load_agent
+from harness.processes import ONE_PROCESS
+from harness.tasks import arithmetic_problems
 from rollout import SamplingConfig, concat_batches, rollout
 from scale.torchrun import Torchrun, check_config, rollout_in_blocks
-from tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from team import Team, TeamConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
@@ -49,25 +50,25 @@ def test_torchrun_refusals_match_docs_errors():
     ``check_config`` with the rank count), give its line; the options those refusals once covered pass."""
     import re
 
-    import sat
+    import harness.cli
 
     section = (ROOT / "docs" / "errors.md").read_text().split("## Under torchrun", 1)[1]
     rows = re.findall(r"^\| [^|]+ \| `(.*?)` \| `sat.py: error: (.*)` \|$", section, re.M)
     assert len(rows) == 2
     for flags, line in rows:
-        cfg = sat.parse_args(flags.split()).apply_preset()
+        cfg = harness.cli.parse_args(flags.split()).apply_preset()
         with pytest.raises(ValueError) as err:
             check_config(cfg, world=2)
         assert str(err.value) == line
     for lifted in (["--keep-optimizer-state"], ["--upgrade", "2=tiny-6L"],  # sharded moments; sharded Stage-0;
                    ["--shard-frozen", "--backend", "vllm"]):  # vLLM engines fed from the shards
-        assert check_config(sat.parse_args(lifted).apply_preset(), world=2).shard_rollouts
+        assert check_config(harness.cli.parse_args(lifted).apply_preset(), world=2).shard_rollouts
 
 
 def test_rollout_blocks_are_seeded_blocks_concatenated():
     """The block rollout equals rolling out each block under its own seed and
     padding the blocks together: rows unchanged, groups distinct and whole."""
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
     problems, sampling = arithmetic_problems(5, seed=1), SamplingConfig(temperature=1.0, max_new_tokens=5)
     batch = rollout_in_blocks(team, problems, 3, sampling, seed=7, n_blocks=3)  # blocks of 2, 2, 1 problems
     parts = []
@@ -349,7 +350,7 @@ def test_bf16_masters_kept_across_turns_and_sharded_checkpoint_loads_under_any_n
     assert r["steps"] == [[2.0], [2.0]]  # the moments were kept: the second turn is AdamW's step 2
     assert r["moments_mean_diff"] <= 0.05 * r["moments_mean"]  # bf16 gradients: measured 0.5%
     assert r["loaded_masters_equal"] and r["loaded_weights_equal"] and r["loaded_moments_equal"]  # saved, loaded by 2
-    from records import load_checkpoint
+    from harness.run_folder import load_checkpoint
 
     with torch.random.fork_rng():
         team, _, _, _ = load_checkpoint(result_path.parent / "run" / "checkpoints" / "stage_0001", "cpu",

@@ -1,7 +1,7 @@
 """Every row of docs/errors.md, driven as written: bad inputs and faults, each
 answered by one line on stderr and a non-zero exit, none by a traceback.
 
-The table's command column is run in-process (sat.main / eval_aime.main /
+The table's command column is run in-process (harness.cli.main / eval_aime.main /
 scale.memory.main), so validation errors cost milliseconds; the line column is the
 whole last line of stderr, with "…" standing for any text and the placeholders
 below replaced by real paths:
@@ -26,9 +26,11 @@ import pytest
 import torch
 
 import eval_aime
+import harness.cli
+import harness.run
 import sat
+from harness.loading import load_agent
 from scale import memory
-from team import Agent
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "errors.md"
@@ -58,8 +60,8 @@ def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
     cfg = sat.Config(agents="tiny x2", stages=2, batch_size=8, group_size=4, epochs=1, minibatch_size=8, warmup_steps=5,
                      eval_size=8, out=str(root / "run"), device="cpu").apply_preset()
-    sat.run(cfg, log=lambda *_: None)
-    nochat = Agent.load("tiny", seed=0)
+    harness.run.run(cfg, log=lambda *_: None)
+    nochat = load_agent("tiny", seed=0)
     nochat.tokenizer.chat_template = None
     nochat.model.save_pretrained(root / "nochat")
     nochat.tokenizer.save_pretrained(root / "nochat")
@@ -72,7 +74,7 @@ def finished_run(tmp_path_factory):
 
 def run_tool(command: str, capsys) -> tuple[int, str]:
     tool, *argv = shlex.split(command.replace("python -m scale.memory", "scale.memory"))
-    mains = {"sat.py": sat.main, "eval_aime.py": eval_aime.main, "scale.memory": memory.main}
+    mains = {"sat.py": harness.cli.main, "eval_aime.py": eval_aime.main, "scale.memory": memory.main}
     try:
         rc = mains[tool](argv)
     except SystemExit as exit_info:  # argparse and memory.py exit themselves

@@ -23,9 +23,9 @@ from eval_aime import (
     read_predictions,
     summarize,
 )
-from grading import answers_match, extract_answer
-from tasks import Problem
-from team import Agent, Team, TeamConfig
+from harness.loading import load_agent, save_team
+from reward import answers_match, extract_answer
+from team import Problem, Team, TeamConfig
 
 REPO = Path(__file__).resolve().parents[1]
 AIME24 = Path(__file__).resolve().parents[1] / "data" / "aime24.jsonl"
@@ -158,9 +158,9 @@ def test_resume_after_interruption_gives_the_same_summary(tmp_path):
 
 @needs_aime
 def test_checkpoint_team_keeps_its_protocol(tmp_path):
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
     stage = tmp_path / "run" / "checkpoints" / "stage_0003"
-    team.save(stage / "team")
+    save_team(team, stage / "team")
     (tmp_path / "run" / "latest.json").write_text(json.dumps({"stage": 3, "path": "stage_0003"}))
     out = tmp_path / "ev"
     argv = ["--ckpt", str(tmp_path / "run"), "--data", str(AIME24), "--limit", "2", "--k", "2", "--max-new-tokens", "4",

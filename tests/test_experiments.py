@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from records import read_metrics
+from harness.run_folder import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The import graph is a DAG with sat.py and eval_aime.py on top, lazy imports included (tools/check_imports.py)."""
+"""The import graph is a DAG whose arrows point from the product (harness/, scale/) to the paper's modules, lazy imports
+included (tools/check_imports.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -28,16 +29,36 @@ def test_checker_finds_a_lazy_cycle(tmp_path):
     assert "TOP MODULE IMPORTED: c imports sat" in done.stdout
 
 
-def test_checker_finds_scale_out_in_the_core(tmp_path):
-    """The core reaches scale/ only through the seam: a core module importing scale/ fails; the entry point
-    and scale/ itself may."""
-    (tmp_path / "scale").mkdir()
-    (tmp_path / "scale" / "__init__.py").write_text("")
-    (tmp_path / "scale" / "distributed.py").write_text("import update\n")  # scale/ above the core: allowed
+def test_checker_finds_scale_out_in_the_paper(tmp_path):
+    """The paper reaches scale/ only through the seam the harness hands in: a paper module importing scale/ fails,
+    lazily too; harness/ and scale/ itself may."""
+    for package in ("scale", "harness"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "scale" / "distributed.py").write_text("import update\n")  # scale/ above the paper: allowed
     (tmp_path / "update.py").write_text("def f():\n    from scale import distributed\n")  # lazy, still refused
-    (tmp_path / "sat.py").write_text("from scale import distributed\n")  # the entry point picks it: allowed
+    (tmp_path / "harness" / "cli.py").write_text("from scale import distributed\n")  # the product picks it: allowed
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "SCALE-OUT IN THE CORE: update imports scale.distributed (lazy)" in done.stdout
-    assert "SCALE-OUT IN THE CORE: sat" not in done.stdout and "SCALE-OUT IN THE CORE: scale" not in done.stdout
+    assert "SCALE-OUT IN THE PAPER: update imports scale.distributed (lazy)" in done.stdout
+    assert "harness.cli imports" not in done.stdout and "SCALE-OUT IN THE PAPER: scale" not in done.stdout
+
+
+def test_checker_keeps_the_product_out_of_the_paper(tmp_path):
+    """A paper module may take the plain types it is handed (the Config) but not the loading code; sat.py's
+    ``__main__`` block (the command line) and the program eval_aime.py are exempt."""
+    (tmp_path / "harness").mkdir()
+    for name in ("__init__", "config", "loading", "cli"):
+        (tmp_path / "harness" / f"{name}.py").write_text("")
+    (tmp_path / "harness" / "cli.py").write_text("import sat\n")
+    (tmp_path / "rollout.py").write_text("from harness.config import Config\nfrom harness.loading import x\n")
+    (tmp_path / "sat.py").write_text("import rollout\nif __name__ == '__main__':\n    from harness.cli import main\n")
+    (tmp_path / "eval_aime.py").write_text("from harness import loading\n")
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout
+    assert "PRODUCT IN THE PAPER: rollout imports harness.loading (top)" in done.stdout
+    assert "rollout imports harness.config" not in done.stdout
+    assert "CYCLE" not in done.stdout and "eval_aime imports" not in done.stdout and "sat imports" not in done.stdout
+    assert "| __main__: harness.cli" in done.stdout

@@ -278,9 +278,9 @@ def fake_ram(monkeypatch, gib: float) -> None:
 
 
 def sat_main(argv, capsys) -> tuple[int, list[str]]:
-    import sat
+    import harness.cli
 
-    rc = sat.main(argv)
+    rc = harness.cli.main(argv)
     return rc, capsys.readouterr().err.strip().splitlines()
 
 
@@ -307,7 +307,7 @@ def test_the_memory_noun_of_a_refusal():
 def test_cpu_vllm_engines_stay_resident_in_training():
     """The CPU build of vLLM has no sleep mode: its engines' weights and KV caches (cpu_kv_cache_bytes each, as
     rollout_vllm sizes them) count in the training peak too."""
-    from config import Config
+    from harness.config import Config
 
     dims = memory.QWEN3_DIMS["qwen3-0.6b"]
     hf_cfg = Config(agents="Qwen3-0.6B x3", device="cpu", backend="hf").apply_preset()
@@ -329,7 +329,7 @@ def test_cpu_vllm_engines_are_sized_to_what_the_run_reaches():
     one in the independent protocol, every agent's in the chain), not of the model's whole context: SmolLM2-135M
     x3 (8,192-token context) at the CPU preset needs 3 x 0.4 GiB of cache in bf16, not 3 x 3.0 GiB, so
     ``--backend vllm`` fits on a 24 GiB machine."""
-    from config import Config
+    from harness.config import Config
 
     smollm2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, vocab_size=49152,
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
@@ -350,7 +350,7 @@ def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
     import huggingface_hub.constants
     from transformers import LlamaConfig
 
-    from config import AgentSpec, resolve_agent_spec
+    from harness.config import AgentSpec, resolve_agent_spec
 
     assert memory.spec_model_config(resolve_agent_spec("Qwen3-8B")) is memory.QWEN3_DIMS["qwen3-8b"]
     assert memory.spec_model_config(resolve_agent_spec("Qwen/Qwen3-32B")) is memory.QWEN3_DIMS["qwen3-32b"]
@@ -404,7 +404,7 @@ def test_cpu_local_folder_too_large_is_refused_from_its_config_json(tmp_path, mo
     assert lines[0].startswith("sat.py: error: not enough memory (RAM): training needs about ")
     assert " GiB but 1.0 GiB are available; largest part: weights 91.5 GiB " in lines[0] and lines[0].endswith(RAM_FIX)
     assert not out.exists()
-    from config import Config, resolve_agent_spec
+    from harness.config import Config, resolve_agent_spec
 
     cfg = Config(agents=f"{folder} x3", device="cpu").apply_preset()
     with pytest.raises(ValueError, match=r"^not enough memory \(RAM\)"):

@@ -11,13 +11,16 @@ import torch
 from scipy.stats import chisquare
 from test_sat import small_config
 
+import advantage
+import harness.cli
 import logprobs
 import sat
 import update
+from harness.loading import load_agent
+from harness.processes import OneProcess
+from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
-from processes import OneProcess
 from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
-from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
 
@@ -57,7 +60,7 @@ def sixteen_steps(agent: Agent, cfg) -> dict:
     turn = synthetic_turn(agent)
     adv = torch.tensor([1.0, -1.0] * 16)  # [32] fixed advantages: a consistent gradient
     zeros = torch.zeros(32)
-    inputs = update.UpdateInputs(turn, adv, adv, zeros, zeros)
+    inputs = advantage.UpdateInputs(turn, adv, adv, zeros, zeros)
     team = Team([agent])
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
     return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)})[0]
@@ -68,7 +71,7 @@ def test_bf16_agent_learns_at_lr_1e5_like_the_fp32_reference():
     """Fails on a bare-bf16 AdamW (about 15% of the weights move, by one
     rounding step); with fp32 master weights nearly all move, and the bf16
     result is the fp32 reference update up to bf16 resolution."""
-    low = Agent.load("tiny", dtype=torch.bfloat16, seed=3)
+    low = load_agent("tiny", dtype=torch.bfloat16, seed=3)
     ref = Agent(low.spec, copy.deepcopy(low.model).float(), low.tokenizer)  # same start, exactly, in fp32
     before = [p.detach().clone() for p in low.model.parameters()]
     start = [p.detach().clone() for p in ref.model.parameters()]
@@ -96,7 +99,7 @@ def test_bf16_agent_learns_at_lr_1e5_like_the_fp32_reference():
 
 
 def test_master_weights_persist_between_turns_and_restart_where_the_weights_changed():
-    agent = Agent.load("tiny", dtype=torch.bfloat16, seed=1)
+    agent = load_agent("tiny", dtype=torch.bfloat16, seed=1)
     sixteen_steps(agent, train_cfg(epochs=2))
     master = [m.clone() for m in agent.master_weights]
     residual = sum(int((m != m.to(torch.bfloat16).float()).sum()) for m in master)
@@ -128,7 +131,7 @@ def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
     ``rollout.decode`` and on HF ``generate`` (the sharded path, which reads
     the generation config)."""
     torch.manual_seed(0)
-    agent = Agent.load("tiny", seed=5)
+    agent = load_agent("tiny", seed=5)
     if through_generate:
         agent.procs = SyncedForwards()
     with torch.no_grad():
@@ -158,7 +161,7 @@ def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
 def test_check_sampler_names_the_offending_field(monkeypatch):
     import rollout as rollout_mod
 
-    agent = Agent.load("tiny")
+    agent = load_agent("tiny")
     real = rollout_mod.sampler_config
 
     def leaky(a, s):
@@ -174,7 +177,7 @@ def test_check_sampler_names_the_offending_field(monkeypatch):
 
 # -- 3. top_p < 1 is for evaluation only ------------------------------------------------------
 def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
-    team = Team([Agent.load("tiny")], TeamConfig())
+    team = Team([load_agent("tiny")], TeamConfig())
     problems = arithmetic_problems(2, seed=0)
     nucleus = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=3)
     with pytest.raises(ValueError, match="--top-p 0.9 < 1 cannot be used for training") as err:
@@ -183,22 +186,22 @@ def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
     assert len(rollout(team, problems, 2, nucleus, score=False)) == 4  # evaluation: fine
     with pytest.raises(ValueError, match="cannot be used for training"):
         sat.Config(top_p=0.9, device="cpu").apply_preset().validate()
-    assert sat.main(["--top-p", "0.9", "--out", str(tmp_path / "r")]) == 2
+    assert harness.cli.main(["--top-p", "0.9", "--out", str(tmp_path / "r")]) == 2
 
 
 def test_dtype_option_defaults_and_errors():
     assert sat.Config(device="cpu").apply_preset().dtype == "float32"
-    assert sat.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert harness.cli.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(ValueError, match="--dtype 'float16' is not one of"):
         sat.Config(device="cpu", dtype="float16").apply_preset().validate()
     with pytest.raises(SystemExit):
-        sat.parse_args(["--dtype", "float16"])
+        harness.cli.parse_args(["--dtype", "float16"])
 
 
 # -- 4. one log-prob path in bf16 ----------------------------------------------------------------
 def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_zero(tmp_path):
     torch.manual_seed(0)
-    team = Team([Agent.load("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], TeamConfig())
+    team = Team([load_agent("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], TeamConfig())
     cfg = sat.Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
                      token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
@@ -225,13 +228,13 @@ def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
     """Contexts of 3-19 and responses of 1-11 tokens; behaviour in chunks of 8 rows, training in
     shuffled micro-batches of 16: trimming each chunk's padding would give max |log r| = 4e-3 here;
     the turn's one layout gives < 1e-3 (0 on CPU)."""
-    agent = Agent.load("tiny", dtype=torch.bfloat16, seed=0)
+    agent = load_agent("tiny", dtype=torch.bfloat16, seed=0)
     turn = synthetic_turn(agent, n=48, max_ctx=20, max_resp=12, budget=256)
     adv = torch.tensor([1.0, -1.0] * 24)
     zeros = torch.zeros(48)
     cfg = train_cfg(epochs=1, minibatch_size=16, lr=1e-3)
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
-    stats = update.train_agents(Team([agent]), [0], {0: update.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
+    stats = update.train_agents(Team([agent]), [0], {0: advantage.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
                                 controllers, {}, {0: copy.deepcopy(agent.model)})[0]
     assert stats.inner_steps == 3 and stats.step0_log_ratio_max < 1e-3
 
@@ -241,7 +244,7 @@ def test_lm_head_checkpointing_changes_no_gradient(dtype, monkeypatch):
     """A chunk's logits are recomputed in the backward pass only above
     HEAD_CHECKPOINT_BYTES (a real vocabulary); kept or recomputed, the
     log-probs and every gradient are the same bit for bit."""
-    agent = Agent.load("tiny", seed=0, dtype=dtype)
+    agent = load_agent("tiny", seed=0, dtype=dtype)
     turn = synthetic_turn(agent, n=16, seed=5)
     tensors = turn.tensors
     recomputed, results = [], []
@@ -280,7 +283,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_sharing_its_call(dtype):
     between calls, every row alone) give bit-identical hidden states and log-probs equal to the
     fp32 LM head's rounding (its one matmul may take another kernel for another number of rows on
     some CPUs: 4.8e-7 seen), with one base-model call per forward whatever its rows."""
-    model = copy.deepcopy(Agent.load("tiny", seed=0).model).to(dtype)
+    model = copy.deepcopy(load_agent("tiny", seed=0).model).to(dtype)
     groups = [(6, 4), (2, 4), (7, 4), (4, 4), (6, 2), (1, 3)]
     tensors = grouped_turn(model.config.vocab_size, groups, [1, 4, 2, 3, 4] * 5, 3)
     calls = []
@@ -302,7 +305,7 @@ def test_log_probs_do_not_depend_on_whether_the_weights_require_grad():
     """The forward's positions are a strided slice of the hidden states: the LM head must not let
     torch pick its matmul kernel by the weight's requires_grad (the agent being trained) against the
     frozen agent that scored the rollout. Bit for bit, under no_grad and with gradients."""
-    model = copy.deepcopy(Agent.load("tiny", seed=0).model)
+    model = copy.deepcopy(load_agent("tiny", seed=0).model)
     tensors = grouped_turn(model.config.vocab_size, [(7, 4), (5, 4), (6, 4), (3, 4)] * 2, [4, 3, 2, 4] * 8, 1)
     with torch.no_grad():
         frozen = turn_forward(model.requires_grad_(False), tensors, slice(None), 1.0)[0]  # [32, Lr]
@@ -320,7 +323,7 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     log-probs in shuffled micro-batches (12 rows, another chunking than the rollout's) of the agent
     whose weights now require grad: log r = 0 exactly at every agent's first step."""
     torch.manual_seed(0)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)

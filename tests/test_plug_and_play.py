@@ -5,13 +5,16 @@ import json
 import pytest
 import torch
 
+import harness.cli
+import harness.run
 import plug_and_play
 import sat
+from harness.loading import load_agent, load_saved_team
+from harness.run_folder import latest_checkpoint
+from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
-from records import latest_checkpoint
 from rollout import SamplingConfig, rollout
-from tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig, check_same_vocabulary
+from team import Team, TeamConfig, check_same_vocabulary
 from trust_region import quantile
 
 QUIET = dict(log=lambda *_: None)
@@ -28,8 +31,8 @@ def small_config(tmp_path, **overrides) -> sat.Config:
 def test_stage0_brings_replacement_inside_delta0(tmp_path):
     torch.manual_seed(0)
     cfg = small_config(tmp_path, stage0_delta=0.05, stage0_fit_tol=0.3)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
-    replacement = Agent.load("tiny-3L", seed=9)  # another architecture, same vocabulary
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    replacement = load_agent("tiny-3L", seed=9)  # another architecture, same vocabulary
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     before = [copy.deepcopy(a.model.state_dict()) for a in team.agents]
@@ -47,15 +50,15 @@ def test_stage0_brings_replacement_inside_delta0(tmp_path):
 
 
 def test_vocabulary_mismatch_is_refused():
-    incumbent = Agent.load("tiny", seed=0)
-    other = Agent.load("tiny", seed=1)
+    incumbent = load_agent("tiny", seed=0)
+    other = load_agent("tiny", seed=1)
     other.tokenizer.add_tokens(["<|extra|>"])
     other.model.resize_token_embeddings(len(other.tokenizer))
     with pytest.raises(ValueError) as err:
         check_same_vocabulary(incumbent, other)
     msg = str(err.value)
     assert "vocabularies differ" in msg and "102 tokens" in msg and "103 tokens" in msg and "\n" not in msg
-    team = Team([incumbent, Agent.load("tiny", seed=2)])
+    team = Team([incumbent, load_agent("tiny", seed=2)])
     with pytest.raises(ValueError, match="vocabularies differ"):
         team.swap(0, other)
     assert team.agents[0] is incumbent
@@ -63,14 +66,14 @@ def test_vocabulary_mismatch_is_refused():
 
 @pytest.mark.slow  # over 10 s on two busy cores: a run, an upgrade and a resume
 def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
-    sat.run(small_config(tmp_path, stages=1), **QUIET)
+    harness.run.run(small_config(tmp_path, stages=1), **QUIET)
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "config.json").read_text())["agents"] == small_config(tmp_path).agents  # as given
-    before = Team.load(latest_checkpoint(run_dir) / "team")
-    cfg = sat.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
+    before = load_saved_team(latest_checkpoint(run_dir) / "team")
+    cfg = harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
                           "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"])
-    sat.run(cfg, **QUIET)
-    upgraded = Team.load(latest_checkpoint(run_dir) / "team")
+    harness.run.run(cfg, **QUIET)
+    upgraded = load_saved_team(latest_checkpoint(run_dir) / "team")
     assert latest_checkpoint(run_dir).name == "stage_0001_upgraded"
     # the untouched agent is bit-identical; the slot holds the new 3-layer model
     for name, tensor in upgraded.agents[0].model.state_dict().items():
@@ -84,7 +87,7 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["upgrade"] == [] and saved["agents"] == "tiny, tiny-3L"  # the team as it now is
     # continue SAT with the upgraded team: the checkpoint resumes
-    more = sat.run(sat.parse_args(["--resume", str(run_dir), "--stages", "2"]), **QUIET)
+    more = harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--stages", "2"]), **QUIET)
     assert [r["stage"] for r in more] == [0, 1, 2]
     assert more[-1]["upgrades"][0]["to"] == "tiny-3L"
     assert len(more[-1]["agents"]) == 2
@@ -92,11 +95,11 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
 
 @pytest.mark.slow  # over 10 s on two busy cores: a run before the refusals
 def test_upgrade_needs_resume_and_a_valid_slot(tmp_path, capsys):
-    assert sat.main(["--upgrade", "2=tiny", "--stages", "1", "--out", str(tmp_path / "x"), "--warmup-steps", "0",
-                     "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 2  # refused before any work
+    assert harness.cli.main(["--upgrade", "2=tiny", "--stages", "1", "--out", str(tmp_path / "x"), "--warmup-steps",
+                             "0", "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 2  # refused first
     assert "--upgrade needs --resume" in capsys.readouterr().err
-    sat.run(small_config(tmp_path, stages=1), **QUIET)
-    assert sat.main(["--resume", str(tmp_path / "run"), "--upgrade", "5=tiny"]) == 2
+    harness.run.run(small_config(tmp_path, stages=1), **QUIET)
+    assert harness.cli.main(["--resume", str(tmp_path / "run"), "--upgrade", "5=tiny"]) == 2
     assert "out of range" in capsys.readouterr().err
 
 
@@ -240,13 +243,13 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
 
 
 def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs():
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
     problems = arithmetic_problems(4, seed=0)
     batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2))
-    same = Agent.load("tiny-3L", seed=9)
+    same = load_agent("tiny-3L", seed=9)
     states, differ = plug_and_play.slot_states(team, 1, same, batch)
     assert differ == 0 and torch.equal(states.ctx_new, states.ctx_cur)
-    other = Agent.load("tiny", seed=9)
+    other = load_agent("tiny", seed=9)
     other.tokenizer.chat_template = "<|system|>Be brief." + other.tokenizer.chat_template
     states, differ = plug_and_play.slot_states(team, 1, other, batch)
     assert differ == len(batch)

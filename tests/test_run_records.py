@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from test_sat import strip_timing
 
-import sat
-from records import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
+from harness.cli import main as cli_main
+from harness.cli import parse_args
+from harness.run import run as run_sat
+from harness.run_folder import latest_checkpoint, read_metrics, save_checkpoint, stage_key, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--agents", "tiny x2", "--warmup-steps", "20", "--batch-size", "32", "--group-size", "4", "--eval-size", "16",
@@ -30,7 +32,7 @@ def snapshot(folder: Path) -> dict:
 def straight(tmp_path_factory):
     """A straight 3-stage run: the reference every interrupted run must reproduce."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    return sat.run(sat.parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET), out
+    return run_sat(parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET), out
 
 
 @pytest.mark.slow  # over 10 s on two busy cores: a run and its resumed twin
@@ -38,16 +40,16 @@ def straight(tmp_path_factory):
 def test_resume_from_a_stage_folder_keeps_rows_and_continues(straight, tmp_path):
     records, _ = straight
     out = tmp_path / "run"
-    sat.run(sat.parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET)
+    run_sat(parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET)
     # rerun stage 3 from the stage-2 folder: rows 0..2 are kept, row 3 is recomputed identically
-    resumed = sat.run(sat.parse_args(["--resume", str(out / "checkpoints" / "stage_0002"), "--stages", "3"]), **QUIET)
+    resumed = run_sat(parse_args(["--resume", str(out / "checkpoints" / "stage_0002"), "--stages", "3"]), **QUIET)
     assert strip_timing(resumed) == strip_timing(records)
     assert strip_timing(read_metrics(out)) == strip_timing(records)
     # "resume" to the stage the folder already holds: nothing is rewritten, latest.json stays valid
-    sat.run(sat.parse_args(["--resume", str(out / "checkpoints" / "stage_0003"), "--stages", "3"]), **QUIET)
+    run_sat(parse_args(["--resume", str(out / "checkpoints" / "stage_0003"), "--stages", "3"]), **QUIET)
     assert [r["stage"] for r in read_metrics(out)] == [0, 1, 2, 3]
     assert latest_checkpoint(out).name == "stage_0003" and (latest_checkpoint(out) / "state.pt").exists()
-    more = sat.run(sat.parse_args(["--resume", str(out), "--stages", "4"]), **QUIET)
+    more = run_sat(parse_args(["--resume", str(out), "--stages", "4"]), **QUIET)
     assert [r["stage"] for r in more] == [0, 1, 2, 3, 4] and strip_timing(more[:4]) == strip_timing(records)
 
 
@@ -55,7 +57,7 @@ def test_resume_from_a_stage_folder_keeps_rows_and_continues(straight, tmp_path)
 def test_second_run_into_the_same_out_is_refused_and_changes_nothing(straight, capsys):
     _, out = straight
     before = snapshot(out)
-    assert sat.main(SMALL + ["--stages", "1", "--out", str(out)]) != 0
+    assert cli_main(SMALL + ["--stages", "1", "--out", str(out)]) != 0
     err = capsys.readouterr().err.strip()
     assert "already holds a run" in err and f"--resume {out}" in err and "--overwrite" in err and "\n" not in err
     assert snapshot(out) == before
@@ -63,16 +65,16 @@ def test_second_run_into_the_same_out_is_refused_and_changes_nothing(straight, c
 
 def test_overwrite_replaces_the_run(tmp_path):
     out = tmp_path / "run"
-    sat.run(sat.parse_args(SMALL + ["--stages", "1", "--warmup-steps", "5", "--out", str(out)]), **QUIET)
+    run_sat(parse_args(SMALL + ["--stages", "1", "--warmup-steps", "5", "--out", str(out)]), **QUIET)
     (out / "checkpoints" / "stage_0007").mkdir()  # debris of the old run must not survive
-    again = sat.run(sat.parse_args(SMALL + ["--stages", "0", "--warmup-steps", "5", "--out", str(out), "--overwrite"]),
+    again = run_sat(parse_args(SMALL + ["--stages", "0", "--warmup-steps", "5", "--out", str(out), "--overwrite"]),
                     **QUIET)
     assert [r["stage"] for r in again] == [0] and [r["stage"] for r in read_metrics(out)] == [0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["stage_0000"]
     assert not (out / "progress.png").exists()  # --stages 0 writes no plot (and no longer announces one)
     assert json.loads((out / "config.json").read_text())["overwrite"] is True
     # a later --resume does not inherit --overwrite (it would delete the run it resumes)
-    assert sat.parse_args(["--resume", str(out), "--stages", "1"]).overwrite is False
+    assert parse_args(["--resume", str(out), "--stages", "1"]).overwrite is False
 
 
 # -- checkpoints: pruning order and checksums ------------------------------------------------------
@@ -81,7 +83,7 @@ def test_pruning_keeps_the_new_folder_and_the_one_before_it(tmp_path, straight):
     team_dir = latest_checkpoint(run)
     import torch
 
-    from records import load_checkpoint
+    from harness.run_folder import load_checkpoint
 
     team, _, rng, controllers = load_checkpoint(team_dir, "cpu", torch.float32)
     out = tmp_path / "r"
@@ -99,9 +101,9 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_last_one_kept(tmp_
     _, run = straight
     import torch
 
-    import records
+    from harness import run_folder
 
-    team, _, rng, controllers = records.load_checkpoint(latest_checkpoint(run), "cpu", torch.float32)
+    team, _, rng, controllers = run_folder.load_checkpoint(latest_checkpoint(run), "cpu", torch.float32)
     out = tmp_path / "r"
     save_checkpoint(out, 1, team, controllers, {}, rng, {})
     kept = snapshot(out)
@@ -109,7 +111,7 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_last_one_kept(tmp_
     def full_disk(*_, **__):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(records.torch, "save", full_disk)  # the disk, not the code under test, fails
+    monkeypatch.setattr(run_folder.torch, "save", full_disk)  # the disk, not the code under test, fails
     with pytest.raises(RuntimeError) as err:
         save_checkpoint(out, 2, team, controllers, {}, rng, {})
     message = str(err.value)
@@ -195,7 +197,7 @@ def test_kill_9_in_rollout_update_and_checkpoint_write_then_resume_matches_a_str
     assert latest_checkpoint(out).name == "stage_0001"  # the previous stage is intact and resumable
     assert verify_checkpoint(latest_checkpoint(out)) is not None
 
-    resumed = sat.run(sat.parse_args(resume), **QUIET)
+    resumed = run_sat(parse_args(resume), **QUIET)
     assert strip_timing(resumed) == strip_timing(records)
     assert strip_timing(read_metrics(out)) == strip_timing(records)
     assert not list((out / "checkpoints").glob(".*tmp"))  # the torn folder is gone

@@ -8,12 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import advantage
+import harness.cli
+import harness.run
 import sat
 import update
+from harness.loading import load_agent
+from harness.run_folder import latest_checkpoint
+from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
-from records import latest_checkpoint
 from rollout import SamplingConfig, rollout
-from tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController, quantile
 
@@ -31,7 +35,7 @@ def small_config(tmp_path, **overrides) -> sat.Config:
 def tiny_team_and_batch(protocol: str):
     """Two tiny agents (seeds 0, 1) and one seeded rollout of 6 problems x G = 4."""
     torch.manual_seed(0)
-    team = Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
     batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
     return team, batch
 
@@ -73,17 +77,17 @@ def test_measure_kl_equals_direct_full_vocabulary_sum(team_and_batch):
 
 
 # -- backtracking ------------------------------------------------------------------------
-def run_finish_update(team, batch, scale, cfg, max_backtracks):
+def run_trust_region_step(team, batch, scale, cfg, max_backtracks):
     j = 1
     agent = team.agents[j]
     original = copy.deepcopy(agent.model)
     reference = copy.deepcopy(agent.model)
     perturb(agent.model, scale)
-    inputs = update.build_inputs(batch, j, [], cfg)
+    inputs = advantage.build_inputs(batch, j, [], cfg)
     cfg = dataclasses.replace(cfg, max_backtracks=max_backtracks)
     stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
                               train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
-    record, _ = sat.finish_update(team, j, reference, inputs, stats, cfg,
+    record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg,
                                   QuantileController(delta=cfg.delta, quantile=cfg.quantile), batch)
     return agent, original, record
 
@@ -93,7 +97,7 @@ def test_backtracking_rejects_a_step_that_violates_delta(team_and_batch, tmp_pat
     cfg = small_config(tmp_path, delta=0.01, temperature=1.0)
     saved = copy.deepcopy(team.agents[1].model.state_dict())
     try:
-        agent, original, record = run_finish_update(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
+        agent, original, record = run_trust_region_step(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
         assert not record.accepted and record.backtracks == 1
         for p, q in zip(agent.model.parameters(), original.parameters()):
             assert torch.equal(p, q)  # pi_cur restored bit for bit: the violating step is not kept
@@ -106,7 +110,7 @@ def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
     cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
     saved = copy.deepcopy(team.agents[1].model.state_dict())
     try:
-        agent, original, record = run_finish_update(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
+        agent, original, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
         assert record.accepted and record.backtracks >= 1
         assert record.kl_quantile <= cfg.delta
         # the parameters left in place really are inside: measure again independently
@@ -124,7 +128,7 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     t0 = batch.turns[0]
     g = torch.Generator().manual_seed(3)
     log_rho = torch.randn(t0.response_mask.shape, generator=g) * t0.response_mask  # [N, L]
-    inputs = update.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
+    inputs = advantage.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
     for i in range(len(batch)):
         toks = log_rho[i][t0.response_mask[i].bool()]
         w = torch.prod(torch.clamp(toks.exp(), max=1.0))  # prod_t min(1, rho_t), brute force
@@ -135,7 +139,7 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     for gid in batch.group_ids.unique():
         sel = batch.group_ids == gid
         assert abs(float((w[sel] * inputs.raw_adv[sel]).sum())) < 1e-5
-    first = update.build_inputs(batch, 0, [], cfg)
+    first = advantage.build_inputs(batch, 0, [], cfg)
     assert torch.equal(first.log_w, torch.zeros(len(batch)))
 
 
@@ -183,7 +187,7 @@ def strip_timing(records):
 ])
 def test_stage_loop_end_to_end(tmp_path, overrides):
     cfg = small_config(tmp_path, **overrides)
-    records = sat.run(cfg, log=lambda *_: None)
+    records = harness.run.run(cfg, log=lambda *_: None)
     assert [r["stage"] for r in records] == [0, 1, 2]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["stage"] for line in lines] == [0, 1, 2]
@@ -221,17 +225,17 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
 
 @pytest.mark.slow  # over half a minute: a straight run and its resumed twin
 def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
-    straight = sat.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
-    sat.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)
-    resumed_cfg = sat.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "4"])
-    resumed = sat.run(resumed_cfg, log=lambda *_: None)
+    straight = harness.run.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
+    harness.run.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)
+    resumed_cfg = harness.cli.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "4"])
+    resumed = harness.run.run(resumed_cfg, log=lambda *_: None)
     assert strip_timing(resumed) == strip_timing(straight)
 
 
 @pytest.mark.slow  # over 10 s on two busy cores: a whole run
 def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
     cfg = small_config(tmp_path, stages=1)
-    sat.run(cfg, log=lambda *_: None)
+    harness.run.run(cfg, log=lambda *_: None)
     run_dir = tmp_path / "run"
     latest = latest_checkpoint(run_dir)
     assert latest.name == "stage_0001" and (latest / "state.pt").exists()
@@ -249,27 +253,27 @@ def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
      "" if torch.cuda.is_available() else "CUDA is not available"),
 ])
 def test_cli_rejects_bad_options(argv, needle, capsys):
-    assert sat.main(argv) == 2
+    assert harness.cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("sat.py: error:") and needle in err and "\n" not in err
 
 
 def test_cli_rejects_unknown_choice(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        sat.parse_args(["--protocol", "debate"])
+        harness.cli.parse_args(["--protocol", "debate"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'debate'" in capsys.readouterr().err
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
-    assert sat.main(["--resume", str(tmp_path)]) != 0
+    assert harness.cli.main(["--resume", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "no checkpoint in" in err and "\n" not in err.strip()
 
 
 def test_preset_follows_the_agents_and_the_device(monkeypatch):
-    import config
-    from config import PAPER_PRESET, REAL_CPU_PRESET, TINY_PRESET, AgentSpec, preset_for
+    from harness import config
+    from harness.config import PAPER_PRESET, REAL_CPU_PRESET, TINY_PRESET, AgentSpec, preset_for
 
     assert preset_for("tiny x2, tiny-6L", "cuda") is TINY_PRESET and preset_for("tiny x3", "cpu") is TINY_PRESET
     assert preset_for("Qwen3-4B x3", "cuda") is PAPER_PRESET and preset_for("Qwen3-4B, tiny", "cuda:1") is PAPER_PRESET
@@ -283,7 +287,7 @@ def test_preset_follows_the_agents_and_the_device(monkeypatch):
 
 
 def test_threads_every_core_for_a_real_model_on_cpu_one_for_the_tiny_team(monkeypatch):
-    from config import cpu_cores
+    from harness.config import cpu_cores
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert sat.Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == cpu_cores() >= 1

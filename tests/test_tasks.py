@@ -1,4 +1,4 @@
-"""Tests for tasks.py and grading.py: synthetic task, loaders, answer extraction and grading."""
+"""Tests for tasks.py and reward.py: synthetic task, loaders, answer extraction and reward."""
 
 import random
 import sys
@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import grading  # noqa: E402
-from grading import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
-from tasks import (  # noqa: E402
+import reward  # noqa: E402
+from harness.tasks import (  # noqa: E402
     DATASETS,
     DIFFICULTY_RANGES,
     Problem,
@@ -27,6 +26,7 @@ from tasks import (  # noqa: E402
     row_to_problem,
     rows_to_problems,
 )
+from reward import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -147,7 +147,7 @@ def test_table_builtin(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="builtin") is expected
 
 
-@pytest.mark.skipif(not grading.math_verify_available(), reason="math-verify not installed")
+@pytest.mark.skipif(not reward.math_verify_available(), reason="math-verify not installed")
 @pytest.mark.parametrize("pred,gold,expected", _table_params("math_verify"))
 def test_table_math_verify(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="math_verify") is expected
@@ -156,7 +156,7 @@ def test_table_math_verify(pred, gold, expected):
 @pytest.mark.parametrize("pred,gold,expected", _table_params("auto"))
 def test_table_auto(pred, gold, expected):
     """The default combines both and gets the whole table right."""
-    if not grading.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
+    if not reward.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
                                                  if k[0] == "builtin"):
         pytest.skip("needs math-verify for symbolic equivalence")
     assert answers_match(_as_answer(pred), gold) is expected
@@ -175,7 +175,7 @@ def test_none_never_matches():
 def test_math_verify_off_main_thread():
     """math-verify's signal-based timeout must not crash grading in a worker thread."""
     import threading
-    if not grading.math_verify_available():
+    if not reward.math_verify_available():
         pytest.skip("math-verify not installed")
     out = {}
     t = threading.Thread(target=lambda: out.update(
@@ -243,7 +243,7 @@ def test_extract_final_only_and_truncation(text, lenient, final):
 
 
 def test_team_extract_uses_the_final_answer_rule_for_boxed_instructions():
-    from tasks import BOXED_INSTRUCTION
+    from harness.tasks import BOXED_INSTRUCTION
     from team import Team, TeamConfig
 
     boxed = Team([object()], TeamConfig(instruction=BOXED_INSTRUCTION))
@@ -514,7 +514,7 @@ def _chat_fact(p):
 
 
 def test_chat_arithmetic_is_deterministic_and_its_answers_are_right():
-    from tasks import CHAT_KINDS, chat_arithmetic_problems
+    from harness.tasks import CHAT_KINDS, chat_arithmetic_problems
 
     kinds = tuple(CHAT_KINDS)
     a = chat_arithmetic_problems(300, seed=3, kinds=kinds)
@@ -534,7 +534,7 @@ def test_chat_arithmetic_is_deterministic_and_its_answers_are_right():
 
 
 def test_chat_arithmetic_train_and_heldout_do_not_overlap():
-    from tasks import CHAT_KINDS, CHAT_MIX, chat_arithmetic_problems, is_heldout_fact
+    from harness.tasks import CHAT_KINDS, CHAT_MIX, chat_arithmetic_problems, is_heldout_fact
 
     def facts(split, kind):  # as one fact: 3*4 is 4*3
         return {(min(x, y), op, max(x, y)) if op in "+*" else (x, op, y)
@@ -552,8 +552,8 @@ def test_chat_arithmetic_train_and_heldout_do_not_overlap():
 
 
 def test_load_task_arithmetic_chat_asks_for_a_boxed_answer():
-    from config import Config
-    from tasks import CHAT_MIX, is_heldout_fact, load_task
+    from harness.config import Config
+    from harness.tasks import CHAT_MIX, is_heldout_fact, load_task
     from team import Team, TeamConfig
 
     cfg = Config(agents="tiny x3", task="arithmetic-chat", eval_size=64, device="cpu").apply_preset()

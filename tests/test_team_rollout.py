@@ -4,17 +4,19 @@ import json
 import pytest
 import torch
 
-from grading import answers_match, majority_vote, vote_reward
+from harness.config import parse_agents, resolve_agent_spec
+from harness.loading import build_char_tokenizer, load_agent, load_saved_agent, save_agent
+from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
+from reward import answers_match, majority_vote, vote_reward
 from rollout import HF, SamplingConfig, rollout
 from scale.rollout_vllm import make_backend
-from tasks import Problem, arithmetic_problems
-from team import Agent, Team, TeamConfig, build_char_tokenizer, parse_agents, resolve_agent_spec
+from team import Agent, Problem, Team, TeamConfig
 
 
 @pytest.fixture(scope="module")
 def tiny_agents():
-    return [Agent.load("tiny", seed=k) for k in range(3)]
+    return [load_agent("tiny", seed=k) for k in range(3)]
 
 
 def problems(n=4):
@@ -56,7 +58,7 @@ def test_hub_loading_offline_gives_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
     with pytest.raises(RuntimeError) as err:
-        Agent.load("Qwen3-4B")
+        load_agent("Qwen3-4B")
     msg = str(err.value)
     assert "Qwen/Qwen3-4B" in msg and "local checkpoint folder" in msg and "\n" not in msg
 
@@ -64,7 +66,7 @@ def test_hub_loading_offline_gives_clear_error(monkeypatch, tmp_path):
 def test_hub_offline_reads_the_environment_at_each_call_and_probes_an_endpoint_once(monkeypatch):
     import socket
 
-    import team as team_module
+    from harness import loading as loading_module
 
     probes = []
 
@@ -76,20 +78,20 @@ def test_hub_offline_reads_the_environment_at_each_call_and_probes_an_endpoint_o
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub-offline-probe.invalid")
-    assert team_module.hub_offline() and team_module.hub_offline()
+    assert loading_module.hub_offline() and loading_module.hub_offline()
     assert probes == [("hub-offline-probe.invalid", 443)]  # one probe, then the cached answer
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert not team_module.hub_offline()  # behind a proxy the client decides
+    assert not loading_module.hub_offline()  # behind a proxy the client decides
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert team_module.hub_offline()  # the flag wins, read at this call
+    assert loading_module.hub_offline()  # the flag wins, read at this call
     assert len(probes) == 1
 
 
 # -- tiny agents go through the checkpoint path ----------------------------------------
 def test_tiny_agent_save_load_round_trip(tmp_path, tiny_agents):
     agent = tiny_agents[0]
-    agent.save(tmp_path / "a")
-    again = Agent.from_checkpoint(tmp_path / "a")
+    save_agent(agent, tmp_path / "a")
+    again = load_saved_agent(tmp_path / "a")
     for (n1, p1), (n2, p2) in zip(agent.model.state_dict().items(), again.model.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
     msgs = [{"role": "user", "content": "23+15"}]
@@ -102,11 +104,11 @@ def test_tiny_agent_save_load_round_trip(tmp_path, tiny_agents):
 
 @pytest.mark.parametrize("load", ["from_checkpoint", "load"])
 def test_a_checkpoint_without_a_pad_token_pads_with_eos_on_the_left(tmp_path, tiny_agents, load):
-    """team.prepare_tokenizer, whichever way a folder is loaded (Agent.load of
-    an --agents folder, Agent.from_checkpoint of a saved run): a tokenizer
+    """team.prepare_tokenizer, whichever way a folder is loaded (load_agent of
+    an --agents folder, load_saved_agent of a saved run): a tokenizer
     shipped without a pad token pads with its EOS, on the left."""
     agent = tiny_agents[0]
-    agent.save(tmp_path / "a")
+    save_agent(agent, tmp_path / "a")
     config = tmp_path / "a" / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "pad_token"}))
     tok = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
@@ -114,14 +116,14 @@ def test_a_checkpoint_without_a_pad_token_pads_with_eos_on_the_left(tmp_path, ti
     (tmp_path / "a" / "tokenizer.json").write_text(json.dumps(tok))
     from transformers import AutoTokenizer
     assert AutoTokenizer.from_pretrained(tmp_path / "a").pad_token is None  # the folder really lacks one
-    again = Agent.from_checkpoint(tmp_path / "a") if load == "from_checkpoint" else Agent.load(str(tmp_path / "a"))
+    again = load_saved_agent(tmp_path / "a") if load == "from_checkpoint" else load_agent(str(tmp_path / "a"))
     assert again.tokenizer.pad_token == again.tokenizer.eos_token and again.tokenizer.padding_side == "left"
     batch = again.tokenizer(["1+1", "12+30"], padding=True)["input_ids"]
     assert batch[0][0] == again.tokenizer.eos_token_id  # the shorter prompt padded on the left
 
 
 def test_tiny_seed_determines_weights():
-    a, b, c = Agent.load("tiny", seed=1), Agent.load("tiny", seed=1), Agent.load("tiny", seed=2)
+    a, b, c = load_agent("tiny", seed=1), load_agent("tiny", seed=1), load_agent("tiny", seed=2)
     pa, pb, pc = (next(x.model.parameters()) for x in (a, b, c))
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
@@ -145,7 +147,7 @@ def test_chat_template_tiny_and_thinking_switch(tiny_agents):
 
 
 def test_freeze_and_optimizer_only_when_training(tiny_agents):
-    agent = Agent.load("tiny", seed=5)
+    agent = load_agent("tiny", seed=5)
     assert agent.optimizer is None and not any(p.requires_grad for p in agent.model.parameters())
     agent.start_training(1e-3)
     assert agent.optimizer is not None and all(p.requires_grad for p in agent.model.parameters())

@@ -20,10 +20,10 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # every test here starts (or shares) real vLLM engines
 
+from harness.loading import load_agent  # noqa: E402
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
 from rollout import SamplingConfig, draw_seed, response_seeds  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
-from team import Agent  # noqa: E402
 
 BOUND = 1e-4  # fp32 engine vs fp32 training model: mean |log pi_vllm - log pi_train| per sampled token
 MAX_NEW = 24
@@ -40,7 +40,7 @@ def team2():
     """Two tiny agents (different seeds, so different weights) and one backend for the module
     (each engine start costs about half a minute on two CPU cores: as few as the checks need)."""
     device = engine_device()
-    agents = [Agent.load("tiny", device=device, dtype=torch.float32, seed=k) for k in range(2)]
+    agents = [load_agent("tiny", device=device, dtype=torch.float32, seed=k) for k in range(2)]
     reg = rv.VLLMBackend(n_engines=2, seed=0, max_model_len=256, health_logprobs=True)
     yield agents, reg
     reg.close()
@@ -210,7 +210,7 @@ def test_cpu_refuses_sleep_mode_at_engine_creation(tmp_path):
         pytest.skip("CPU platform only")
     from vllm import LLM
 
-    agent = Agent.load("tiny")
+    agent = load_agent("tiny")
     agent.model.save_pretrained(tmp_path)
     with pytest.raises(Exception, match="[Ss]leep mode"):
         LLM(model=str(tmp_path), skip_tokenizer_init=True, enable_sleep_mode=True, kv_cache_memory_bytes=64 << 20,
@@ -233,8 +233,8 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     the trained agent (gap < BOUND); before the push it was far off."""
     from test_distributed import run_worker
 
+    from harness.tasks import arithmetic_problems
     from scale.torchrun import rollout_in_blocks
-    from tasks import arithmetic_problems
     from team import Team, TeamConfig
 
     agents, reg = team2
@@ -269,12 +269,12 @@ def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
     logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
     vllm`` evaluates the trained checkpoint."""
     import eval_aime
-    import sat
+    import harness.cli
 
     team2[1].close()  # the module's engines are no longer needed
     device = engine_device()
     out = tmp_path / "run"
-    assert sat.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
+    assert harness.cli.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
                      "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
                      "--max-new-tokens", "16", "--eval-size", "16", "--warmup-steps", "20", "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

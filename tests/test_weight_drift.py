@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from weight_drift import agent_weights, drift, main  # noqa: E402
 
-import training_state  # noqa: E402
-from team import Agent  # noqa: E402
+from harness import training_state  # noqa: E402
+from harness.loading import load_agent  # noqa: E402
 
 
 def test_an_update_below_half_a_bf16_step_changes_no_bf16_weight():
@@ -39,7 +39,7 @@ def test_no_shared_tensor_is_an_error():
 
 
 def test_reads_a_saved_agent_and_measures_its_change(tmp_path, capsys):
-    agent = Agent.load("tiny", device="cpu", dtype=torch.float32, seed=0)
+    agent = load_agent("tiny", device="cpu", dtype=torch.float32, seed=0)
     team = SimpleNamespace(agents=[agent])
     training_state.save(tmp_path / "a" / "sharded", team)
     with torch.no_grad():

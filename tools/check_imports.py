@@ -1,19 +1,24 @@
-"""The project's import graph, checked: a DAG with sat.py and eval_aime.py on top.
+"""The project's import graph, checked: a DAG whose arrows point from the product to the paper.
 
-Parses every .py file of the project with ``ast`` (the top-level modules and
-``scale/``; with ``--tests`` also ``tests/``, ``bench/`` and ``tools/``) and
-collects the edges between the project's own modules, imports inside functions
-("lazy") included, and ``importlib.import_module("name")`` calls with a literal
-name. Imports under ``if TYPE_CHECKING:`` never run and are listed apart.
+Parses every .py file of the project with ``ast`` (the top-level modules, ``harness/`` and ``scale/``; with
+``--tests`` also ``tests/``, ``bench/``, ``tools/`` and ``experiments/``) and collects the edges between the
+project's own modules, imports inside functions ("lazy") included, and ``importlib.import_module("name")``
+calls with a literal name. Imports under ``if TYPE_CHECKING:`` never run and are listed apart; so are those
+under ``if __name__ == "__main__":`` (a program's entry, never run on import: ``python sat.py`` reaches the
+command line there).
 
-    python tools/check_imports.py            # prints the graph; exit 1 on a cycle or an import of a top module
-    python tools/check_imports.py --tests    # the same with the tests, benchmarks and tools as importers
+    python tools/check_imports.py            # prints the graph; exit 1 on a broken rule
+    python tools/check_imports.py --tests    # the same with the tests, benchmarks, tools and experiments
 
-Fails on any cycle of top-level or lazy edges, on any import of ``sat`` or
-``eval_aime`` by another project module (only tests, benchmarks and tools may
-import them), and on any import of ``scale/`` by a core module other than those
-two: scale-out sits above the core and the core reaches it through one seam
-(``processes.py``), so ``scale/`` imports the core, never the reverse.
+The layers: the paper's modules at the top level (``sat.py``, ``rollout.py``, ``advantage.py``, ...), the
+product wing in ``harness/`` (command line, configuration, loading, tasks, records, checkpoints), scale-out in
+``scale/``. Fails on
+- any cycle of top-level or lazy edges;
+- a paper module importing the product wing beyond the plain types it is handed (``PAPER_MAY_IMPORT``: the
+  frozen ``Config``, the record dataclasses, the processes seam), or importing ``scale/``; ``eval_aime.py``,
+  a program, is exempt;
+- any import of ``sat`` by a paper module, or of ``eval_aime`` by any project module (only tests,
+  benchmarks, tools and experiments may import it).
 """
 from __future__ import annotations
 
@@ -23,15 +28,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ("sat", "eval_aime")  # entry points: nothing in the core imports them
-EXTRA_DIRS = ("tests", "bench", "tools")  # importers only (with --tests)
+PROGRAMS = ("eval_aime",)  # paper-side programs: they load models, so they may import the harness
+# the plain types a paper module is handed: the frozen Config, the record dataclasses, the processes seam
+PAPER_MAY_IMPORT = ("harness.config", "harness.records", "harness.processes")
+PACKAGES = ("harness", "scale")
+EXTRA_DIRS = ("tests", "bench", "tools", "experiments")  # importers only (with --tests)
 
 
 def module_files(root: Path, with_tests: bool) -> dict[str, Path]:
-    """Dotted module name -> file, for the core (top level + scale/) and optionally the extra folders."""
+    """Dotted module name -> file, for the project (top level, harness/, scale/) and optionally the extra folders."""
     files = {p.stem: p for p in sorted(root.glob("*.py"))}
-    for p in sorted((root / "scale").glob("*.py")):
-        files["scale" if p.stem == "__init__" else f"scale.{p.stem}"] = p
+    for package in PACKAGES:
+        for p in sorted((root / package).glob("*.py")):
+            files[package if p.stem == "__init__" else f"{package}.{p.stem}"] = p
     if with_tests:
         for d in EXTRA_DIRS:
             for p in sorted((root / d).rglob("*.py")):
@@ -51,6 +60,13 @@ def resolve(name: str, known: set[str]) -> str | None:
 def is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def is_main_block(test: ast.expr) -> bool:
+    """``if __name__ == "__main__":``"""
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.comparators) == 1 and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__")
 
 
 def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[str, str, int]]:
@@ -84,6 +100,8 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[str, str,
         for child in ast.iter_child_nodes(node):
             if isinstance(node, ast.If) and is_type_checking(node.test) and child in node.body:
                 visit(child, "type")
+            elif isinstance(node, ast.If) and is_main_block(node.test) and child in node.body:
+                visit(child, "main")
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 visit(child, "type" if kind == "type" else "lazy")
             else:
@@ -96,7 +114,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[str, str,
 def build_graph(files: dict[str, Path]) -> dict[str, dict[str, str]]:
     """module -> {imported module: kind}; a module imported both ways counts as top-level."""
     known = set(files)
-    rank = {"top": 0, "lazy": 1, "type": 2}
+    rank = {"top": 0, "lazy": 1, "type": 2, "main": 3}
     graph: dict[str, dict[str, str]] = {m: {} for m in files}
     for module, path in files.items():
         for target, kind, _ in imports_of(module, path, known):
@@ -119,7 +137,7 @@ def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
         stack.append(v)
         on_stack.add(v)
         for w, kind in graph[v].items():
-            if kind == "type":
+            if kind in ("type", "main"):
                 continue
             if w not in index:
                 strong(w)
@@ -155,7 +173,7 @@ def levels(graph: dict[str, dict[str, str]]) -> dict[str, int]:
         if v in visiting:
             return 0
         visiting.add(v)
-        deps = [w for w, kind in graph[v].items() if kind != "type"]
+        deps = [w for w, kind in graph[v].items() if kind not in ("type", "main")]
         height[v] = 1 + max((h(w) for w in deps), default=-1)
         visiting.discard(v)
         return height[v]
@@ -165,44 +183,57 @@ def levels(graph: dict[str, dict[str, str]]) -> dict[str, int]:
     return height
 
 
-def is_scale(module: str) -> bool:
-    return module == "scale" or module.startswith("scale.")
+def layer(module: str) -> str:
+    """paper (top level), harness, scale, or extra (tests, benchmarks, tools, experiments)."""
+    head = module.split(".")[0]
+    if head in PACKAGES:
+        return head
+    return "extra" if head in EXTRA_DIRS else "paper"
+
+
+def broken_rules(graph: dict[str, dict[str, str]], core: set[str]) -> list[str]:
+    """One line per edge that points the wrong way (the module docstring's rules)."""
+    out = []
+    for v in sorted(core):
+        for w, kind in sorted(graph[v].items()):
+            if kind in ("type", "main"):
+                continue
+            if w in PROGRAMS:
+                out.append(f"PROGRAM IMPORTED: {v} imports {w} ({kind}); only tests, benchmarks and tools may")
+            if layer(v) != "paper" or v in PROGRAMS:
+                continue
+            if w == "sat":
+                out.append(f"TOP MODULE IMPORTED: {v} imports sat ({kind}); Algorithm 1 stays on top of the paper")
+            elif layer(w) == "scale":
+                out.append(f"SCALE-OUT IN THE PAPER: {v} imports {w} ({kind}); scale/ is reached through the "
+                           "processes seam the harness hands in")
+            elif layer(w) == "harness" and w not in PAPER_MAY_IMPORT:
+                out.append(f"PRODUCT IN THE PAPER: {v} imports {w} ({kind}); a paper module takes from harness/ "
+                           f"only {', '.join(PAPER_MAY_IMPORT)}")
+    return out
 
 
 def report(graph: dict[str, dict[str, str]], core: set[str]) -> int:
     height = levels(graph)
-    n_top = sum(k == "top" for deps in graph.values() for k in deps.values())
-    n_lazy = sum(k == "lazy" for deps in graph.values() for k in deps.values())
-    n_type = sum(k == "type" for deps in graph.values() for k in deps.values())
-    print(f"{len(graph)} modules, {n_top + n_lazy + n_type} edges: {n_top} top-level, "
-          f"{n_lazy} lazy (inside functions), {n_type} type-checking only")
+    kinds = [kind for deps in graph.values() for kind in deps.values()]
+    n = {k: kinds.count(k) for k in ("top", "lazy", "type", "main")}
+    print(f"{len(graph)} modules, {sum(n.values())} edges: {n['top']} top-level, {n['lazy']} lazy (inside functions), "
+          f"{n['type']} type-checking only, {n['main']} in a __main__ block")
     for v in sorted(graph, key=lambda m: (-height[m], m)):
-        top = sorted(w for w, k in graph[v].items() if k == "top")
-        lazy = sorted(w for w, k in graph[v].items() if k == "lazy")
-        typ = sorted(w for w, k in graph[v].items() if k == "type")
-        line = f"[{height[v]}] {v} -> {', '.join(top) or '-'}"
-        if lazy:
-            line += f" | lazy: {', '.join(lazy)}"
-        if typ:
-            line += f" | type-checking: {', '.join(typ)}"
+        line = f"[{height[v]}] {v} -> {', '.join(sorted(w for w, k in graph[v].items() if k == 'top')) or '-'}"
+        for kind, label in (("lazy", "lazy"), ("type", "type-checking"), ("main", "__main__")):
+            extra = sorted(w for w, k in graph[v].items() if k == kind)
+            if extra:
+                line += f" | {label}: {', '.join(extra)}"
         print(line)
     lazy_edges = [(v, w) for v in sorted(graph) for w, k in sorted(graph[v].items()) if k == "lazy"]
     print(f"lazy imports ({len(lazy_edges)}): " + (", ".join(f"{v} -> {w}" for v, w in lazy_edges) or "none"))
-    failed = 0
-    for comp in cycles(graph):
-        print(f"CYCLE: {' <-> '.join(comp)}")
-        failed = 1
-    for v in sorted(core):
-        for w in sorted(graph[v]):
-            if w in TOP and v not in TOP:
-                print(f"TOP MODULE IMPORTED: {v} imports {w} ({graph[v][w]}); {', '.join(TOP)} must stay on top")
-                failed = 1
-            if is_scale(w) and not (is_scale(v) or v in TOP):
-                print(f"SCALE-OUT IN THE CORE: {v} imports {w} ({graph[v][w]}); only {', '.join(TOP)} pick it")
-                failed = 1
-    print("import graph: OK (a DAG, sat and eval_aime on top, scale/ above the rest of the core)" if not failed
-          else "import graph: FAILED")
-    return failed
+    problems = [f"CYCLE: {' <-> '.join(comp)}" for comp in cycles(graph)] + broken_rules(graph, core)
+    for line in problems:
+        print(line)
+    print("import graph: OK (a DAG; the paper's modules import from harness/ only its plain types, never scale/)"
+          if not problems else "import graph: FAILED")
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from records import read_metrics  # noqa: E402
+from harness.run_folder import read_metrics  # noqa: E402
 
 
 def summary(run: Path) -> dict:

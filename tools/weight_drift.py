@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training_state import single_process_quiet  # noqa: E402
+from harness.training_state import single_process_quiet  # noqa: E402
 
 
 def drift(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:

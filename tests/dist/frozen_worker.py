@@ -21,9 +21,10 @@ from logprobs import measure_kl
 from rollout import SamplingConfig, regenerate
 from scale import distributed
 from scale.torchrun import Torchrun, rollout_in_blocks
-from tasks import arithmetic_problems
+from harness.tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import interpolate_parameters
+from harness.loading import load_agent
 
 torch.set_num_threads(1)
 problems = arithmetic_problems(5, seed=1)
@@ -32,7 +33,7 @@ sampling = SamplingConfig(temperature=1.0, max_new_tokens=5, token_budget=60)
 
 
 def make_team() -> Team:
-    return Team([Agent.load("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    return Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
 
 
 def step_of(model) -> list[torch.Tensor]:

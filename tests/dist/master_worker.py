@@ -13,19 +13,21 @@ from pathlib import Path
 import torch
 
 import sat
-from records import load_checkpoint, save_checkpoint
+from harness.run_folder import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
 from scale import distributed
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
-from tasks import arithmetic_problems
+from harness.tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
-from update import build_inputs, train_agents
+from update import train_agents
+from advantage import build_inputs
+from harness.loading import load_agent
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-base = Agent.load("tiny", seed=0, dtype=torch.bfloat16)
+base = load_agent("tiny", seed=0, dtype=torch.bfloat16)
 batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4,
                 SamplingConfig(temperature=1.0, max_new_tokens=4))
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group

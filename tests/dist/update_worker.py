@@ -14,14 +14,16 @@ from rollout import SamplingConfig, rollout
 from scale import distributed
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
-from tasks import arithmetic_problems
+from harness.tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
-from update import TrainStats, build_inputs, train_agents
+from update import TrainStats, train_agents
+from advantage import build_inputs
+from harness.loading import load_agent
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-team = Team([Agent.load("tiny", seed=0)], TeamConfig())
+team = Team([load_agent("tiny", seed=0)], TeamConfig())
 batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()

@@ -29,8 +29,9 @@ from rollout import SamplingConfig
 from scale import distributed
 from scale import rollout_vllm as rv
 from scale.torchrun import Torchrun, rollout_in_blocks
-from tasks import arithmetic_problems
+from harness.tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
+from harness.loading import load_agent
 
 
 def gap(reg, agent, contexts, responses, check=True) -> float:
@@ -50,7 +51,7 @@ def rows_of(batch) -> list:
 def main(out_path: str) -> None:
     torch.set_num_threads(1)
     distributed.setup("cpu")
-    team = Team([Agent.load("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
     Torchrun.current().adopt(team.agents)
     reg = rv.VLLMBackend(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-import training_state
+from harness import training_state
 
 
 class OneProcess:
@@ -100,7 +100,8 @@ class OneProcess:
 
     # -- the team --------------------------------------------------------------------------------------
     def load_agent(self, load, spec, device: str, dtype: torch.dtype, **kwargs):
-        """``load(spec, device, dtype, **kwargs)`` (``team.Agent.load`` or ``from_checkpoint``); ``adopt`` it next."""
+        """``load(spec, device, dtype, **kwargs)`` (``harness.loading.load_agent`` or ``load_saved_agent``); ``adopt``
+        it next."""
         return load(spec, device, dtype, **kwargs)
 
     def whole_copy(self, model: torch.nn.Module) -> torch.nn.Module | None:

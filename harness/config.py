@@ -119,7 +119,7 @@ def parse_agents(spec: str) -> list[AgentSpec]:
 
 
 def opt(default, help: str, choices: tuple | None = None):
-    """A Config field with its command-line help (and choices): ``sat.parse_args`` builds every option from these."""
+    """A Config field with its command-line help (and choices): ``harness.cli`` builds every option from it."""
     if isinstance(default, list):
         return field(default_factory=list, metadata={"help": help, "choices": choices})
     return field(default=default, metadata={"help": help, "choices": choices})

@@ -14,13 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Problem:
-    id: str
-    problem: str
-    answer: str
-
+from team import Problem
 
 # -- Synthetic addition task -----------------------------------------------------------------------------
 # difficulty -> ((a_min, a_max), (b_min, b_max)), inclusive. Difficulty 1 (400 pairs, answers 20..68) is

@@ -1,0 +1,181 @@
+"""Run records: what one stage's metrics row holds (``AgentStep``, ``StageRecord``), the held-out
+certificates it carries, and the console's stage line. Files: ``harness.run_folder``.
+
+Paper, Section 4 (the stage certificate) and Section 5 (the violation rate:
+the fraction of stages whose measured team reward fell beyond noise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from bounds import heldout_change_bound, paired_change_bound
+from rollout import REWARD_RANGE
+from update import TrainStats
+
+
+@dataclass
+class AgentStep:
+    """One agent's step in a stage (Algorithm 1, lines 6-12; ``sat.trust_region_step``), an entry of
+    ``StageRecord.agents``. In metrics.jsonl ``train``'s fields sit beside the others."""
+
+    agent: int  # the agent's slot, 1-based
+    kl_mean: float  # mean exact per-state KL(pi_new || pi_cur) over the agent's response positions, weights kept
+    kl_quantile: float  # its (1 - alpha) quantile: the trust-region statistic, <= delta when accepted
+    kl_max: float  # the largest per-state KL
+    kl_quantile_dkw: float  # a DKW upper confidence bound on the population quantile (trust_region)
+    delta: float  # the trust region's radius
+    beta: float  # the KL penalty coefficient the step trained with
+    beta_next: float  # beta after the controller's update
+    backtracks: int  # halvings of the step by the line search
+    accepted: bool  # a step (or the in-loop anchor) kept; a rejected step leaves pi_j,cur exactly
+    step_fraction: float  # the share of the proposed step kept
+    surrogate_estimate: float  # L_i (Eq. (5)) at the step kept: an estimate of the step's change, not a bound
+    surrogate_ess: float  # the effective sample size of that estimate's weights w r_j
+    zeta: float  # the truncation bias of the sequence-aware weights (Section 5)
+    zeta_capped_rows: int  # rows whose log-weight reached advantage.LOG_WEIGHT_CAP
+    N: int  # joint trajectories in the batch
+    ess: float  # the effective sample size of the truncated weights w of the agents promoted before it
+    ess_ratio: float  # ess / N
+    seq_kl_max: float  # the largest whole-response KL (the sum over its tokens)
+    credit_correlation: float  # correlation of the agent's advantages with its own correctness
+    train: TrainStats  # the optimiser's figures: loss, clip fraction, ratio statistics, gradient norm, tokens/s
+    step_bound: dict | None = None  # the step's paired bound (bounds.paired_change_bound), see step_bounds
+
+    def row(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}, **self.train.logged()}
+
+
+@dataclass
+class StageRecord:
+    """What a trained stage logs before its evaluation (``sat.sat_stage``); ``stage_row`` adds the stage
+    number, the held-out evaluation (``sat.evaluate``) and the certificates."""
+
+    team_reward: float  # mean team reward R on the stage's rollout B
+    agent_reward: list[float]  # each agent's own correctness on B
+    rollout_tokens_per_s: float  # generated tokens per second of B's rollout
+    truncated_fraction: float  # the share of B's responses cut at --max-new-tokens
+    mean_response_tokens: float
+    order: list[int]  # sigma, 1-based
+    agents: list[AgentStep]  # by slot
+    generations: int  # responses generated in the stage: B and every redraw
+    generation_seconds: float
+    step_bounds: str  # what each AgentStep.step_bound is, or why it is None
+    seconds: float  # the stage's wall time, its evaluation apart
+    vllm_logprob_abs_diff: list[float] | None = None  # --backend vllm: mean |log pi_vllm - log pi_train| per agent
+
+    def row(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["agents"] = [a.row() for a in self.agents]
+        if self.vllm_logprob_abs_diff is None:
+            del out["vllm_logprob_abs_diff"]
+        return out
+
+
+def stage_row(record: StageRecord, evaluation: dict, stage: int, rows: list[dict], prev: dict, upgrades: list,
+              delta_conf: float) -> dict:
+    """A stage's metrics row: its record, the held-out evaluation, and its certificates from the paired
+    held-out rows (``bounds.paired_change_bound``; the rows of every evaluation share their seeds):
+    ``certificate`` on the change since ``prev`` (the previous row, or the evaluation right after an
+    upgrade), ``run_certificate`` on the change since stage 0 (``rows[0]``). A violation (paper, Section
+    5) is a paired fall beyond noise (2 standard errors); a certified fall, one whose upper bound is
+    below 0. ``violation_rate`` and ``certified_fall_rate`` count the trained stages so far."""
+    rec = {**record.row(), **evaluation}
+    rec["stage"] = stage
+    if upgrades:
+        rec["upgrades"] = upgrades
+    rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
+    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, "the previous row")
+    rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)")
+    rec["violation"] = rec["certificate"]["mean_change"] < -2 * rec["certificate"]["stderr"]
+    rec["certified_fall"] = rec["certificate"]["upper_bound"] < 0
+    trained = rows[1:] + [rec]  # every row after stage 0 is a trained stage
+    rec["violation_rate"] = sum(r["violation"] for r in trained) / len(trained)
+    rec["certified_fall_rate"] = sum(r["certified_fall"] for r in trained) / len(trained)
+    return rec
+
+
+def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str) -> dict:
+    """The paired certificate of the held-out change from ``before`` to ``after`` (two metrics rows),
+    with the unpaired Hoeffding bound on the same draws beside it (``unpaired_lower_bound``)."""
+    if "eval_rewards" not in before:
+        raise ValueError(f"the held-out row of {since} has no paired rewards (a run written before paired "
+                         "evaluations): start a new run with a new --out")
+    if len(before["eval_rewards"]) != len(after["eval_rewards"]):
+        raise ValueError(f"the held-out evaluation has {len(after['eval_rewards'])} rows, {since} had "
+                         f"{len(before['eval_rewards'])}: keep --eval-size and --eval-samples when resuming")
+    paired = paired_change_bound(before["eval_rewards"], after["eval_rewards"], REWARD_RANGE, delta_conf)
+    unpaired = heldout_change_bound(before["eval_accuracy"], before["eval_n"], after["eval_accuracy"],
+                                    after["eval_n"], REWARD_RANGE, delta_conf)
+    return {**paired, "unpaired_lower_bound": unpaired,
+            "kind": f"held-out, paired: lower bound on the change in expected team reward on the held-out rows "
+                    f"since {since}, with probability >= 1 - delta_conf"}
+
+
+def run_summary(row: dict) -> str:
+    """The run's guarantee in one sentence, from its last row."""
+    cert = row["run_certificate"]
+    return (f"certified gain >= {cert['lower_bound']:+.3f} with probability {1 - cert['delta_conf']:.2f} (held-out "
+            f"team reward since stage 0: measured {cert['mean_change']:+.3f} +- {cert['stderr']:.3f} over "
+            f"{cert['n']} paired rows); stages with a violation {row['violation_rate']:.0%}, with a certified fall "
+            f"{row['certified_fall_rate']:.0%}")
+
+
+def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
+    """What the agents said: the first joint trajectory of each of the stage rollout's first ``count`` groups
+    (problem, gold answer, each agent's response, extracted answer, whether it is right, its length, whether it
+    was cut at the token limit; the team's answer and reward)."""
+    rows = range(0, min(len(batch), count * group_size), group_size)
+    return [{"stage": stage, "problem": batch.problems[r].problem, "gold": batch.problems[r].answer,
+             "agents": [{"response": t.texts[r], "answer": t.answers[r], "correct": bool(batch.agent_correct[k, r]),
+                         "tokens": int(t.response_mask[r].sum()), "truncated": bool(t.truncated[r])}
+                        for k, t in enumerate(batch.turns)],
+             "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r])} for r in rows]
+
+
+def sample_text(sample: dict, width: int = 160) -> str:
+    """A sample on a few console lines: the problem, then each agent's response (cut to ``width``)."""
+    def cut(text: str) -> str:
+        text = " ".join(text.split())
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    lines = [f"  sample, stage {sample['stage']}: {cut(sample['problem'])}  (gold {sample['gold']}; team "
+             f"{sample['team_answer']}, reward {sample['reward']:.2f})"]
+    for k, a in enumerate(sample["agents"]):
+        mark = "right" if a["correct"] else "wrong"
+        lines.append(f"    agent {k + 1} [{a['tokens']} tok{', cut' if a['truncated'] else ''}] -> {a['answer']} "
+                     f"({mark}): {cut(a['response'])}")
+    return "\n".join(lines)
+
+
+def fmt_list(xs) -> str:
+    return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
+
+
+def rollout_record(batch, rollout_seconds: float, health=None) -> dict:
+    """``StageRecord``'s rollout fields: rewards, throughput, lengths."""
+    n_agents = len(batch.turns)
+    record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_correct.mean(1).tolist(),
+              "rollout_tokens_per_s": batch.num_tokens / max(rollout_seconds, 1e-9),
+              "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
+              "mean_response_tokens": batch.num_tokens / (len(batch) * n_agents)}
+    if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
+        record["vllm_logprob_abs_diff"] = health
+    return record
+
+
+STAGE_HEADER = (f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} "
+                f"{'kl_q':>14} {'bt':>6} {'acc':>6} {'bound':>8} {'run>=':>7} {'sec':>5}")
+
+
+def stage_line(rec: dict) -> str:
+    """One console line per stage, under STAGE_HEADER."""
+    ag = rec["agents"]
+    kl_q = "/".join(f"{a['kl_quantile']:.3f}" for a in ag)
+    backtracks = "/".join(str(a["backtracks"]) for a in ag)
+    accepted = "".join("y" if a["accepted"] else "n" for a in ag)
+    return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {rec['eval_accuracy']:>6.3f} "
+            f"{rec['measured_change']:>+7.3f} {kl_q:>14} {backtracks:>6} {accepted:>6} "
+            f"{rec['certificate']['lower_bound']:>+8.3f} {rec['run_certificate']['lower_bound']:>+7.3f} "
+            f"{rec['seconds']:>5.1f}")

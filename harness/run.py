@@ -1,0 +1,306 @@
+"""A run from its configuration: checks, the processes, the problems, the team (new or resumed), the
+sampler backend, then ``sat.run_stages`` with a recorder that writes each stage's metrics row, samples and
+checkpoint; plug-and-play upgrades before the first stage.
+
+``python sat.py`` reaches this through ``harness.cli``; ``run(cfg)`` is the same from Python (the
+experiments call it).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from advantage import make_value_head
+from harness import records, run_folder
+from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
+from harness.loading import check_hub_available, load_agent, warm_start
+from harness.processes import ONE_PROCESS, OneProcess
+from harness.tasks import load_task
+from plug_and_play import apply_upgrades
+from rollout import SamplingConfig, check_sampler
+from sat import RunState, evaluate, run_stages
+from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale.rollout_vllm import make_backend
+from scale.torchrun import Torchrun
+from scale.vllm_ranks import check_tensor_parallel
+from team import Agent, Problem, Team, TeamConfig
+from trust_region import QuantileController
+
+
+class Resolved(NamedTuple):
+    """A run ready to start (``resolve``): its final configuration, the checkpoint it resumes from, its processes."""
+
+    cfg: Config
+    resume_from: Path | None
+    procs: OneProcess
+
+
+def resolve(cfg: Config) -> Resolved:
+    """Presets, device, dtype and backend, then one validation, then the processes
+    that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``,
+    the one block that knows about it (it sets this rank's device and torchrun's defaults)."""
+    cfg = cfg.apply_preset()
+    cfg.validate()
+    validate_run_inputs(cfg)
+    cfg = replace(cfg, threads=configure_threads(cfg.threads, cfg.device))
+    if cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        procs, cfg = Torchrun.join(cfg)
+    else:
+        procs, cfg = ONE_PROCESS, replace(cfg, shard_frozen=False)  # one process: nothing to shard
+    return Resolved(cfg, run_folder.latest_checkpoint(cfg.resume) if cfg.resume else None, procs)
+
+
+def configure_threads(threads: int | None, device: str) -> int:
+    """torch's CPU threads: ``--threads``, else $OMP_NUM_THREADS, else 1. One thread by default: the thread count
+    changes float summation order (so the same seed would give other metrics on other machines), and a second busy
+    process on a 2-core machine makes every parallel region wait for a descheduled thread. On CUDA the host
+    threads only feed the GPU and are left alone."""
+    if threads is None:
+        threads = threads_from_env() or 1
+    if not str(device).startswith("cuda"):
+        torch.set_num_threads(threads)
+    return threads
+
+
+def validate_run_inputs(cfg: "Config") -> None:
+    """Checks across options, on disk and network, before any model is built (docs/errors.md)."""
+    if cfg.group_size == 1 and cfg.adv == "grpo":
+        raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
+                         "trained; use --group-size 2 or more (or --adv gae)")
+    if cfg.vllm_tensor_parallel != 1:  # before any process group or engine: WORLD_SIZE is torchrun's
+        if cfg.backend != "vllm":
+            raise ValueError("--vllm-tensor-parallel applies to the vLLM engines: "
+                             "add --backend vllm (or drop the option)")
+        check_tensor_parallel(cfg.vllm_tensor_parallel, int(os.environ.get("WORLD_SIZE", "1")), cfg.device,
+                              cfg.rollout_blocks, cfg.reuse)
+    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm but vLLM is not installed: "
+                         "pip install -r requirements-vllm.txt, or use --backend hf")
+    if cfg.upgrade and not cfg.resume:
+        raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
+    if cfg.upgrade:
+        team_json = run_folder.latest_checkpoint(cfg.resume) / "team" / "team.json"
+        n_agents = len(json.loads(team_json.read_text())["agents"])
+        for item in cfg.upgrade:
+            slot, _, model = item.partition("=")
+            if not slot.strip().isdigit() or not model.strip():
+                raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
+            if not 1 <= int(slot) <= n_agents:
+                raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
+            check_hub_available(resolve_agent_spec(model))
+    if not cfg.resume:
+        memory.check_team_ram(cfg, parse_agents(cfg.agents))  # CPU: a team too large for the RAM, before the hub
+        for spec in parse_agents(cfg.agents):
+            check_hub_available(spec)
+
+
+def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
+    """(training problems, held-out problems, the task's instruction to the agents)."""
+    train, heldout, instruction = load_task(cfg)
+    if not train:
+        raise ValueError(f"no training problems in {cfg.data or cfg.task!r} (after holding out the evaluation set); "
+                         "pass a JSONL file with problems")
+    if not heldout:
+        raise ValueError(f"no held-out problems in {cfg.eval_data or cfg.data or cfg.task!r}; "
+                         "pass a non-empty --eval-data")
+    return train, heldout, instruction
+
+
+def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS) -> Team:
+    dtype = getattr(torch, cfg.dtype)
+    agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
+              for k, spec in enumerate(parse_agents(cfg.agents))]
+    return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
+
+
+def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
+               log) -> tuple[RunState, dict, list[dict]]:
+    """(the run's state with the HF backend, the checkpoint's other saved state, the metrics so far):
+    from a checkpoint (the run's metrics of stages 0..k kept), or new (tiny
+    agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
+    if resume_from is not None:
+        team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
+                                                                procs)
+        start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
+        rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
+        if [r["stage"] for r in rows] != list(range(start + 1)):
+            raise ValueError(f"{run_dir / 'metrics.jsonl'} lacks the records of stages 0..{start} that {resume_from} "
+                             "continues; resume from the run folder that holds both")
+        log(f"resumed from {resume_from} at stage {start}")
+    else:
+        rng = seed_run(cfg.seed)
+        team, state, rows = build_team(cfg, instruction, procs), {}, []
+        controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+                       for k in range(len(team))}
+        if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
+            t0 = time.time()
+            warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
+            log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
+                f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
+    procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
+    value_heads = {}
+    if cfg.adv == "gae":
+        saved = {int(k): v for k, v in state.get("value_heads", {}).items()}
+        for k, agent in enumerate(team.agents):
+            value_heads[k] = make_value_head(agent)
+            if k in saved:
+                value_heads[k].load_state_dict(saved[k])
+    return RunState(team, controllers, value_heads, rng, log=log), state, rows
+
+
+def seed_run(seed: int) -> random.Random:
+    """Seed torch's and NumPy's global generators for a run; returns the run's own Python generator (the
+    global ``random`` is left alone)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    return random.Random(seed)
+
+
+def run(cfg: Config, log=None) -> list[dict]:
+    """Train a team with SAT; returns the metrics records (stage 0 = before training)."""
+    return run_resolved(resolve(cfg), log)
+
+
+def run_resolved(resolved: Resolved, log=None) -> list[dict]:
+    """``run`` once ``resolve`` has checked the configuration and picked the processes."""
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    cfg, resume_from, procs = resolved
+    hf_logging.disable_progress_bar()
+    log = (log or tqdm.write) if procs.main else (lambda *args: None)  # one process speaks and writes
+    out = Path(cfg.out)
+    resume_run = (run_folder.run_folder_of(resume_from) or Path(cfg.resume)) if resume_from is not None else None
+    replaced = run_folder.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
+    procs.barrier()  # every process has looked before one writes anything
+    train, heldout, instruction = load_problems(cfg)
+    run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log)
+    train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written
+    if procs.main:
+        run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
+    out.mkdir(parents=True, exist_ok=True)
+    run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
+                               tensor_parallel=cfg.vllm_tensor_parallel,
+                               max_model_len=memory.run_max_len(cfg, len(run.team)))
+    try:
+        return train_team(cfg, run, train, heldout, state, rows)
+    finally:
+        run.backend.close()
+
+
+def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], state: dict,
+               rows: list[dict]) -> list[dict]:
+    """Plug-and-play upgrades, if asked for, then Algorithm 1's stages (``sat.run_stages``), each
+    evaluated stage recorded by a ``RunRecorder``. ``state``: what the checkpoint resumed from saved
+    besides the run's state; ``rows``: the metrics so far."""
+    team, backend, log = run.team, run.backend, run.log
+    out = Path(cfg.out)
+    sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                              token_budget=cfg.token_budget)
+    if backend.name == "hf":
+        for agent in team.agents:
+            check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
+    if not cfg.device.startswith("cuda"):
+        log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default: every core for a real model, "
+            "1 for the tiny team)")
+    start = state.get("stage", 0)
+    recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), state.get("baseline_eval"),
+                           state.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
+    if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
+        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending)
+    for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
+        backend.sync(agent)
+    if team.procs.main:
+        names = [a.spec.name for a in team.agents]  # the team after any upgrade, as --agents would name it
+        agents = cfg.agents if [s.name for s in parse_agents(cfg.agents)] == names else ", ".join(names)
+        run_folder.atomic_write(out / "config.json", json.dumps({**asdict(cfg), "agents": agents, "upgrade": [],
+                                                                 **recorder.how}, indent=2))
+    if rows:
+        log(records.STAGE_HEADER)
+    run_stages(run, train, heldout, cfg, sampling, start, recorder, new_run=not rows)
+    if len(rows) > 1 and team.procs.main:
+        run_folder.plot_run(out, rows)
+    plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
+    log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {rows[-1]['eval_accuracy']:.3f}; "
+        f"metrics in {out / 'metrics.jsonl'}{plot}")
+    if len(rows) > 1:
+        log(records.run_summary(rows[-1]))
+    return rows
+
+
+@dataclass
+class RunRecorder:
+    """What a run writes after each evaluated stage (``sat.Recorder``): the metrics row on disk
+    before the checkpoint that continues from it, the stage's samples, the console line."""
+
+    cfg: Config
+    run: RunState
+    rows: list[dict]  # the metrics so far, stage 0 first
+    how: dict  # the processes and device, in every row
+    baseline: dict | None = None  # the held-out evaluation right after an upgrade: the next stage's reference
+    pending: list = field(default_factory=list)  # upgrade events, recorded in the next stage's row
+
+    def stage_zero(self, evaluation: dict) -> None:
+        self.close({"stage": 0, "seconds": 0.0, **evaluation, **self.how})
+
+    def stage(self, stage: int, record: records.StageRecord, evaluation: dict, batch) -> None:
+        cfg, out = self.cfg, Path(self.cfg.out)
+        samples = records.stage_samples(batch, stage, cfg.samples, cfg.group_size)
+        if self.run.team.procs.main:
+            run_folder.write_samples(out, stage, samples)
+        self.close(records.stage_row(record, {**evaluation, **self.how}, stage, self.rows,
+                                     self.baseline or self.rows[-1], self.pending, cfg.delta_conf))
+        if samples:
+            self.run.log(records.sample_text(samples[0]))
+        self.baseline, self.pending = None, []
+
+    def close(self, row: dict) -> None:
+        run, out = self.run, Path(self.cfg.out)
+        self.rows.append(row)
+        if run.team.procs.main:
+            run_folder.write_metrics(out, self.rows)
+        run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {})
+        run.log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
+                f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n"
+                f"{records.STAGE_HEADER}")
+
+
+def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
+            sampling: SamplingConfig, pending: list) -> tuple[dict, list]:
+    """Plug-and-play (Section 5): Stage-0 for every --upgrade SLOT=MODEL, the
+    held-out accuracy after it, and a checkpoint of the upgraded team."""
+    out, team, backend = Path(cfg.out), run.team, run.backend
+    events = apply_upgrades(cfg, run, train, start, sampling,
+                            lambda spec, slot: load_replacement(spec, cfg, team, train, slot),
+                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend))
+    baseline = evaluate(team, heldout, sampling, cfg, backend)
+    for event in events:
+        event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
+    if team.procs.main:
+        run_folder.record_upgrades(out, events)
+    pending = pending + events
+    run_folder.save_checkpoint(out, start, team, run.controllers, run.value_heads, run.rng,
+                            {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
+    run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
+    return baseline, pending
+
+
+def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
+    """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
+    own (longer) warm start, standing in for a stronger pretrained model."""
+    dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
+    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + 50 + slot)
+    if agent.spec.kind == "tiny":
+        steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+        holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
+        warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
+    return agent
