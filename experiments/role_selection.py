@@ -173,9 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ex.add_argument("--p-answer", default=0.5, type=float, help="every agent's starting P(answer) (0.5)")
     ex.add_argument("--p-correct", default=0.7, type=float, help="starting P(right | answer) (0.7)")
     ex.add_argument("--out", default=None, help="also write the table, verdicts and command to this markdown file")
+    ex.add_argument("--threads", default=1, type=int,
+                    help="torch CPU threads (default 1: the tensors are tiny; more threads only wait on each other)")
     args = p.parse_args(argv)
     if args.stages < 1:
         p.error(f"--stages must be >= 1, got {args.stages}")
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     try:
         args.start = start_policy(args.p_answer, args.p_correct)
     except ValueError as err:
@@ -207,6 +211,7 @@ def exact_main(args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     text = exact_main(args, argv)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -217,9 +217,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one random chain team per seed")
     p.add_argument("--stages", default=10, type=int, help="stages per run (default 10)")
     p.add_argument("--out", default=None, help="also write the tables, verdicts and command to this markdown file")
+    p.add_argument("--threads", default=1, type=int,
+                   help="torch CPU threads (default 1: the tensors are tiny; more threads only wait on each other)")
     args = p.parse_args(argv)
     if args.stages < 1:
         p.error(f"--stages must be >= 1, got {args.stages}")
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     if min(args.n) < 2 or len(set(args.n)) < 2:
         p.error(f"--n {args.n}: give at least two distinct team sizes >= 2, so that a growth in n can be fitted")
     return args
@@ -246,6 +250,7 @@ def report(cells: dict, args: argparse.Namespace, argv: list[str], seconds: floa
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     cells = {(n, d): [seed_runs(n, d, s, args.stages) for s in args.seeds] for n in args.n for d in args.deltas}
     text = report(cells, args, argv, time.perf_counter() - t0)
