@@ -229,3 +229,29 @@ def test_engine_refuses_bad_input():
         et.run(game, team, 0.0, 1, "joint")
     with pytest.raises(ValueError, match="protocol"):
         et.Game("vote", game.reward)
+
+
+@given(case=games(agents=(2, 4)), delta=st.floats(1e-3, 2.0), data=st.data())
+def test_untruncated_weights_recover_the_fresh_step(case, delta, data):
+    """With the full ratio prod pi_new / pi_cur of the promoted agents in place of its truncation, the stage
+    start's rollouts give the fresh advantage (up to a per-context scale and shift) and the fresh step: whatever
+    ``weights`` does differently (role game: steps that lower J) comes from the truncation min(1, rho) alone."""
+    game, start = case
+    order = data.draw(st.permutations(range(game.n_agents)))
+    cur, promoted = list(start), {}
+    for k in order:
+        full = et.joint_probs(game, cur, list(promoted)) / et.joint_probs(game, start, list(promoted))  # [K]*n
+        fresh, _ = et.tilt(cur[k], et.advantage(game, cur, k)[0], delta)
+        via_start, _ = et.tilt(cur[k], et.advantage(game, start, k, full)[0], delta)
+        # a context the promoted agents no longer reach has no data in either estimator; only reached ones compare
+        reached = reach(game, cur, k) > 0  # [C_k]
+        torch.testing.assert_close(via_start.exp()[reached], fresh.exp()[reached], rtol=0, atol=1e-7)
+        cur[k] = promoted[k] = fresh
+
+
+def reach(game, team, k):
+    """P(context_k = c) under team, [C_k]."""
+    if game.protocol == "independent":
+        return torch.ones(1, dtype=et.DTYPE)
+    grid = et.joint_probs(game, team, list(range(k)))  # [K]*n, constant along the axes from k on
+    return grid[(slice(None),) * k + (0,) * (game.n_agents - k)].reshape(-1)  # [K^k]
