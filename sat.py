@@ -264,14 +264,15 @@ class Recorder(Protocol):
 
     def stage_zero(self, evaluation: dict) -> None: ...
 
-    def stage(self, stage: int, record: StageRecord, evaluation: dict, batch: TeamBatch) -> None: ...
+    def stage(self, stage: int, record: StageRecord, evaluation: dict | None, batch: TeamBatch) -> None: ...
 
 
 def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg: Config, sampling: SamplingConfig,
                start: int, recorder: Recorder, new_run: bool) -> None:
-    """Stages ``start + 1 .. cfg.stages``: each draws its prompts, runs ``sat_stage`` and the held-out
-    ``evaluate``, and hands both to ``recorder``. A ``new_run`` first evaluates the team before training
-    (stage 0: the reference of the run certificate)."""
+    """Stages ``start + 1 .. cfg.stages``: each draws its prompts, runs ``sat_stage`` and, every
+    ``cfg.eval_every`` stages and at the last, the held-out ``evaluate``; it hands both (or no evaluation)
+    to ``recorder``. A ``new_run`` first evaluates the team before training (stage 0: the reference of the
+    run certificate)."""
     from tqdm import tqdm
 
     team, backend = run.team, run.backend
@@ -283,7 +284,9 @@ def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg:
     for stage in pbar:
         prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]  # line 3: a batch of prompts
         record, rollout_b = sat_stage(run, prompts, cfg, sampling, pbar)
-        recorder.stage(stage, record, evaluate(team, heldout, sampling, cfg, backend), rollout_b)
+        evaluated = stage % cfg.eval_every == 0 or stage == cfg.stages
+        recorder.stage(stage, record, evaluate(team, heldout, sampling, cfg, backend) if evaluated else None,
+                       rollout_b)
 
 
 if __name__ == "__main__":

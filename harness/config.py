@@ -207,6 +207,8 @@ class Config:
     keep_optimizer_state: bool | None = opt(None, "keep each agent's AdamW moments on the host between its turns")
     kl_check_every: int | None = opt(None, "exact KL check every k gradient steps, stop at delta (0: only at the end)")
     eval_size: int | None = opt(None, "held-out problems per evaluation")
+    eval_every: int = opt(1, "evaluate on the held-out rows every N stages; stage 0 and the last stage always are, "
+                          "and each stage certificate then covers the stages since the previous evaluation")
     eval_samples: int | None = opt(None, "joint samples per held-out problem per evaluation, each under a seed "
                                    "of its own that every evaluation reuses (the paired certificates' rows)")
     samples: int = opt(4, "joint trajectories per stage written to samples.jsonl (what each agent said); one printed")
@@ -240,7 +242,8 @@ class Config:
                 raise ValueError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} "
                                  f"is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
-                    "minibatch_size", "token_budget", "eval_size", "eval_samples", "stage0_delta", "rollout_blocks"]
+                    "minibatch_size", "token_budget", "eval_size", "eval_samples", "stage0_delta", "rollout_blocks",
+                    "eval_every"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")

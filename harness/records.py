@@ -73,27 +73,39 @@ class StageRecord:
         return out
 
 
-def stage_row(record: StageRecord, evaluation: dict, stage: int, rows: list[dict], prev: dict, upgrades: list,
-              delta_conf: float) -> dict:
+def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: list[dict], prev: dict,
+              upgrades: list, delta_conf: float) -> dict:
     """A stage's metrics row: its record, the held-out evaluation, and its certificates from the paired
     held-out rows (``bounds.paired_change_bound``; the rows of every evaluation share their seeds):
-    ``certificate`` on the change since ``prev`` (the previous row, or the evaluation right after an
-    upgrade), ``run_certificate`` on the change since stage 0 (``rows[0]``). A violation (paper, Section
-    5) is a paired fall beyond noise (2 standard errors); a certified fall, one whose upper bound is
-    below 0. ``violation_rate`` and ``certified_fall_rate`` count the trained stages so far."""
-    rec = {**record.row(), **evaluation}
+    ``certificate`` on the change since ``prev`` (the previous evaluated row, or the evaluation right after
+    an upgrade: with ``--eval-every N`` it covers the stages since then, from ``certified_since_stage``),
+    ``run_certificate`` on the change since stage 0 (``rows[0]``). A violation (paper, Section 5) is a paired
+    fall beyond noise (2 standard errors); a certified fall, one whose upper bound is below 0.
+    ``violation_rate`` and ``certified_fall_rate`` count the evaluated trained stages so far. A stage
+    without an evaluation (``evaluation`` None) has its record alone."""
+    rec = {**record.row(), **(evaluation or {})}
     rec["stage"] = stage
     if upgrades:
         rec["upgrades"] = upgrades
+    if evaluation is None:
+        return rec
+    since_stage = prev.get("stage", rows[-1]["stage"])  # an upgrade's evaluation happened at the last row's stage
+    since = "the previous row" if since_stage == stage - 1 else f"the evaluation of stage {since_stage}"
     rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
-    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, "the previous row")
+    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, since)
+    rec["certified_since_stage"] = since_stage
     rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)")
     rec["violation"] = rec["certificate"]["mean_change"] < -2 * rec["certificate"]["stderr"]
     rec["certified_fall"] = rec["certificate"]["upper_bound"] < 0
-    trained = rows[1:] + [rec]  # every row after stage 0 is a trained stage
+    trained = [r for r in rows[1:] if "certificate" in r] + [rec]  # the evaluated trained stages
     rec["violation_rate"] = sum(r["violation"] for r in trained) / len(trained)
     rec["certified_fall_rate"] = sum(r["certified_fall"] for r in trained) / len(trained)
     return rec
+
+
+def last_evaluated(rows: list[dict]) -> dict:
+    """The latest row with a held-out evaluation (stage 0 has one)."""
+    return next(r for r in reversed(rows) if "eval_accuracy" in r)
 
 
 def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str) -> dict:
@@ -170,12 +182,15 @@ STAGE_HEADER = (f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} "
 
 
 def stage_line(rec: dict) -> str:
-    """One console line per stage, under STAGE_HEADER."""
+    """One console line per stage, under STAGE_HEADER; ``-`` where the stage had no held-out evaluation."""
     ag = rec["agents"]
     kl_q = "/".join(f"{a['kl_quantile']:.3f}" for a in ag)
     backtracks = "/".join(str(a["backtracks"]) for a in ag)
     accepted = "".join("y" if a["accepted"] else "n" for a in ag)
-    return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {rec['eval_accuracy']:>6.3f} "
-            f"{rec['measured_change']:>+7.3f} {kl_q:>14} {backtracks:>6} {accepted:>6} "
-            f"{rec['certificate']['lower_bound']:>+8.3f} {rec['run_certificate']['lower_bound']:>+7.3f} "
-            f"{rec['seconds']:>5.1f}")
+    if "certificate" in rec:
+        evaluated = (f"{rec['eval_accuracy']:>6.3f} {rec['measured_change']:>+7.3f}",
+                     f"{rec['certificate']['lower_bound']:>+8.3f} {rec['run_certificate']['lower_bound']:>+7.3f}")
+    else:
+        evaluated = (f"{'-':>6} {'-':>7}", f"{'-':>8} {'-':>7}")
+    return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {evaluated[0]} {kl_q:>14} {backtracks:>6} {accepted:>6} "
+            f"{evaluated[1]} {rec['seconds']:>5.1f}")

@@ -230,10 +230,11 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
     if len(rows) > 1 and team.procs.main:
         run_folder.plot_run(out, rows)
     plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
-    log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {rows[-1]['eval_accuracy']:.3f}; "
+    last = records.last_evaluated(rows)
+    log(f"held-out team accuracy: {rows[0]['eval_accuracy']:.3f} -> {last['eval_accuracy']:.3f}; "
         f"metrics in {out / 'metrics.jsonl'}{plot}")
-    if len(rows) > 1:
-        log(records.run_summary(rows[-1]))
+    if last["stage"] > 0:
+        log(records.run_summary(last))
     return rows
 
 
@@ -257,11 +258,14 @@ class RunRecorder:
         samples = records.stage_samples(batch, stage, cfg.samples, cfg.group_size)
         if self.run.team.procs.main:
             run_folder.write_samples(out, stage, samples)
-        self.close(records.stage_row(record, {**evaluation, **self.how}, stage, self.rows,
-                                     self.baseline or self.rows[-1], self.pending, cfg.delta_conf))
+        prev = self.baseline or records.last_evaluated(self.rows)
+        row = records.stage_row(record, evaluation, stage, self.rows, prev, self.pending, cfg.delta_conf)
+        self.close({**row, **self.how})
         if samples:
             self.run.log(records.sample_text(samples[0]))
-        self.baseline, self.pending = None, []
+        self.pending = []  # recorded in this row
+        if evaluation is not None:
+            self.baseline = None  # an upgrade's evaluation is the reference until the next evaluation
 
     def close(self, row: dict) -> None:
         run, out = self.run, Path(self.cfg.out)

@@ -306,25 +306,28 @@ def plot_run(out: Path, records: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = [r["stage"] for r in records if r["stage"] > 0]
     trained = [r for r in records if r["stage"] > 0]
+    evaluated = [r for r in records if "eval_accuracy" in r]  # every stage, or every --eval-every N and the last
+    certified = [r for r in trained if "certificate" in r]
+    stages = [r["stage"] for r in certified]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
-    ax1.plot([r["stage"] for r in records], [r["eval_accuracy"] for r in records], "o-", label="held-out team accuracy")
-    ax1.plot(stages, [r["team_reward"] for r in trained], "s--", label="team reward (rollouts)")
-    for k in range(len(records[-1]["eval_agent_accuracy"])):
-        ax1.plot([r["stage"] for r in records], [r["eval_agent_accuracy"][k] for r in records], ":", alpha=0.6,
+    ax1.plot([r["stage"] for r in evaluated], [r["eval_accuracy"] for r in evaluated], "o-",
+             label="held-out team accuracy")
+    ax1.plot([r["stage"] for r in trained], [r["team_reward"] for r in trained], "s--", label="team reward (rollouts)")
+    for k in range(len(evaluated[-1]["eval_agent_accuracy"])):
+        ax1.plot([r["stage"] for r in evaluated], [r["eval_agent_accuracy"][k] for r in evaluated], ":", alpha=0.6,
                  label=f"agent {k + 1} alone")
     ax1.set_xlabel("stage")
     ax1.set_ylabel("accuracy")
     ax1.set_ylim(0, 1)
     ax1.legend(fontsize=8)
     ax1.set_title("SAT progress")
-    confidence = f"{1 - trained[-1]['certificate']['delta_conf']:.0%} confidence"
+    confidence = f"{1 - certified[-1]['certificate']['delta_conf']:.0%} confidence"
     for ax, key, title in ((ax2, "certificate", "held-out change per stage and its certificate"),
                            (ax3, "run_certificate", "held-out change since stage 0: the run's certified gain")):
-        ax.plot(stages, [r[key]["mean_change"] for r in trained], "k*", label="measured change (paired rows)")
-        ax.plot(stages, [r[key]["lower_bound"] for r in trained], "o-", label=f"paired lower bound ({confidence})")
-        ax.plot(stages, [r[key]["unpaired_lower_bound"] for r in trained], "x:", alpha=0.6,
+        ax.plot(stages, [r[key]["mean_change"] for r in certified], "k*", label="measured change (paired rows)")
+        ax.plot(stages, [r[key]["lower_bound"] for r in certified], "o-", label=f"paired lower bound ({confidence})")
+        ax.plot(stages, [r[key]["unpaired_lower_bound"] for r in certified], "x:", alpha=0.6,
                 label="unpaired Hoeffding, same draws")
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_xlabel("stage")

@@ -201,3 +201,31 @@ def test_kill_9_in_rollout_update_and_checkpoint_write_then_resume_matches_a_str
     assert strip_timing(resumed) == strip_timing(records)
     assert strip_timing(read_metrics(out)) == strip_timing(records)
     assert not list((out / "checkpoints").glob(".*tmp"))  # the torn folder is gone
+
+
+# -- --eval-every N: fewer held-out evaluations, the same training -------------------------------------
+@pytest.mark.slow  # over 10 s on two busy cores: a 3-stage run beside the straight one
+def test_eval_every_keeps_the_training_and_certifies_across_skipped_stages(straight, tmp_path):
+    """The held-out evaluation draws on an RNG stream of its own, so evaluating every 2 stages leaves
+    every training figure as it is in the straight run; stage 0 and the last stage are always evaluated,
+    an evaluated stage's figures equal the straight run's, and its certificate pairs it with the previous
+    evaluation (the stages between included), whose rows it shares."""
+    full, _ = straight
+    out = tmp_path / "run"
+    rows = run_sat(parse_args(SMALL + ["--stages", "3", "--eval-every", "2", "--out", str(out)]), **QUIET)
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3] and read_metrics(out) == rows
+    assert ["eval_accuracy" in r for r in rows] == [True, False, True, True]  # 0, every 2nd, and the last
+    assert "certificate" not in rows[1] and "violation" not in rows[1]
+    training = ("team_reward", "agents", "order", "generations")
+    for mine, ref in zip(strip_timing(rows), strip_timing(full)):
+        assert {k: mine[k] for k in training if k in ref} == {k: ref[k] for k in training if k in ref}
+        if "eval_accuracy" in mine:
+            assert mine["eval_rewards"] == ref["eval_rewards"]
+    two, three = rows[2], rows[3]
+    assert two["certified_since_stage"] == 0 and three["certified_since_stage"] == 2
+    assert two["certificate"]["mean_change"] == pytest.approx(two["eval_accuracy"] - rows[0]["eval_accuracy"], abs=1e-5)
+    assert two["certificate"] == two["run_certificate"] | {"kind": two["certificate"]["kind"]}  # both since stage 0
+    assert "since the evaluation of stage 0" in two["certificate"]["kind"]
+    assert "since the previous row" in three["certificate"]["kind"]
+    assert three["violation_rate"] == (two["violation"] + three["violation"]) / 2
+    assert (out / "progress.png").stat().st_size > 1000

@@ -30,10 +30,13 @@ from harness.run_folder import read_metrics  # noqa: E402
 
 
 def summary(run: Path) -> dict:
-    """Start and end of one run's held-out evaluation (metrics.jsonl rows 0 and last)."""
+    """Start and end of one run's held-out evaluation (metrics.jsonl row 0 and the last evaluated row: with
+    --eval-every N some stages have none)."""
     rows = read_metrics(run)
     if not rows or rows[0]["stage"] != 0:
         raise ValueError(f"{run}: no metrics.jsonl with a stage-0 row; pass a sat.py run folder")
+    seconds = sum(r["seconds"] for r in rows)
+    rows = [r for r in rows if "eval_accuracy" in r]
     first, last = rows[0], rows[-1]
     cert = last.get("run_certificate")
     change_se = cert["stderr"] if cert else math.hypot(first["eval_stderr"], last["eval_stderr"])
@@ -41,7 +44,7 @@ def summary(run: Path) -> dict:
             "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
             first["eval_accuracy"], "change_se": change_se, "certified": cert["lower_bound"] if cert else None,
             "agents_start": first["eval_agent_accuracy"], "agents_end": last["eval_agent_accuracy"],
-            "seconds": sum(r["seconds"] for r in rows), "rows": rows}
+            "seconds": seconds, "rows": rows}
 
 
 def stage_table(s: dict) -> list[str]:
