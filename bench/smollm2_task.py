@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.config import AgentSpec  # noqa: E402
-from harness.loading import prepare_tokenizer  # noqa: E402
+from harness.loading import load_agent, prepare_tokenizer  # noqa: E402
 from harness.tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
 from reward import answers_match, extract_answer  # noqa: E402
 from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
@@ -44,7 +44,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLUMNS = ("accuracy", "lenient", "boxed", "mean_tokens", "truncated", "tokens_per_s")
 
 
-def load_agent(model: str) -> Agent:
+def load_model(model: str) -> Agent:
     if model == "tiny":
         return load_agent("tiny", seed=0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")
-    agent = load_agent(args.model)
+    agent = load_model(args.model)
     print(f"model {args.model}: {sum(p.numel() for p in agent.model.parameters()) / 1e6:.1f}M parameters, "
           f"{args.n} {args.split} problems per kind, max_new_tokens {args.max_new_tokens}, {args.threads} threads")
     instructions = [s.replace("\\n", "\n") for s in args.instruction or [CHAT_INSTRUCTION]]  # a typed \n
