@@ -229,8 +229,8 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
             items = [rng.choice(problems) for _ in range(batch)]
             contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
-            ctx, cmask = left_pad(contexts, tok.pad_token_id)  # [b, Lc]
-            resp, rmask = right_pad(targets, tok.pad_token_id)  # [b, Lr]
+            ctx, cmask = (t.to(agent.device) for t in left_pad(contexts, tok.pad_token_id))  # [b, Lc]
+            resp, rmask = (t.to(agent.device) for t in right_pad(targets, tok.pad_token_id))  # [b, Lr]
             hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
             loss = -masked_mean(token_logprobs_from_hidden(agent.model, hidden, resp, 1.0), rmask)
             opt.zero_grad(set_to_none=True)
