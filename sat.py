@@ -510,7 +510,7 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
         log(records.STAGE_HEADER)
     n_prompts = cfg.batch_size // cfg.group_size
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
-                disable=not team.procs.main)
+                disable=None if team.procs.main else True)  # None: off unless a terminal
     for stage in pbar:
         prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
         rec, rollout_b = sat_stage(run, prompts, cfg, sampling, pbar)
