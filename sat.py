@@ -65,7 +65,7 @@ from rollout import (
     rollout,
 )
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
-from scale.distributed import teardown
+from scale.distributed import rank_main
 from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
@@ -586,21 +586,19 @@ def numbers_as_values(argv: list[str]) -> list[str]:
     return out
 
 
+@rank_main  # under torchrun: one barrier, the group destroyed, the rank ended (a failed rank aborts the group)
 def main(argv=None) -> int:
     try:
-        try:
-            cfg = parse_args(argv)
-            resolved = resolve(cfg)
-        except (ValueError, FileNotFoundError, RuntimeError) as err:  # refused before any work
-            print(f"sat.py: error: {err}", file=sys.stderr)
-            return 2
-        try:
-            run_resolved(resolved)
-        except (ValueError, FileNotFoundError, RuntimeError) as err:
-            print(f"sat.py: error: {err}", file=sys.stderr)
-            return 1
-    finally:
-        teardown()  # torchrun's process group, if one was joined
+        cfg = parse_args(argv)
+        resolved = resolve(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # refused before any work
+        print(f"sat.py: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_resolved(resolved)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"sat.py: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

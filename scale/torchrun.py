@@ -170,7 +170,7 @@ class Torchrun(OneProcess):
         return {"world_size": self.world, "device_kind": self.device_kind}
 
     def close(self) -> None:
-        distributed.teardown()
+        distributed.leave()
 
 
 def check_config(cfg, world: int):

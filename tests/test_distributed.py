@@ -396,3 +396,26 @@ def test_stage0_under_two_processes_matches_one(worker_outputs):
     for key in STAGE0_KEYS:
         assert abs(s[key] - r[key][0]) <= 1e-3 * abs(r[key][0]) + 1e-7, (key, s[key], r[key][0])
     assert s["max_param_diff"] <= 1e-2 * r["max_step"] and s["mean_param_diff"] <= 1e-3 * r["mean_step"]
+
+
+def torchrun_worker(worker: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """tests/dist/<worker> under ``torchrun --nproc-per-node 2``, whatever its exit code."""
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "tests" / "dist" / worker), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow  # torchrun
+def test_a_failed_rank_reports_one_line_and_the_others_stop_at_once():
+    """``distributed.rank_main``: rank 1 raises while rank 0 waits in a collective. Rank 1 prints its error in one
+    line (which rank, where) and aborts the group; rank 0's collective fails at once, rather than after the group's
+    30-minute timeout (torchrun may stop rank 0 before it reports); no rank prints a traceback."""
+    import time
+
+    start = time.monotonic()
+    done = torchrun_worker("exit_worker.py", "fail")
+    assert done.returncode != 0
+    assert time.monotonic() - start < 240  # the 30-minute timeout was not waited out
+    lines = done.stderr.splitlines()
+    assert "exit_worker.py: error: rank 1 of 2: ValueError: a failure on rank 1 only (exit_worker.py:21)" in lines
+    assert 'exit_worker.py", line' not in done.stderr  # no rank's traceback (torchrun's own summary may follow)
