@@ -475,7 +475,8 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
             "to generate")
         sampler = make_backend(backend, len(team), cfg.seed, health=False)  # vLLM: one engine per agent
         try:
-            with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True) as pbar:
+            with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True,
+                      disable=None) as pbar:  # only on a terminal
                 for bench, prob_idx, samples, chunk, missing in todo:
                     problems = [benches[bench][i] for i in prob_idx]
                     seed_all(chunk_seed(cfg.seed, bench, prob_idx[0], chunk))

@@ -220,10 +220,11 @@ class SeededSampler:
 
 # -- The HF sampler: the tempered softmax only -----------------------------------------------------------
 # Every GenerationConfig field that makes ``generate`` add a logits processor, with its neutral values.
+# ``do_sample`` False is the neutral value of the sampling warpers (temperature, top_k, top_p, min_p, typical_p,
+# epsilon_cutoff, eta_cutoff, top_h): transformers builds them only when it samples, whatever their values.
 # transformers fills each field left at None from the checkpoint's generation_config.
 NEUTRAL_SAMPLER_FIELDS = {
-    "top_k": (None, 0), "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0), "top_h": (None,), "repetition_penalty": (None, 1.0),
+    "do_sample": (None, False), "repetition_penalty": (None, 1.0),
     "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
     "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
     "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
@@ -238,14 +239,15 @@ ALLOWED_PROCESSORS = {"SeededSampler"}  # generate runs greedily on the SeededSa
 def sampler_config(agent, sampling: SamplingConfig):
     """The GenerationConfig of an HF rollout through ``generate`` (``generate_hf``): greedy on
     ``SeededSampler``'s output (which applies the temperature and top-p), every other processor at its
-    neutral value whatever the checkpoint ships (Qwen3: top_k=20, temperature=0.6). Built from the global
-    defaults and installed as the model's generation_config while sampling (``_sampler``)."""
+    neutral value whatever the checkpoint ships (Qwen3: top_k=20, temperature=0.6). The sampling warpers'
+    fields are left unset: greedy decoding never builds them, and a value set beside ``do_sample=False`` is
+    what transformers warns about. Built from the global defaults and installed as the model's
+    generation_config while sampling (``_sampler``)."""
     from transformers import GenerationConfig
 
     tok = agent.tokenizer
     return GenerationConfig(
-        do_sample=False, temperature=1.0, top_p=1.0, top_k=0, min_p=None, typical_p=1.0,
-        epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        do_sample=False, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
         no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, num_beams=1,
         remove_invalid_values=False, renormalize_logits=False, max_new_tokens=sampling.max_new_tokens,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

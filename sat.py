@@ -280,7 +280,7 @@ def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg:
         recorder.stage_zero(evaluate(team, heldout, sampling, cfg, backend))
     n_prompts = cfg.batch_size // cfg.group_size
     pbar = tqdm(range(start + 1, cfg.stages + 1), desc="SAT stages", leave=False, initial=start, total=cfg.stages,
-                disable=not team.procs.main)
+                disable=None if team.procs.main else True)  # None: off unless a terminal
     for stage in pbar:
         prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]  # line 3: a batch of prompts
         record, rollout_b = sat_stage(run, prompts, cfg, sampling, pbar)

@@ -1,7 +1,7 @@
 """The command line of ``sat.py``: every option is a ``Config`` field, with its help text written there.
 
 ``main`` turns a bad option or input into one line on stderr (exit 2 before any work, 1 during the run;
-docs/errors.md) and tears down torchrun's process group, if one was joined.
+docs/errors.md); under torchrun each rank leaves the group through ``scale.distributed.rank_main``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sat
 from harness import run_folder
 from harness.config import Config, add_options
 from harness.run import resolve, run_resolved
-from scale.distributed import teardown
+from scale.distributed import rank_main
 
 
 def parse_args(argv=None) -> Config:
@@ -50,19 +50,17 @@ def numbers_as_values(argv: list[str]) -> list[str]:
     return out
 
 
+@rank_main  # under torchrun: one barrier, the group destroyed, the rank ended (a failed rank aborts the group)
 def main(argv=None) -> int:
     try:
-        try:
-            cfg = parse_args(argv)
-            resolved = resolve(cfg)
-        except (ValueError, FileNotFoundError, RuntimeError) as err:  # refused before any work
-            print(f"sat.py: error: {err}", file=sys.stderr)
-            return 2
-        try:
-            run_resolved(resolved)
-        except (ValueError, FileNotFoundError, RuntimeError) as err:
-            print(f"sat.py: error: {err}", file=sys.stderr)
-            return 1
-    finally:
-        teardown()  # torchrun's process group, if one was joined
+        cfg = parse_args(argv)
+        resolved = resolve(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:  # refused before any work
+        print(f"sat.py: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_resolved(resolved)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"sat.py: error: {err}", file=sys.stderr)
+        return 1
     return 0

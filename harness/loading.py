@@ -225,7 +225,8 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
             continue
         tok = agent.tokenizer
         opt = agent.start_training(lr)
-        for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False):
+        for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False,
+                      disable=None):  # a bar only on a terminal: a log file gets no carriage-return updates
             items = [rng.choice(problems) for _ in range(batch)]
             contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]

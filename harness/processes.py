@@ -126,8 +126,5 @@ class OneProcess:
         cuda = device.startswith("cuda") and torch.cuda.is_available()
         return {"world_size": 1, "device_kind": torch.cuda.get_device_name() if cuda else "cpu"}
 
-    def close(self) -> None:
-        """Leave the processes' group."""
-
 
 ONE_PROCESS = OneProcess()

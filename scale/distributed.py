@@ -20,9 +20,15 @@ With one process every function here is the identity. This module imports only t
 """
 from __future__ import annotations
 
+import atexit
 import copy
+import functools
 import os
+import sys
+import traceback
+from pathlib import Path
 from types import SimpleNamespace
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,9 +49,67 @@ def setup(device: str) -> str:
     return device
 
 
-def teardown() -> None:
-    if dist.is_initialized():
+def rank_main(main):
+    """``main`` (returning an exit code; None is 0) as this process's whole part in torchrun's group; without a
+    group (one process) just ``main``. Under torchrun the rank then leaves the group (``leave``) and ends
+    (``end_rank``); an exception becomes one line on stderr (``one_line``) and exit code 1, the group aborted so
+    that no other rank waits for this one."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            code = main(*args, **kwargs) or 0
+        except Exception as err:
+            if not dist.is_initialized():
+                raise
+            print(one_line(err), file=sys.stderr, flush=True)
+            code = 1
+        if not dist.is_initialized():
+            return code
+        try:
+            leave(ok=code == 0)
+        except Exception as err:  # the last barrier fails when another rank failed after this one's work
+            print(one_line(err), file=sys.stderr, flush=True)
+            code = code or 1
+            leave(ok=False)
+        end_rank(code)
+
+    return run
+
+
+def one_line(err: BaseException) -> str:
+    """``<script>: error: rank r of N: <type>: <message> (<file>:<line> where it was raised)``."""
+    where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" ({Path(where.filename).name}:{where.lineno})" if where else ""
+    return (f"{Path(sys.argv[0]).name}: error: rank {rank()} of {world()}: {type(err).__name__}: "
+            f"{' '.join(str(err).split())}{at}")
+
+
+def leave(ok: bool = True) -> None:
+    """Leave torchrun's group (nothing without one). ``ok``: every rank meets at one barrier, then the group is
+    destroyed. Not ok (this rank failed): no barrier, which could meet another rank's collective; the group is
+    aborted, closing this rank's connections, so a collective the others wait in fails at once instead of after
+    the group's timeout."""
+    if not dist.is_initialized():
+        return
+    if ok:
+        barrier()
         dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.3
+    (abort or dist.destroy_process_group)()
+
+
+def end_rank(code: int) -> NoReturn:
+    """End this torchrun rank with ``code``: exit handlers run and output is flushed, but the interpreter is not
+    finalized. The group's gloo worker threads outlive ``destroy_process_group`` (FSDP2 modules and DTensor's
+    meshes keep the group object), and one that drops a finished collective's tensors once finalization has begun
+    must take the GIL, is ended by Python inside a C++ destructor and aborts the process ("terminate called
+    without an active exception", exit -6: 1 run of tests/dist/frozen_worker.py in 10 beside busy CPUs)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def world() -> int:
@@ -72,8 +136,8 @@ def is_main() -> bool:
 
 
 def barrier() -> None:
-    if active():
-        dist.barrier()
+    if active():  # nccl: on this rank's GPU (without device_ids it guesses, and warns)
+        dist.barrier(device_ids=[torch.cuda.current_device()] if dist.get_backend() == "nccl" else None)
 
 
 def _comm_device() -> torch.device:

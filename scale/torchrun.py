@@ -169,9 +169,6 @@ class Torchrun(OneProcess):
     def describe(self, device: str) -> dict:
         return {"world_size": self.world, "device_kind": self.device_kind}
 
-    def close(self) -> None:
-        distributed.teardown()
-
 
 def check_config(cfg, world: int):
     """``cfg`` with torchrun's defaults (seeded blocks: the batch does not depend on the number of processes; on

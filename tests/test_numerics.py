@@ -20,7 +20,7 @@ from harness.loading import load_agent
 from harness.processes import OneProcess
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
-from rollout import SamplingConfig, Turn, check_sampler, generate_hf, rollout
+from rollout import SamplingConfig, Turn, _sampler, check_sampler, generate_hf, rollout, sampler_config
 from team import Agent, Team, TeamConfig
 from trust_region import QuantileController
 
@@ -173,6 +173,27 @@ def test_check_sampler_names_the_offending_field(monkeypatch):
     with pytest.raises(RuntimeError, match="repetition_penalty=1.05") as err:
         check_sampler(agent, SamplingConfig(temperature=1.0))
     assert "\n" not in str(err.value)
+
+
+def test_sampler_config_gives_transformers_nothing_to_warn_about(monkeypatch):
+    """transformers' strict validation (what it otherwise logs as "generation flags are not valid") passes on the
+    sampler's config, alone and merged as generate merges it; sampling inside generate is still refused by name."""
+    import rollout as rollout_mod
+
+    agent = load_agent("tiny")
+    cfg = sampler_config(agent, SamplingConfig(temperature=0.7))
+    cfg.validate(strict=True)
+    with _sampler(agent.model, cfg):
+        agent.model._prepare_generation_config(cfg)[0].validate(strict=True)
+
+    def sampling(a, s):
+        cfg = sampler_config(a, s)
+        cfg.do_sample = True
+        return cfg
+
+    monkeypatch.setattr(rollout_mod, "sampler_config", sampling)
+    with pytest.raises(RuntimeError, match="do_sample=True"):
+        check_sampler(agent, SamplingConfig(temperature=1.0))
 
 
 # -- 3. top_p < 1 is for evaluation only ------------------------------------------------------

@@ -155,7 +155,7 @@ class Watched:
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
 
-    def kill_when(self, condition, timeout=300.0) -> None:
+    def kill_when(self, condition, timeout=900.0) -> None:
         end = time.time() + timeout
         while time.time() < end:
             if condition():

@@ -54,30 +54,6 @@ def one_process(team: Team):
     return batch, again, evaluation, kl, logp
 
 
-plain_team = make_team()
-plain = one_process(plain_team)  # before setup(): one process, whole models
-distributed.setup("cpu")
-extras = []  # the dummy calls each agreement asked of this rank (observed, not changed)
-agree = distributed.extra_calls
-distributed.extra_calls = lambda n: extras.append(agree(n)) or extras[-1]
-team = make_team()
-whole = [p.detach().clone() for p in team.agents[1].model.parameters()]
-Torchrun.current(shard_frozen=True).adopt(team.agents)  # held as shards, as --shard-frozen
-assert all(distributed.is_sharded(a.model) for a in team.agents)
-batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3)
-torch.manual_seed(11)
-again, _ = regenerate(team, batch, 0, sampling)  # every rank, the same rows
-evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, score=False)
-reference = distributed.frozen_copy(team.agents[0].model)
-params = distributed.local_parameters(team.agents[0].model)
-new = step_of(make_team().agents[0].model)  # the same step, whole on every rank (seeded weights)
-new = [distributed.local_rows(n) for n in new]  # this rank's rows of it
-interpolate_parameters(params, [p.detach().clone() for p in params], new, 0.5)
-kl, logp, _ = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
-exported = distributed.whole_copy_on_main(team.agents[1].model)
-dummy_calls = sum(distributed.gather_objects(sum(extras)))
-
-
 def same_turns(a, b) -> bool:
     return all(torch.equal(x.response_ids, y.response_ids) and torch.equal(x.context_ids, y.context_ids)
                for x, y in zip(a.turns, b.turns, strict=True))
@@ -87,19 +63,46 @@ def max_diff(a, b) -> float:
     return max(float((x.behaviour_logprobs - y.behaviour_logprobs).abs().max()) for x, y in zip(a.turns, b.turns))
 
 
-if distributed.is_main():
-    p_batch, p_again, p_eval, p_kl, p_logp = plain
-    json.dump({"world": distributed.world(), "rows": len(batch), "dummy_calls": dummy_calls,
-               "response_tokens": batch.num_tokens, "rollout_same_ids": same_turns(batch, p_batch),
-               "rollout_same_rewards": torch.equal(batch.rewards, p_batch.rewards),
-               "rollout_logprob_diff": max_diff(batch, p_batch),
-               "regenerate_same_ids": same_turns(again, p_again), "regenerate_logprob_diff": max_diff(again, p_again),
-               "regenerate_changed": not torch.equal(again.turns[0].response_ids, batch.turns[0].response_ids),
-               "eval_same_ids": same_turns(evaluation, p_eval),
-               "kl_n": [kl.numel(), p_kl.numel()], "kl_max": float(p_kl.max()),
-               "kl_diff": float((kl - p_kl).abs().max()),
-               "logp_diff": float((logp - p_logp).abs().max()),
-               "export_equal": all(torch.equal(a, b) for a, b in zip(exported.parameters(), whole, strict=True)),
-               "export_tied": exported.get_output_embeddings().weight is exported.get_input_embeddings().weight},
-              open(sys.argv[1], "w"))
-distributed.teardown()
+def main(out_path: str) -> None:
+    plain_team = make_team()
+    plain = one_process(plain_team)  # before setup(): one process, whole models
+    distributed.setup("cpu")
+    extras = []  # the dummy calls each agreement asked of this rank (observed, not changed)
+    agree = distributed.extra_calls
+    distributed.extra_calls = lambda n: extras.append(agree(n)) or extras[-1]
+    team = make_team()
+    whole = [p.detach().clone() for p in team.agents[1].model.parameters()]
+    Torchrun.current(shard_frozen=True).adopt(team.agents)  # held as shards, as --shard-frozen
+    assert all(distributed.is_sharded(a.model) for a in team.agents)
+    batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3)
+    torch.manual_seed(11)
+    again, _ = regenerate(team, batch, 0, sampling)  # every rank, the same rows
+    evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, score=False)
+    reference = distributed.frozen_copy(team.agents[0].model)
+    params = distributed.local_parameters(team.agents[0].model)
+    new = step_of(make_team().agents[0].model)  # the same step, whole on every rank (seeded weights)
+    new = [distributed.local_rows(n) for n in new]  # this rank's rows of it
+    interpolate_parameters(params, [p.detach().clone() for p in params], new, 0.5)
+    kl, logp, _ = measure_kl(team.agents[0], reference, batch.turns[0], 1.0, 4096)
+    exported = distributed.whole_copy_on_main(team.agents[1].model)
+    dummy_calls = sum(distributed.gather_objects(sum(extras)))
+    if distributed.is_main():
+        p_batch, p_again, p_eval, p_kl, p_logp = plain
+        json.dump({"world": distributed.world(), "rows": len(batch), "dummy_calls": dummy_calls,
+                   "response_tokens": batch.num_tokens, "rollout_same_ids": same_turns(batch, p_batch),
+                   "rollout_same_rewards": torch.equal(batch.rewards, p_batch.rewards),
+                   "rollout_logprob_diff": max_diff(batch, p_batch),
+                   "regenerate_same_ids": same_turns(again, p_again),
+                   "regenerate_logprob_diff": max_diff(again, p_again),
+                   "regenerate_changed": not torch.equal(again.turns[0].response_ids, batch.turns[0].response_ids),
+                   "eval_same_ids": same_turns(evaluation, p_eval),
+                   "kl_n": [kl.numel(), p_kl.numel()], "kl_max": float(p_kl.max()),
+                   "kl_diff": float((kl - p_kl).abs().max()),
+                   "logp_diff": float((logp - p_logp).abs().max()),
+                   "export_equal": all(torch.equal(a, b) for a, b in zip(exported.parameters(), whole, strict=True)),
+                   "export_tied": exported.get_output_embeddings().weight is exported.get_input_embeddings().weight},
+                  open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.rank_main(main)(sys.argv[1]))

@@ -74,49 +74,53 @@ def mean_diff(xs, ys) -> float:
     return sum(float((x - y).abs().sum()) for x, y in zip(xs, ys, strict=True)) / sum(x.numel() for x in xs)
 
 
-one = fresh()  # before setup(): one process, no FSDP
-turn(one)
-one_a = masters(one.agents[0])
-turn(one)
-one_b = masters(one.agents[0])
-one_moments, one_steps = moments(one.agents[0]), adam_steps(one.agents[0])
-restart = fresh()  # the same two turns with the master dropped in between (what keeping it must avoid)
-turn(restart)
-restart.agents[0].master_weights = None
-turn(restart)
-restart_b = masters(restart.agents[0])
-distributed.setup("cpu")
-procs = Torchrun.current()
-two = fresh()
-procs.adopt(two.agents)
-turn(two)
-two_a = masters(two.agents[0])
-turn(two)
-two_b = masters(two.agents[0])
-two_moments, two_steps = moments(two.agents[0]), adam_steps(two.agents[0])
-out = Path(sys.argv[1]).parent / "run"
-save_checkpoint(out, 1, two, {}, {}, random.Random(0), {})
-loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16, procs)
-procs.adopt(loaded.agents)
-bf16 = [p.detach() for p in two.agents[0].model.parameters()]
-if distributed.is_main():
-    torch.save({"masters": two_b, "moments": two_moments}, sys.argv[2])
-    json.dump({"world": distributed.world(), "lr": cfg.lr,
-               "turn1_mean_diff": mean_diff(one_a, two_a), "turn2_mean_diff": mean_diff(one_b, two_b),
-               "turn2_max_diff": max_diff(one_b, two_b), "turn2_mean_step": mean_diff(one_b, one_a),
-               "restart_mean_diff": mean_diff(one_b, restart_b),
-               "steps": [sorted(one_steps), sorted(two_steps)],
-               "moments_mean_diff": mean_diff(one_moments, two_moments),
-               "moments_mean": mean_diff(one_moments, [0 * m for m in one_moments]),
-               "bf16_moved_fraction": sum(int((m.to(torch.bfloat16) != p0).sum())
-                                          for m, p0 in zip(one_b, base.model.parameters()))
-               / sum(p.numel() for p in base.model.parameters())}, open(sys.argv[1], "w"))
-loaded_equal = all(torch.equal(x, y) for x, y in zip(masters(loaded.agents[0]), two_b))  # a collective: every rank
-loaded_moments_equal = all(torch.equal(x, y) for x, y in zip(moments(loaded.agents[0]), two_moments))
-weights_equal = all(torch.equal(p, q) for p, q in zip(loaded.agents[0].model.parameters(), bf16))
-if distributed.is_main():
-    result = json.loads(Path(sys.argv[1]).read_text())
-    result.update(loaded_masters_equal=loaded_equal, loaded_weights_equal=weights_equal,
-                  loaded_moments_equal=loaded_moments_equal)
-    Path(sys.argv[1]).write_text(json.dumps(result))
-distributed.teardown()
+def main() -> None:
+    one = fresh()  # before setup(): one process, no FSDP
+    turn(one)
+    one_a = masters(one.agents[0])
+    turn(one)
+    one_b = masters(one.agents[0])
+    one_moments, one_steps = moments(one.agents[0]), adam_steps(one.agents[0])
+    restart = fresh()  # the same two turns with the master dropped in between (what keeping it must avoid)
+    turn(restart)
+    restart.agents[0].master_weights = None
+    turn(restart)
+    restart_b = masters(restart.agents[0])
+    distributed.setup("cpu")
+    procs = Torchrun.current()
+    two = fresh()
+    procs.adopt(two.agents)
+    turn(two)
+    two_a = masters(two.agents[0])
+    turn(two)
+    two_b = masters(two.agents[0])
+    two_moments, two_steps = moments(two.agents[0]), adam_steps(two.agents[0])
+    out = Path(sys.argv[1]).parent / "run"
+    save_checkpoint(out, 1, two, {}, {}, random.Random(0), {})
+    loaded, _, _, _ = load_checkpoint(out / "checkpoints" / "stage_0001", "cpu", torch.bfloat16, procs)
+    procs.adopt(loaded.agents)
+    bf16 = [p.detach() for p in two.agents[0].model.parameters()]
+    if distributed.is_main():
+        torch.save({"masters": two_b, "moments": two_moments}, sys.argv[2])
+        json.dump({"world": distributed.world(), "lr": cfg.lr,
+                   "turn1_mean_diff": mean_diff(one_a, two_a), "turn2_mean_diff": mean_diff(one_b, two_b),
+                   "turn2_max_diff": max_diff(one_b, two_b), "turn2_mean_step": mean_diff(one_b, one_a),
+                   "restart_mean_diff": mean_diff(one_b, restart_b),
+                   "steps": [sorted(one_steps), sorted(two_steps)],
+                   "moments_mean_diff": mean_diff(one_moments, two_moments),
+                   "moments_mean": mean_diff(one_moments, [0 * m for m in one_moments]),
+                   "bf16_moved_fraction": sum(int((m.to(torch.bfloat16) != p0).sum())
+                                              for m, p0 in zip(one_b, base.model.parameters()))
+                   / sum(p.numel() for p in base.model.parameters())}, open(sys.argv[1], "w"))
+    loaded_equal = all(torch.equal(x, y) for x, y in zip(masters(loaded.agents[0]), two_b))  # a collective: every rank
+    loaded_moments_equal = all(torch.equal(x, y) for x, y in zip(moments(loaded.agents[0]), two_moments))
+    weights_equal = all(torch.equal(p, q) for p, q in zip(loaded.agents[0].model.parameters(), bf16))
+    if distributed.is_main():
+        result = json.loads(Path(sys.argv[1]).read_text())
+        result.update(loaded_masters_equal=loaded_equal, loaded_weights_equal=weights_equal,
+                      loaded_moments_equal=loaded_moments_equal)
+        Path(sys.argv[1]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.rank_main(main)())

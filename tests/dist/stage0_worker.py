@@ -58,40 +58,45 @@ def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
     return info, trace, new
 
 
-Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)  # before setup(): one process, seeded blocks
-one = upgrade()
-distributed.setup("cpu")
-Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)
-two = upgrade()
-flat = [torch.cat([p.detach().flatten() for p in agent.model.parameters()]) for agent in (raw, one[2], two[2])]
-on_ranks = distributed.gather_objects(flat[2])  # the replacement as every rank holds it
-Torchrun.current(shard_frozen=True, n_blocks=cfg.rollout_blocks).adopt(team.agents)  # held as shards
-three = upgrade(shard=True)
-held_as_shards = distributed.is_sharded(three[2].model) and all(distributed.is_sharded(a.model) for a in team.agents)
-whole3 = distributed.whole_copy_on_main(three[2].model)  # gathered layer by layer on rank 0
-if distributed.is_main():
-    (i3, t3, _), t1 = three, one[1]
-    flat3 = torch.cat([p.detach().flatten() for p in whole3.parameters()])
-    sharded = {"held_as_shards": held_as_shards, "same_states": same_fit(t1["fit"], t3["fit"]),
-               "passes": i3["passes"], "retargeted": i3["retargeted"],
-               "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t3["t"] < t3["t_exact"])),
-               **{k: i3[k] for k in KEYS},
-               "max_param_diff": float((flat[1] - flat3).abs().max()),
-               "mean_param_diff": float((flat[1] - flat3).abs().mean())}
-    (i1, t1, _), (i2, t2, _) = one, two
-    fit1, fit2 = t1["fit"], t2["fit"]
-    json.dump({"world": distributed.world(), "same_states": same_fit(fit1, fit2), "rows": len(fit1),
-               "states": [i1["states"], i2["states"]],
-               "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
-               "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),
-               "t_max_diff": float((t1["t"] - t2["t"]).abs().max()),
-               "t_exact_max_diff": float((t1["t_exact"] - t2["t_exact"]).abs().max()),
-               **{k: [i1[k], i2[k]] for k in KEYS},
-               "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
-               "max_step": float((flat[1] - flat[0]).abs().max()),
-               "max_param_diff": float((flat[1] - flat[2]).abs().max()),
-               "mean_step": float((flat[1] - flat[0]).abs().mean()),
-               "mean_param_diff": float((flat[1] - flat[2]).abs().mean()),
-               "sharded": sharded},
-              open(sys.argv[1], "w"), indent=1)
-distributed.teardown()
+def main() -> None:
+    Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)  # before setup(): one process, seeded blocks
+    one = upgrade()
+    distributed.setup("cpu")
+    Torchrun.current(n_blocks=cfg.rollout_blocks).adopt(team.agents)
+    two = upgrade()
+    flat = [torch.cat([p.detach().flatten() for p in agent.model.parameters()]) for agent in (raw, one[2], two[2])]
+    on_ranks = distributed.gather_objects(flat[2])  # the replacement as every rank holds it
+    Torchrun.current(shard_frozen=True, n_blocks=cfg.rollout_blocks).adopt(team.agents)  # held as shards
+    three = upgrade(shard=True)
+    held_as_shards = (distributed.is_sharded(three[2].model)
+                      and all(distributed.is_sharded(a.model) for a in team.agents))
+    whole3 = distributed.whole_copy_on_main(three[2].model)  # gathered layer by layer on rank 0
+    if distributed.is_main():
+        (i3, t3, _), t1 = three, one[1]
+        flat3 = torch.cat([p.detach().flatten() for p in whole3.parameters()])
+        sharded = {"held_as_shards": held_as_shards, "same_states": same_fit(t1["fit"], t3["fit"]),
+                   "passes": i3["passes"], "retargeted": i3["retargeted"],
+                   "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t3["t"] < t3["t_exact"])),
+                   **{k: i3[k] for k in KEYS},
+                   "max_param_diff": float((flat[1] - flat3).abs().max()),
+                   "mean_param_diff": float((flat[1] - flat3).abs().mean())}
+        (i1, t1, _), (i2, t2, _) = one, two
+        fit1, fit2 = t1["fit"], t2["fit"]
+        json.dump({"world": distributed.world(), "same_states": same_fit(fit1, fit2), "rows": len(fit1),
+                   "states": [i1["states"], i2["states"]],
+                   "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
+                   "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),
+                   "t_max_diff": float((t1["t"] - t2["t"]).abs().max()),
+                   "t_exact_max_diff": float((t1["t_exact"] - t2["t_exact"]).abs().max()),
+                   **{k: [i1[k], i2[k]] for k in KEYS},
+                   "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
+                   "max_step": float((flat[1] - flat[0]).abs().max()),
+                   "max_param_diff": float((flat[1] - flat[2]).abs().max()),
+                   "mean_step": float((flat[1] - flat[0]).abs().mean()),
+                   "mean_param_diff": float((flat[1] - flat[2]).abs().mean()),
+                   "sharded": sharded},
+                  open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.rank_main(main)())

@@ -38,33 +38,37 @@ def one_update(t: Team) -> TrainStats:
     return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref})[0])
 
 
-plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
-stats_plain = one_update(plain)  # before setup(): one process, no FSDP
-distributed.setup("cpu")
-sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
-Torchrun.current().adopt(sharded.agents)
-stats_sharded = one_update(sharded)
-diff = max(float((a - b).abs().max())
-           for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))
-step = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), before))
-# The layer-by-layer gather of a sharded model (what a weight push from FSDP shards uses):
-# the union is the whole state, and each group is gone (weakrefs dead) once the next comes.
-whole = dict(plain.agents[0].model.named_parameters())
-seen, sizes, leaked, prev = {}, [], 0, []
-for group in distributed.full_weights_by_layer(distributed.shard_model(plain.agents[0].model)):
-    leaked += sum(r() is not None for r in prev)
-    seen.update((n, bool(torch.equal(t, whole[n]))) for n, t in group)
-    sizes.append(sum(t.numel() * t.element_size() for _, t in group))
-    prev = [weakref.ref(t) for _, t in group]
-    del group
-layer_bytes = sum(p.numel() * p.element_size() for p in plain.agents[0].model.base_model.layers[0].parameters())
-if distributed.is_main():
-    json.dump({"layers_union_names": sorted(seen) == sorted(whole), "layers_union_equal": all(seen.values()),
-               "layers_groups": len(sizes), "layers_leaked": leaked, "layers_max_group_bytes": max(sizes[1:]),
-               "layers_root_bytes": sizes[0], "layer_bytes": layer_bytes,
-               "n_layers": len(plain.agents[0].model.base_model.layers),
-               "world": distributed.world(), "max_param_diff": diff, "max_step": step,
-               "loss": [stats_plain.loss, stats_sharded.loss],
-               "grad_norm": [stats_plain.grad_norm, stats_sharded.grad_norm],
-               "steps": [stats_plain.inner_steps, stats_sharded.inner_steps]}, open(sys.argv[1], "w"))
-distributed.teardown()
+def main() -> None:
+    plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+    stats_plain = one_update(plain)  # before setup(): one process, no FSDP
+    distributed.setup("cpu")
+    sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+    Torchrun.current().adopt(sharded.agents)
+    stats_sharded = one_update(sharded)
+    diff = max(float((a - b).abs().max())
+               for a, b in zip(plain.agents[0].model.parameters(), sharded.agents[0].model.parameters()))
+    step = max(float((a - b).abs().max()) for a, b in zip(plain.agents[0].model.parameters(), before))
+    # The layer-by-layer gather of a sharded model (what a weight push from FSDP shards uses):
+    # the union is the whole state, and each group is gone (weakrefs dead) once the next comes.
+    whole = dict(plain.agents[0].model.named_parameters())
+    seen, sizes, leaked, prev = {}, [], 0, []
+    for group in distributed.full_weights_by_layer(distributed.shard_model(plain.agents[0].model)):
+        leaked += sum(r() is not None for r in prev)
+        seen.update((n, bool(torch.equal(t, whole[n]))) for n, t in group)
+        sizes.append(sum(t.numel() * t.element_size() for _, t in group))
+        prev = [weakref.ref(t) for _, t in group]
+        del group
+    layer_bytes = sum(p.numel() * p.element_size() for p in plain.agents[0].model.base_model.layers[0].parameters())
+    if distributed.is_main():
+        json.dump({"layers_union_names": sorted(seen) == sorted(whole), "layers_union_equal": all(seen.values()),
+                   "layers_groups": len(sizes), "layers_leaked": leaked, "layers_max_group_bytes": max(sizes[1:]),
+                   "layers_root_bytes": sizes[0], "layer_bytes": layer_bytes,
+                   "n_layers": len(plain.agents[0].model.base_model.layers),
+                   "world": distributed.world(), "max_param_diff": diff, "max_step": step,
+                   "loss": [stats_plain.loss, stats_sharded.loss],
+                   "grad_norm": [stats_plain.grad_norm, stats_sharded.grad_norm],
+                   "steps": [stats_plain.inner_steps, stats_sharded.inner_steps]}, open(sys.argv[1], "w"))
+
+
+if __name__ == "__main__":
+    sys.exit(distributed.rank_main(main)())

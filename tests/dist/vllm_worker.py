@@ -88,9 +88,7 @@ def main(out_path: str) -> None:
     if distributed.is_main():
         Path(out_path).write_text(json.dumps(result))
     reg.close()
-    distributed.barrier()
-    distributed.teardown()
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes: guard the entry point
-    main(sys.argv[1])
+    sys.exit(distributed.rank_main(main)(sys.argv[1]))
