@@ -216,7 +216,8 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
     recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), state.get("baseline_eval"),
                            state.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
     if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
-        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending)
+        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending,
+                                                      rows[-1])
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
     if team.procs.main:
@@ -276,9 +277,11 @@ class RunRecorder:
 
 
 def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
-            sampling: SamplingConfig, pending: list) -> tuple[dict, list]:
+            sampling: SamplingConfig, pending: list, last_row: dict) -> tuple[dict, list]:
     """Plug-and-play (Section 5): every --upgrade SLOT=MODEL entering as --upgrade-accept says, the
-    held-out accuracy after it, and a checkpoint of the upgraded team."""
+    held-out accuracy after it, and a checkpoint of the upgraded team. With --upgrade-accept raw or certified
+    each event also holds ``heldout_change``: the paired held-out certificate of the change from ``last_row``
+    (the metrics row the run resumed from) to the team after this run's upgrades."""
     out, team, backend = Path(cfg.out), run.team, run.backend
     events = apply_upgrades(cfg, run, train, start, sampling,
                             lambda spec, slot: load_replacement(spec, cfg, team, train, slot),
@@ -287,6 +290,9 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     baseline = evaluate(team, heldout, sampling, cfg, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
+        if "accept" in event:
+            event["heldout_change"] = records.heldout_certificate(last_row, baseline, cfg.delta_conf,
+                                                                  "the row before the upgrade")
     if team.procs.main:
         run_folder.record_upgrades(out, events)
     pending = pending + events

@@ -192,6 +192,9 @@ def test_run_records_the_rule_and_stage0_stays_as_it_was(base_run, tmp_path):
     assert accept["rule"] == "certified" and rows[-1]["upgrades"][0] == event
     assert {"chosen", "swapped", "certification", "candidates", "splits", "stage0_candidates", "kind"} <= set(accept)
     assert accept["swapped"] == (accept["certification"]["lower_bound"] > 0)
+    assert event["heldout_change"]["n"] == 16  # the held-out rows, paired with the row the run resumed from
+    if not accept["swapped"]:  # the same team under the same seeds
+        assert event["heldout_change"]["nonzero"] == 0
     for c in accept["candidates"]:
         assert "error" in c or c["selection"]["n"] == 64
     saved = json.loads((tmp_path / "cert" / "config.json").read_text())
