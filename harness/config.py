@@ -197,10 +197,12 @@ class Config:
     stage0_problems: int | None = opt(None, "Stage-0 prompts, a quarter held out (default batch size / G)")
     # The default is the paper's rule (Sec. 5): it needs no rows beyond Stage-0's own and keeps the first stage's
     # trust-region argument, but stays inside the delta_0 ball (at most one delta_0 step of the replacement's gain).
-    # certified fits five Stage-0 candidates and draws 2 x (candidates + 2) x --upgrade-accept-rows rows; raw has
-    # no guarantee at all. Neither is a safe default for a user who asked for the paper's plug-and-play.
-    upgrade_accept: str = opt("stage0", "how an --upgrade replacement enters the team: stage0 (the paper, Sec. 5: "
-                              "Stage-0 at --stage0-delta), raw (as loaded, no projection), or certified (raw and "
+    # certified fits five Stage-0 candidates and draws (6 candidates + 3) x --upgrade-accept-rows team rows; raw
+    # has no guarantee at all. Neither is a safe default for a user who asked for the paper's plug-and-play.
+    upgrade_accept: str = opt("stage0", "how an --upgrade replacement enters the team: stage0 (the default: the "
+                              "paper's rule, Sec. 5, Stage-0 at --stage0-delta, no rows beyond Stage-0's own; it "
+                              "keeps at most one delta_0 step of the gain), raw (as loaded, no projection, no "
+                              "guarantee), or certified (five Stage-0 fits, up to nine draws of split rows: raw and "
                               "Stage-0 at delta_0 0.01, 0.03, 0.1, 0.3, 1; the best paired lower bound on the team's "
                               "gain on a selection split of training problems is kept only if its paired lower bound "
                               "on a second, disjoint split is > 0 at --delta-conf, else the incumbent stays)",
