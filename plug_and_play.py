@@ -19,17 +19,21 @@ Each model reads a state through its own chat template; per-token mixing needs a
 """
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from advantage import make_value_head
+from bounds import paired_change_bound
 from harness.processes import ONE_PROCESS, OneProcess
 from logprobs import TurnTensors, left_pad, response_hidden_states
-from rollout import HF, SamplingConfig, rollout
+from rollout import HF, REWARD_RANGE, SamplingConfig, rng_devices, rollout
 from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
 
@@ -40,6 +44,10 @@ STAGE0_SHRINK = 0.9  # a state past 0.9 delta_0 has its target exponent t(s) = 1
 STAGE0_EVERY = 5  # passes between two such retargetings, so the fit can follow
 STAGE0_PATIENCE = 10  # passes with neither a 1% better fit nor a 1% lower quantile before the learning rate halves
 STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 x its start value KL(target || pi_pre)
+
+
+class Stage0Unreachable(RuntimeError):
+    """Stage-0 ran out of passes with the KL quantile still above delta_0 (``fit_stage0``)."""
 
 
 @dataclass(frozen=True)
@@ -313,8 +321,8 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, sett
     del opt, trained
     if beyond(q, delta0):  # a NaN quantile too
         del pre_model
-        raise RuntimeError(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} after "
-                           f"{passes} passes; raise --stage0-delta or --stage0-max-passes")
+        raise Stage0Unreachable(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} "
+                                f"after {passes} passes; raise --stage0-delta or --stage0-max-passes")
     out = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
            "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
            "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
@@ -409,48 +417,208 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     return info
 
 
+# ---------------------------------------------------------------------------
+# How a replacement enters the team: --upgrade-accept stage0 | raw | certified
+# ---------------------------------------------------------------------------
+CERTIFIED_RADII = (0.01, 0.03, 0.1, 0.3, 1.0)  # the Stage-0 radii delta_0 that `certified` tries beside the raw swap
+ACCEPTANCE_SPLITS = ("selection", "certification")
+
+
+@dataclass(frozen=True)
+class AcceptanceDraws:
+    """What ``--upgrade-accept certified`` draws on (``harness.run.upgrade`` builds it): its two splits of rows
+    (``acceptance_splits``) and ``draw(team, rows, label)``, the team's reward on each row under seeds fixed by
+    ``label`` (``sat.evaluate``), so two teams drawn under one label pair row by row (common random numbers)."""
+
+    splits: dict[str, list[Problem]]  # "selection", "certification": one row per entry (problems repeat)
+    draw: Callable[[Team, list[Problem], str], list[float]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way the replacement may enter the team: its name and ``build() -> (agent, Stage-0 record or None)``."""
+
+    name: str
+    build: Callable[[], tuple[Agent, dict | None]]
+
+
+def acceptance_splits(train: list[Problem], heldout: list[Problem], seed: int, rows: int) -> dict[str, list[Problem]]:
+    """The selection and certification rows of ``--upgrade-accept certified``, carved from the training problems:
+    their distinct texts less every text a held-out problem asks (the held-out rows feed the stage and run
+    certificates and are never tuned on), shuffled under ``seed``, the first half for selection and the second
+    for certification (no text in both). Each split is ``rows`` rows cycling through its first min(rows, half)
+    problems; every row is drawn under a seed of its own."""
+    held = {p.problem for p in heldout}
+    unique = list({p.problem: p for p in train if p.problem not in held}.values())
+    if len(unique) < 2:
+        raise ValueError(f"--upgrade-accept certified splits the training problems outside the held-out set in two, "
+                         f"but only {len(unique)} remain: pass more problems (--data), or use --upgrade-accept stage0")
+    random.Random(f"upgrade acceptance splits {seed}").shuffle(unique)
+    half = len(unique) // 2
+    parts = {"selection": unique[:half], "certification": unique[half : 2 * half]}
+    return {name: [part[k % min(rows, half)] for k in range(rows)] for name, part in parts.items()}
+
+
+def certify(candidates: list[Candidate], rewards: Callable[[Agent | None, str], list[float]], delta_conf: float,
+            log) -> tuple[Agent | None, dict]:
+    """The certified acceptance rule for one slot (Sec. 4.3: the team's change when one factor of the product
+    policy is replaced, bounded from paired draws by ``bounds.paired_change_bound``). ``rewards(agent, split)``:
+    the team with ``agent`` in the slot (None: the incumbent) on that split's rows, every team under the split's
+    seeds. (1) Select: each candidate's paired lower bound at ``delta_conf`` on its gain over the incumbent on
+    the selection split; the largest wins (on a tie the earlier: the smaller radius); a candidate whose Stage-0
+    cannot reach its radius is recorded and skipped. (2) Certify: the winner's paired lower bound on the
+    certification split, whose problems and seeds the choice never saw, so given everything before those draws it
+    is a valid (1 - delta_conf) lower bound on the change on those rows however the winner was chosen. Returns
+    (the winner if that bound is > 0, else None: the incumbent stays; the record)."""
+    incumbent = {split: rewards(None, split) for split in ACCEPTANCE_SPLITS}
+    best, best_bound, best_name, tried = None, -math.inf, None, []
+    for candidate in candidates:
+        try:
+            agent, stage0 = candidate.build()
+        except Stage0Unreachable as err:
+            tried.append({"candidate": candidate.name, "error": " ".join(str(err).split())})
+            log(f"  certified: {candidate.name} dropped: {err}")
+            continue
+        bound = paired_change_bound(incumbent["selection"], rewards(agent, "selection"), REWARD_RANGE, delta_conf)
+        tried.append({"candidate": candidate.name, "selection": bound, **({"stage0": stage0} if stage0 else {})})
+        log(f"  certified: {candidate.name}: gain on the selection split {bound['mean_change']:+.4f}, "
+            f"lower bound {bound['lower_bound']:+.4f}")
+        if bound["lower_bound"] > best_bound:
+            best, best_bound, best_name = agent, bound["lower_bound"], candidate.name
+    cert = paired_change_bound(incumbent["certification"], rewards(best, "certification"), REWARD_RANGE, delta_conf)
+    swapped = cert["lower_bound"] > 0
+    log(f"  certified: {best_name} on the certification split: gain {cert['mean_change']:+.4f}, lower bound "
+        f"{cert['lower_bound']:+.4f} -> {'swapped in' if swapped else 'not > 0: the incumbent stays'}")
+    record = {"rule": "certified", "chosen": best_name, "swapped": swapped, "certification": cert,
+              "candidates": tried,
+              "kind": "certification: a lower bound, with probability >= 1 - delta_conf, on the change in expected "
+                      "team reward from swapping the chosen candidate in, on the certification split's rows (training "
+                      "problems outside the held-out set), paired under common random numbers; selection: the "
+                      "same bound on the selection split, used only to rank the candidates"}
+    return (best if swapped else None), record
+
+
+def with_agent(team: Team, slot: int, agent: Agent) -> Team:
+    """The team with ``agent`` in ``slot`` (the team itself unchanged)."""
+    return Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)
+
+
+def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig, log,
+                     backend=HF) -> tuple[Agent, dict]:
+    """A copy of the raw replacement after Stage-0 (Eqs. (6)-(7)) at ``cfg.stage0_delta``, on the states of a
+    rollout seeded by the run seed alone: every radius fits the same states, and the run's RNG streams are left
+    as they were."""
+    agent = Agent(raw.spec, raw.procs.frozen_copy(raw.model), raw.tokenizer, raw.procs)
+    with torch.random.fork_rng(devices=rng_devices(cfg.device)):
+        torch.manual_seed(random.Random(f"stage-0 states {cfg.seed}").getrandbits(63))
+        info = stage0_align(team, slot, agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
+    return agent, info
+
+
+def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig,
+                      acceptance: AcceptanceDraws, stage: int, log, backend=HF) -> tuple[Agent | None, dict]:
+    """``--upgrade-accept certified`` for one slot (``certify``). The candidates: Stage-0 of the replacement at
+    each radius of CERTIFIED_RADII (all fitted on the same states of ``prompts``), then the raw swap; Stage-0
+    only where the replacement shares the incumbent's vocabulary (Eq. (7) mixes per-token distributions, so
+    across vocabularies it is undefined and the raw swap is the one candidate, as the record says). Each split's
+    seeds depend on the stage and slot, so a later upgrade in the same run draws afresh."""
+    try:
+        check_same_vocabulary(team.agents[slot], new_agent)
+        radii, why = CERTIFIED_RADII, f"delta_0 in {list(CERTIFIED_RADII)}"
+    except ValueError as err:
+        radii, why = (), f"none: Stage-0 is undefined across vocabularies, so raw is the one candidate ({err})"
+    candidates = [Candidate(f"stage0 delta0={d:g}", partial(stage0_candidate, team, slot, new_agent, prompts,
+                                                            replace(cfg, stage0_delta=d), sampling, log, backend))
+                  for d in radii] + [Candidate("raw", lambda: (new_agent, None))]
+    labels = {split: f"upgrade {split} at stage {stage} slot {slot + 1}" for split in ACCEPTANCE_SPLITS}
+
+    def rewards(agent: Agent | None, split: str) -> list[float]:
+        holder = team if agent is None else with_agent(team, slot, agent)
+        return acceptance.draw(holder, acceptance.splits[split], labels[split])
+
+    chosen, record = certify(candidates, rewards, cfg.delta_conf, log)
+    record["stage0_candidates"] = why
+    record["splits"] = {split: {"rows": len(rows), "problems": len({p.problem for p in rows})}
+                        for split, rows in acceptance.splits.items()}
+    return chosen, record
+
+
+def parse_upgrade(item: str, n_agents: int) -> tuple[int, str]:
+    """--upgrade SLOT=MODEL -> (0-based slot, model spec)."""
+    slot_text, _, spec = item.partition("=")
+    if not slot_text.strip().isdigit() or not spec.strip():
+        raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
+    slot = int(slot_text) - 1
+    if not 0 <= slot < n_agents:
+        raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{n_agents}")
+    return slot, spec.strip()
+
+
 def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig,
-                   load_replacement: Callable[[str, int], Agent], evaluate=None) -> list[dict]:
+                   load_replacement: Callable[[str, int], Agent], evaluate=None,
+                   acceptance: AcceptanceDraws | None = None) -> list[dict]:
     """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, controllers,
-    value heads, RNG, backend and log), each after Stage-0, with a fresh controller (and value head with
-    --adv gae). ``load_replacement(spec, slot)`` builds the new agent (``harness.run``: loading, and a tiny
-    agent's warm start); ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given."""
-    team, log, backend = run.team, run.log, run.backend
+    value heads, RNG, backend and log), each entering as --upgrade-accept says (``upgrade_slot``).
+    ``load_replacement(spec, slot)`` builds the new agent (``harness.run``: loading, and a tiny agent's warm
+    start); ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given; ``acceptance``:
+    the splits of ``--upgrade-accept certified``."""
     events = []
     for item in cfg.upgrade:
-        slot_text, _, spec = item.partition("=")
-        if not slot_text.strip().isdigit() or not spec.strip():
-            raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
-        slot = int(slot_text) - 1
-        if not 0 <= slot < len(team):
-            raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(team)}")
-        new_agent = load_replacement(spec.strip(), slot)
-        team.procs.adopt([new_agent])  # torchrun: rank 0's weights on every rank (and as shards with them)
-        old_name = team.agents[slot].spec.name
+        slot, spec = parse_upgrade(item, len(run.team))
+        new_agent = load_replacement(spec, slot)
+        run.team.procs.adopt([new_agent])  # torchrun: rank 0's weights on every rank (and as shards with them)
+        events.append(upgrade_slot(cfg, run, train, stage, sampling, slot, new_agent, evaluate, acceptance))
+    return events
+
+
+def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig, slot: int, new_agent: Agent,
+                 evaluate, acceptance: AcceptanceDraws | None) -> dict:
+    """One slot's upgrade. stage0 (the paper, Sec. 5): Stage-0 at --stage0-delta, then the swap. raw: the swap
+    as loaded. certified (``certified_upgrade``): the swap only with a certified gain. A swapped slot gets a
+    fresh controller (and value head with --adv gae). Returns the event upgrades.json records."""
+    team, log, backend, rule = run.team, run.log, run.backend, cfg.upgrade_accept
+    old_name = team.agents[slot].spec.name
+    if rule == "stage0":
         check_same_vocabulary(team.agents[slot], new_agent)
-        before = None
-        if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
-            before = evaluate(Team(team.agents[:slot] + [new_agent] + team.agents[slot + 1 :], team.config))
-            log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
-                f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
-        n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
-        prompts = [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
-        log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', Stage-0 alignment "
-            f"(delta_0 = {cfg.stage0_delta})")
-        t0 = time.time()
-        stage0 = stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
-        backend.release(team.swap(slot, new_agent))  # the incumbent's engine, if the backend keeps one
+    before = None
+    if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
+        before = evaluate(with_agent(team, slot, new_agent))
+        log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
+            f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
+    n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
+    prompts = [] if rule == "raw" else [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
+    log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', " + {
+        "stage0": f"Stage-0 alignment (delta_0 = {cfg.stage0_delta})", "raw": "swapped in raw (no Stage-0)",
+        "certified": "certified acceptance (Stage-0 candidates and the raw swap)"}[rule])
+    t0 = time.time()
+    if rule == "stage0":
+        chosen = new_agent
+        found = {"stage0": stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log,
+                                        backend=backend)}
+    elif rule == "raw":
+        chosen, found = new_agent, {"accept": {"rule": "raw", "swapped": True}}
+    else:
+        chosen, accept = certified_upgrade(team, slot, new_agent, prompts, cfg, sampling, acceptance, stage, log,
+                                           backend)
+        found = {"accept": accept}
+    if chosen is not None:
+        backend.release(team.swap(slot, chosen, projected=rule == "stage0"))  # the incumbent's engine, if kept
         run.controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
         if cfg.adv == "gae":
-            run.value_heads[slot] = make_value_head(new_agent)
-        event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
-                 "seconds": time.time() - t0, "stage0": stage0}
-        if before is not None:
-            event["before_stage0"] = before
-        held_q = stage0.get("heldout_kl_quantile", float("nan"))
-        log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
-            f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {held_q:.4f}), fit mean "
-            f"{stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
-            f"{stage0['retargeted']:.0%} of the states aimed deeper inside")
-        events.append(event)
-    return events
+            run.value_heads[slot] = make_value_head(chosen)
+    event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
+             "seconds": time.time() - t0, **found}
+    if before is not None:
+        event["before_stage0"] = before
+    if rule == "stage0":
+        log_stage0(found["stage0"], log)
+    return event
+
+
+def log_stage0(stage0: dict, log) -> None:
+    """Stage-0's outcome on one console line."""
+    held_q = stage0.get("heldout_kl_quantile", float("nan"))
+    log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
+        f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {held_q:.4f}), fit mean "
+        f"{stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
+        f"{stage0['retargeted']:.0%} of the states aimed deeper inside")

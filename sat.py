@@ -238,15 +238,17 @@ def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backe
 
 
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend=HF) -> dict:
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend=HF,
+             label: str = "held-out evaluation") -> dict:
     """Held-out team accuracy (``cfg.eval_samples`` joint samples per problem at the training temperature:
     the policy being trained) and each agent's own accuracy. Every evaluation of a run draws its rows
-    under the same seeds (fixed by the run seed; row p * K + s is sample s of problem p), so consecutive
-    evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG stream of
-    its own, so the training stream does not depend on when the evaluation ran."""
+    under the same seeds (fixed by the run seed and ``label``; row p * K + s is sample s of problem p), so
+    consecutive evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG
+    stream of its own, so the training stream does not depend on when the evaluation ran. Another ``label``
+    draws other seeds: plug-and-play's acceptance splits (``plug_and_play.certified_upgrade``)."""
     t0 = time.time()
     with torch.random.fork_rng(devices=rng_devices(cfg.device)):
-        torch.manual_seed(random.Random(f"held-out evaluation {cfg.seed}").getrandbits(63))
+        torch.manual_seed(random.Random(f"{label} {cfg.seed}").getrandbits(63))
         batch = team_rollout(team, problems, cfg.eval_samples, sampling, backend, score=False)
     acc = float(batch.rewards.mean())
     return {"eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,

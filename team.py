@@ -248,11 +248,13 @@ class Team:
             return majority_vote(answers)
         return answers[-1]
 
-    def swap(self, slot: int, new_agent: Agent) -> Agent:
-        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based, same vocabulary); returns the incumbent."""
+    def swap(self, slot: int, new_agent: Agent, projected: bool = True) -> Agent:
+        """Plug-and-play: put ``new_agent`` in ``slot`` (0-based); returns the incumbent. ``projected``: it went
+        through Stage-0, whose per-token mixture needs the incumbent's vocabulary (a raw swap does not)."""
         if not 0 <= slot < len(self.agents):
             raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{len(self.agents)}")
-        check_same_vocabulary(self.agents[slot], new_agent)
+        if projected:
+            check_same_vocabulary(self.agents[slot], new_agent)
         incumbent, self.agents[slot] = self.agents[slot], new_agent
         return incumbent
 

@@ -222,10 +222,10 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_table(out: Path, title: str, table: str, notes: list[str]) -> Path:
-    """table.md: a title, the table and the notes under it; printed too."""
+def write_table(out: Path, title: str, table: str, notes: list[str], name: str = "table.md") -> Path:
+    """OUT/``name``: a title, the table and the notes under it; printed too."""
     text = f"# {title}\n\n{table}\n\n" + "".join(f"{n}\n" for n in notes)
-    path = Path(out) / "table.md"
+    path = Path(out) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text, flush=True)

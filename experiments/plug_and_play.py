@@ -11,12 +11,25 @@ checkpoint, each --more-stages k further stages into a folder of its own (OUT/<b
     strong-raw   STRONG swapped in without the projection: --stage0-delta 1e9 makes Eq. (7)'s lambda 0 at every
                  state, so Stage-0's fit starts at its target and stops at pass 0 (the raw model, unchanged)
 
+and, when --branches names them, the acceptance rules of sat.py's --upgrade-accept:
+
+    strong-certified, weak-certified   --upgrade-accept certified: Stage-0 at delta_0 in {0.01, ..., 1} and the raw
+                 swap, the best paired lower bound on a selection split of training problems swapped in only if its
+                 paired lower bound on a disjoint certification split is > 0 (else the incumbent stays)
+    strong-raw-accept, weak-raw        --upgrade-accept raw: the replacement as loaded, no Stage-0 at all
+
 Table 3's columns per branch: held-out team accuracy before the swap (the base's last stage), right after the
 swap before Stage-0 (the raw replacement in the team), after Stage-0, after k more stages, the gain over before,
 the share of seeds whose first stage after the swap is a violation (a fall beyond 2 standard errors from the
 accuracy after Stage-0), and the cost (Stage-0's seconds plus the k stages').
 
     python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp
+    python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp \
+        --branches continue,strong,strong-raw,strong-certified,weak-certified
+
+A second table (acceptance.md) holds what the certified branches chose: the share of seeds swapped, the candidates
+picked, the certification bound, the held-out change the swap made (paired with the base's last evaluation) and
+how often a swap fell on the held-out rows, and the share of the raw swap's change each rule kept.
 
 Paper scale (--agents "Qwen3-4B x3" --strong Qwen3-8B --weak Qwen3-1.7B), a rough estimate on H100s: the base
 run is ~10-15 GPU-hours (10 stages of 512 x 32k-token joint trajectories; see sequential_vs_joint.py). Stage-0 of
@@ -34,7 +47,8 @@ sys.path.append(str(Path(__file__).resolve().parent))  # common.py; the core mod
 
 import common  # noqa: E402
 
-BRANCHES = ("strong", "weak", "continue", "strong-raw")
+BRANCHES = ("strong", "weak", "continue", "strong-raw")  # the default set
+ACCEPT_BRANCHES = ("strong-certified", "weak-certified", "strong-raw-accept", "weak-raw")  # on request
 RAW_STAGE0_DELTA = "1e9"  # Stage-0 radius no state reaches: the projection leaves the replacement as it is
 
 
@@ -46,9 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--weak", default="tiny", help="the weaker replacement (default tiny, untrained)")
     p.add_argument("--weak-warmup-steps", type=int, default=0,
                    help="warm start of a tiny weak replacement (default 0: untrained)")
-    p.add_argument("--branches", default=",".join(BRANCHES), help=f"any of {', '.join(BRANCHES)}")
+    p.add_argument("--branches", default=",".join(BRANCHES),
+                   help=f"any of {', '.join(BRANCHES + ACCEPT_BRANCHES)} (default: the first four)")
     args, rest = common.parse(p, argv)
-    args.branches = common.parse_list(args.branches, BRANCHES, "--branches")
+    args.branches = common.parse_list(args.branches, BRANCHES + ACCEPT_BRANCHES, "--branches")
     n = len(common.parse_agents(args.agents))
     if args.slot > n:
         p.error(f"--slot {args.slot} is out of range: the team '{args.agents}' has agents 1..{n}")
@@ -58,11 +73,15 @@ def parse_args(argv=None):
 def branch_options(args, branch: str) -> list[str]:
     """The sat.py options of one branch (besides --resume and the pass-through ones)."""
     weak_tiny = common.parse_agents(args.weak)[0].kind == "tiny"
-    return {"strong": ["--upgrade", f"{args.slot}={args.strong}"],
-            "weak": ["--upgrade", f"{args.slot}={args.weak}"]
-                    + (["--upgrade-warmup-steps", str(args.weak_warmup_steps)] if weak_tiny else []),
-            "continue": [],
-            "strong-raw": ["--upgrade", f"{args.slot}={args.strong}", "--stage0-delta", RAW_STAGE0_DELTA]}[branch]
+    strong = ["--upgrade", f"{args.slot}={args.strong}"]
+    weak = (["--upgrade", f"{args.slot}={args.weak}"]
+            + (["--upgrade-warmup-steps", str(args.weak_warmup_steps)] if weak_tiny else []))
+    return {"strong": strong, "weak": weak, "continue": [],
+            "strong-raw": strong + ["--stage0-delta", RAW_STAGE0_DELTA],
+            "strong-certified": strong + ["--upgrade-accept", "certified"],
+            "weak-certified": weak + ["--upgrade-accept", "certified"],
+            "strong-raw-accept": strong + ["--upgrade-accept", "raw"],
+            "weak-raw": weak + ["--upgrade-accept", "raw"]}[branch]
 
 
 def run_seed(args, rest: list[str], seed: int) -> tuple[list[dict], dict[str, list[dict] | str]]:
@@ -103,7 +122,7 @@ def branch_row(branch: str, runs: dict[int, list[dict]], stage: int, reference: 
     first = [common.row_at(runs[s], stage + 1) for s in seeds]
     stage0_s = [e["seconds"] for e in events] if swapped else [0.0] * len(seeds)
     cost = [s0 + common.seconds(common.trained(runs[s], stage)) for s0, s in zip(stage0_s, seeds)]
-    kl_q = [e["stage0"]["kl_quantile"] for e in events] if swapped else []
+    kl_q = [e["stage0"]["kl_quantile"] for e in events if "stage0" in e] if swapped else []
     f = lambda xs: common.fmt_ci(*common.mean_ci(xs), sign=False) if xs else "-"  # noqa: E731
     return [branch, len(seeds), f(before), f(raw), f(raw_alone), f(after0), f(kl_q), f(end),
             common.fmt_ci(*common.mean_ci([e - b for e, b in zip(end, before)])),
@@ -117,6 +136,65 @@ def branch_row(branch: str, runs: dict[int, list[dict]], stage: int, reference: 
 HEADER = ["branch", "seeds", "before swap", "right after swap (raw, before Stage-0)", "new agent alone (raw)",
           "after Stage-0", "Stage-0 KL q", "after k stages", "gain vs before (95% CI)", "gain - continue (paired)",
           "first-stage violations", "cost s (Stage-0 s)"]
+
+
+def raw_reference(branch: str) -> str:
+    """The raw-swap branch a rule's branch is measured against (the same replacement, no projection)."""
+    return "strong-raw" if branch.startswith("strong") else "weak-raw"
+
+
+def share(part: list[float], whole: list[float]) -> str:
+    """mean(part) / mean(whole): the share of the raw swap's change a rule kept (a ratio of means over the
+    seeds both have, so seeds with a near-0 raw change do not blow it up)."""
+    if not part or not whole or abs(sum(whole)) < 1e-12:
+        return "-"
+    return f"{sum(part) / sum(whole):.0%}"
+
+
+def acceptance_row(branch: str, branches: dict[str, dict[int, list[dict]]], stage: int) -> list[str]:
+    """What an --upgrade-accept branch did over its seeds (``ACCEPT_HEADER``)."""
+    runs = branches[branch]
+    seeds = sorted(runs)
+    before = {s: common.row_at(runs[s], stage)["eval_accuracy"] for s in seeds}
+    events = {s: upgrade_event(runs[s], stage) for s in seeds}
+    accept = {s: e["accept"] for s, e in events.items()}
+    swapped = [s for s in seeds if accept[s]["swapped"]]
+    chosen = [accept[s].get("chosen", "raw") for s in seeds]
+    certs = [accept[s]["certification"]["lower_bound"] for s in seeds if "certification" in accept[s]]
+    change = {s: events[s]["heldout_change"] for s in seeds}
+    raw_lift = {s: events[s]["before_stage0"]["eval_accuracy"] - before[s] for s in seeds}
+    cont, raw_runs = branches.get("continue", {}), branches.get(raw_reference(branch), {})
+    both = [s for s in seeds if s in cont and s in raw_runs]
+    gain = lambda rows: common.gain(rows, stage)  # noqa: E731
+    after_k = [gain(runs[s]) - gain(cont[s]) for s in both]
+    raw_k = [gain(raw_runs[s]) - gain(cont[s]) for s in both]
+    falls = sum(r["certified_fall"] for s in seeds for r in common.trained(runs[s], stage))
+    stages = sum(len(common.trained(runs[s], stage)) for s in seeds)
+    return [branch, len(seeds), f"{len(swapped)}/{len(seeds)}",
+            ", ".join(f"{c} x{chosen.count(c)}" for c in sorted(set(chosen))),
+            common.fmt_ci(*common.mean_ci(certs)) if certs else "-",
+            common.fmt_ci(*common.mean_ci([change[s]["mean_change"] for s in seeds])),
+            common.fmt_ci(*common.mean_ci(list(raw_lift.values()))),
+            share([change[s]["mean_change"] for s in seeds], list(raw_lift.values())),
+            f"{sum(change[s]['mean_change'] < 0 for s in swapped)}/{len(swapped)}",
+            f"{sum(change[s]['upper_bound'] < 0 for s in swapped)}/{len(swapped)}",
+            common.fmt_ci(*common.mean_ci(after_k)) if both else "-",
+            f"{share(after_k, raw_k)} ({len(both)} seeds)" if both else "-", f"{falls}/{stages}"]
+
+
+ACCEPT_HEADER = ["branch", "seeds", "swapped", "chosen", "certification lower bound", "held-out change at the swap",
+                 "raw swap's change at the swap", "share of raw kept at the swap", "swaps that fell (measured)",
+                 "swaps that fell (certified, held-out)", "gain - continue after k (paired)",
+                 "share of raw's gain - continue kept after k", "certified-fall stages after the swap"]
+ACCEPT_NOTES = ("The --upgrade-accept branches. 'chosen': the candidate each seed's rule picked on the selection split "
+                "(raw for --upgrade-accept raw). 'certification lower bound': its paired lower bound at --delta-conf "
+                "on the certification split (swapped only if > 0). 'held-out change at the swap': the team after the "
+                "upgrade against the base's last evaluation, paired on the same held-out rows and seeds (0 where the "
+                "incumbent stayed); 'raw swap's change': the raw replacement in the team against the same. A swap that "
+                "fell: held-out change < 0 (measured), or its paired upper bound < 0 (a certified fall). Shares are "
+                "ratios of means over seeds: the branch's change over the raw swap's ('after k': each minus no swap, "
+                "paired by seed with continue and the raw branch, strong-raw or weak-raw). Certified-fall stages: "
+                "stages after the swap whose held-out paired upper bound on the change since the previous row is < 0.")
 
 
 def main(argv=None) -> int:
@@ -144,6 +222,11 @@ def main(argv=None) -> int:
              "base's last stage). Cost: Stage-0's seconds plus the k stages' (the replacement's warm start, "
              "standing in for pretraining, not counted)."] + (["Failed runs:"] + failures if failures else [])
     common.write_table(args.out, "Plug-and-play (claim 3, paper Table 3)", common.markdown_table(HEADER, rows), notes)
+    accepting = [b for b, runs in branches.items() if b in ACCEPT_BRANCHES and runs]
+    if accepting:
+        table = common.markdown_table(ACCEPT_HEADER, [acceptance_row(b, branches, args.stages) for b in accepting])
+        common.write_table(args.out, "Plug-and-play: how the replacement entered (--upgrade-accept)", table,
+                           [ACCEPT_NOTES], name="acceptance.md")
     curves = {"base": bases, **{b: list(r.values()) for b, r in branches.items() if r}}
     common.plot_curves(Path(args.out) / "plot.png", {f"slot {args.slot} swapped after stage {args.stages}": curves})
     print(f"plot: {Path(args.out) / 'plot.png'}")

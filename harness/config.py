@@ -29,6 +29,7 @@ BASELINES = ("counterfactual", "group")
 PROTOCOLS = ("independent", "chain")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
+ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (plug_and_play.py)
 TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
                         "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
                         "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
@@ -194,6 +195,20 @@ class Config:
                                        "(default 0.1)")
     upgrade_warmup_steps: int | None = opt(None, "warm start of a tiny replacement (default 2 x --warmup-steps)")
     stage0_problems: int | None = opt(None, "Stage-0 prompts, a quarter held out (default batch size / G)")
+    # The default is the paper's rule (Sec. 5): it needs no rows beyond Stage-0's own and keeps the first stage's
+    # trust-region argument, but stays inside the delta_0 ball (at most one delta_0 step of the replacement's gain).
+    # certified fits five Stage-0 candidates and draws (6 candidates + 3) x --upgrade-accept-rows team rows; raw
+    # has no guarantee at all. Neither is a safe default for a user who asked for the paper's plug-and-play.
+    upgrade_accept: str = opt("stage0", "how an --upgrade replacement enters the team: stage0 (the default: the "
+                              "paper's rule, Sec. 5, Stage-0 at --stage0-delta, no rows beyond Stage-0's own; it "
+                              "keeps at most one delta_0 step of the gain), raw (as loaded, no projection, no "
+                              "guarantee), or certified (five Stage-0 fits, up to nine draws of split rows: raw and "
+                              "Stage-0 at delta_0 0.01, 0.03, 0.1, 0.3, 1; the best paired lower bound on the team's "
+                              "gain on a selection split of training problems is kept only if its paired lower bound "
+                              "on a second, disjoint split is > 0 at --delta-conf, else the incumbent stays)",
+                              ACCEPT_RULES)
+    upgrade_accept_rows: int | None = opt(None, "--upgrade-accept certified: paired rows on each of its two splits, "
+                                          "one seed per row (default 2048 for tiny teams, 256 for real models)")
     epochs: int | None = opt(None, "passes over the batch per agent update")
     minibatch_size: int | None = opt(None, "joint trajectories per gradient step")
     eps_clip: float = opt(0.2, "PPO clip epsilon")
@@ -243,7 +258,7 @@ class Config:
                                  f"is not one of: {', '.join(allowed)}")
         positive = ["lr", "group_size", "batch_size", "max_new_tokens", "temperature", "delta", "epochs",
                     "minibatch_size", "token_budget", "eval_size", "eval_samples", "stage0_delta", "rollout_blocks",
-                    "eval_every"]
+                    "eval_every", "upgrade_accept_rows"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
@@ -253,6 +268,9 @@ class Config:
         if self.stage0_fit_tol is not None and not self.stage0_fit_tol > 0:
             raise ValueError(f"--stage0-fit-tol must be > 0 (got {self.stage0_fit_tol}): "
                              "a share of the start value, e.g. 0.1")
+        if self.upgrade_accept != "stage0" and not self.upgrade:
+            raise ValueError(f"--upgrade-accept {self.upgrade_accept} applies to plug-and-play: add --upgrade "
+                             "SLOT=MODEL (with --resume RUN_DIR), or drop the option")
         if self.samples < 0:
             raise ValueError(f"--samples must be >= 0 (got {self.samples})")
         if not 0 < self.delta_conf < 1:
@@ -319,12 +337,12 @@ def default_backend(device: str) -> str:
 TINY_PRESET = dict(task="arithmetic", reuse="weights", stages=40, delta=0.5, beta=0.01, lr=3e-4, group_size=8,
                    batch_size=512, max_new_tokens=4, temperature=1.0, epochs=4, minibatch_size=128,
                    token_budget=1 << 16, kl_check_every=2, keep_optimizer_state=False, gradient_checkpointing=False,
-                   eval_size=256, eval_samples=1, warmup_steps=300)
+                   eval_size=256, eval_samples=1, warmup_steps=300, upgrade_accept_rows=2048)
 # The paper's settings for real models (Section 6.1: lr 1e-5, G = 4, temperature 0.8, 32k new tokens).
 PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0.05, beta=0.01, lr=1e-5,
                     group_size=4, batch_size=512, max_new_tokens=32768, temperature=0.8, epochs=1, minibatch_size=32,
                     token_budget=1 << 16, kl_check_every=0, keep_optimizer_state=False, gradient_checkpointing=True,
-                    eval_size=64, eval_samples=4, warmup_steps=0)
+                    eval_size=64, eval_samples=4, warmup_steps=0, upgrade_accept_rows=256)
 # Real models on a CPU, sized for SmolLM2-135M-Instruct x3 on two cores: the synthetic arithmetic-chat task (answers
 # in \boxed{}), 32 joint trajectories a stage (8 prompts x G 4), responses of at most 48 tokens (5% reach it; at
 # 64 no grade changed), no gradient checkpointing (the memory plan of 3 x SmolLM2-135M peaks at about 12 GiB).
@@ -338,4 +356,5 @@ PAPER_PRESET = dict(task="dapo-math-17k", reuse="regenerate", stages=10, delta=0
 REAL_CPU_PRESET = dict(task="arithmetic-chat", reuse="regenerate", stages=8, delta=0.05, beta=0.01, lr=1e-6,
                        group_size=4, batch_size=32, max_new_tokens=48, temperature=0.4, epochs=1, minibatch_size=16,
                        token_budget=1 << 12, kl_check_every=0, keep_optimizer_state=False,
-                       gradient_checkpointing=False, eval_size=64, eval_samples=4, warmup_steps=0)
+                       gradient_checkpointing=False, eval_size=64, eval_samples=4, warmup_steps=0,
+                       upgrade_accept_rows=256)

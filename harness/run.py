@@ -25,7 +25,7 @@ from harness.config import Config, parse_agents, resolve_agent_spec, threads_fro
 from harness.loading import check_hub_available, load_agent, warm_start
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.tasks import load_task
-from plug_and_play import apply_upgrades
+from plug_and_play import AcceptanceDraws, acceptance_splits, apply_upgrades
 from rollout import SamplingConfig, check_sampler
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
@@ -216,14 +216,16 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
     recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), state.get("baseline_eval"),
                            state.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
     if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
-        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending)
+        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending,
+                                                      rows[-1])
     for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
         backend.sync(agent)
     if team.procs.main:
         names = [a.spec.name for a in team.agents]  # the team after any upgrade, as --agents would name it
         agents = cfg.agents if [s.name for s in parse_agents(cfg.agents)] == names else ", ".join(names)
         run_folder.atomic_write(out / "config.json", json.dumps({**asdict(cfg), "agents": agents, "upgrade": [],
-                                                                 **recorder.how}, indent=2))
+                                                                 "upgrade_accept": "stage0", **recorder.how},
+                                                                indent=2))
     if rows:
         log(records.STAGE_HEADER)
     run_stages(run, train, heldout, cfg, sampling, start, recorder, new_run=not rows)
@@ -279,16 +281,22 @@ class RunRecorder:
 
 
 def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
-            sampling: SamplingConfig, pending: list) -> tuple[dict, list]:
-    """Plug-and-play (Section 5): Stage-0 for every --upgrade SLOT=MODEL, the
-    held-out accuracy after it, and a checkpoint of the upgraded team."""
+            sampling: SamplingConfig, pending: list, last_row: dict) -> tuple[dict, list]:
+    """Plug-and-play (Section 5): every --upgrade SLOT=MODEL entering as --upgrade-accept says, the
+    held-out accuracy after it, and a checkpoint of the upgraded team. With --upgrade-accept raw or certified
+    each event also holds ``heldout_change``: the paired held-out certificate of the change from ``last_row``
+    (the metrics row the run resumed from) to the team after this run's upgrades."""
     out, team, backend = Path(cfg.out), run.team, run.backend
     events = apply_upgrades(cfg, run, train, start, sampling,
                             lambda spec, slot: load_replacement(spec, cfg, team, train, slot),
-                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend))
+                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend),
+                            acceptance=acceptance_draws(cfg, train, heldout, sampling, backend))
     baseline = evaluate(team, heldout, sampling, cfg, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
+        if "accept" in event:
+            event["heldout_change"] = records.heldout_certificate(last_row, baseline, cfg.delta_conf,
+                                                                  "the row before the upgrade")
     if team.procs.main:
         run_folder.record_upgrades(out, events)
     pending = pending + events
@@ -296,6 +304,18 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
                             {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
     run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     return baseline, pending
+
+
+def acceptance_draws(cfg: Config, train: list[Problem], heldout: list[Problem], sampling: SamplingConfig,
+                     backend) -> AcceptanceDraws | None:
+    """``--upgrade-accept certified``'s splits (training problems only, none a held-out one asks) and how a team
+    is drawn on them: ``sat.evaluate`` with one sample per row under the label's seeds; None for other rules."""
+    if cfg.upgrade_accept != "certified":
+        return None
+    one_per_row = replace(cfg, eval_samples=1)
+    return AcceptanceDraws(acceptance_splits(train, heldout, cfg.seed, cfg.upgrade_accept_rows),
+                           lambda team, rows, label: evaluate(team, rows, sampling, one_per_row, backend,
+                                                              label=label)["eval_rewards"])
 
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
