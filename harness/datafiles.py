@@ -72,7 +72,9 @@ def first_line(err: Exception) -> str:
 
 
 def get_field(row: dict, dotted: str) -> tuple[bool, object]:
-    """(found, value) of row["a"]["b"] for "a.b"."""
+    """(found, value) of row["a"]["b"] for "a.b", or of a column named "a.b" itself (a CSV of flattened fields)."""
+    if dotted in row:
+        return True, row[dotted]
     value = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:

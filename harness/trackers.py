@@ -144,9 +144,12 @@ class Trackio:
 
 
 class MLflow:
-    """An MLflow run in the file store <run>/mlruns (experiment "sat"); samples as a JSON table artifact."""
+    """An MLflow run (experiment "sat") in the file store <run>/mlruns, which needs no database and works with
+    mlflow-skinny too (``mlflow ui --backend-store-uri <run>/mlruns`` shows it); samples as a JSON table per stage.
+    MLflow 3 keeps that store in maintenance mode behind MLFLOW_ALLOW_FILE_STORE, set here for this process."""
 
     def __init__(self, run_dir: Path, config: dict):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         import mlflow
 
         self.mlflow = mlflow
