@@ -13,9 +13,10 @@ dataset's own score_answer through harness.reward's checked call (harness.reason
 Problems come from the training split (harness.reasoning_gym_task.reasoning_gym_problems).
 
 Per task it prints: the team reward of ``--team`` agents (independent protocol: each agent one sample per
-problem, the majority's expected score), the mean score of one agent's responses, the same score with the whole
-response as the answer when it has no <answer> tags ("lenient": does the model know, whatever the format), the
-share of responses with tags, mean response tokens and the share cut at --max-new-tokens.
+problem, the majority's expected score), the mean score of one agent's responses (both as the reward reads a
+response: its <answer> tags, else the whole text), the same score counting tagged answers only ("tags": what a
+reward strict about the format would give), the share of responses with tags, mean response tokens and the share
+cut at --max-new-tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from harness.reasoning_gym_task import (  # noqa: E402
     ReasoningGymReward,
     parse_options,
     reasoning_gym_problems,
+    response_answer,
     tagged_answer,
     task_roles,
 )
@@ -64,14 +66,14 @@ def measure(agent: Agent, name: str, options: dict, args, sampling: SamplingConf
     fn = ReasoningGymReward(name, options)
     reward = Reward(fn, fn.__name__, fn.reward_range)
     completions = [[texts[k][i] for k in range(args.team)] for i in range(len(problems))]
-    answers = [[tagged_answer(t) for t in row] for row in completions]
-    team = score_problems(reward, problems, completions, answers, "independent")
+    answers = [[response_answer(t) for t in row] for row in completions]
+    team = score_problems(reward, problems, completions, answers, "independent", check_determinism=True)
     one = score_problems(reward, problems, [[t] for t in texts[0]], [[a[0]] for a in answers], "chain")
-    lenient = [[a if a is not None else t for a, t in zip(ar, row)] for ar, row in zip(answers, completions)]
-    whole = [fn.dataset.score_answer(la[0], {"question": p.problem, **p.columns}) for la, p in zip(lenient, problems)]
+    tags = [fn.dataset.score_answer(tagged_answer(t), {"question": p.problem, **p.columns})
+            for t, p in zip(texts[0], problems)]
     flat = [t for row in tokens for t in row]
     return {"problems": len(problems), "team": sum(team) / len(team), "agent": sum(one) / len(one),
-            "lenient": sum(whole) / len(whole), "tagged": sum(a[0] is not None for a in answers) / len(answers),
+            "tags": sum(tags) / len(tags), "tagged": sum(tagged_answer(t) is not None for t in texts[0]) / len(tags),
             "tokens": sum(n for n, _ in flat) / len(flat), "truncated": sum(c for _, c in flat) / len(flat),
             "seconds": seconds, "example": texts[0][0]}
 
@@ -93,12 +95,12 @@ def main() -> None:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     print(f"model {args.model}, {args.n} train problems a task, team of {args.team}, T {args.temperature}, "
           f"max_new_tokens {args.max_new_tokens}, {args.threads} threads")
-    print(f"{'task':<72} {'n':>3} {'team':>6} {'agent':>6} {'lenient':>7} {'tagged':>6} {'tokens':>6} "
+    print(f"{'task':<72} {'n':>3} {'team':>6} {'agent':>6} {'tags':>6} {'tagged':>6} {'tokens':>6} "
           f"{'cut':>5} {'s':>6}")
     for item in args.tasks.split(";"):
         name, options = parse_task(item)
         r = measure(agent, name, options, args, sampling)
-        print(f"{item.strip():<72} {r['problems']:3d} {r['team']:6.3f} {r['agent']:6.3f} {r['lenient']:7.3f} "
+        print(f"{item.strip():<72} {r['problems']:3d} {r['team']:6.3f} {r['agent']:6.3f} {r['tags']:6.3f} "
               f"{r['tagged']:6.2f} {r['tokens']:6.1f} {r['truncated']:5.2f} {r['seconds']:6.0f}", flush=True)
         if args.examples:
             print(f"{'':4}e.g. {r['example'][:300]!r}")

@@ -7,8 +7,10 @@ here; reasoning-gym generates comparable problems procedurally, each dataset wit
 key=value`` sets the dataset's config (puzzle size, number of disks).
 
 A question's split is a hash of its text alone, as tasks.is_heldout_pair does for the synthetic task: a held-out
-question is never a training question, whatever the seeds, sizes or options. Agents answer inside
-<answer>...</answer> (reasoning-gym's own convention, asked for by its default system prompt).
+question is never a training question, whatever the seeds, sizes or options. Agents are asked to answer inside
+<answer>...</answer> (reasoning-gym's own convention, asked for by its default system prompt); a response without
+the tags is scored as written (``response_answer``): SmolLM2-135M almost never writes them, and a reward that is 0
+on every response at the start teaches nothing.
 """
 from __future__ import annotations
 
@@ -137,6 +139,12 @@ def tagged_answer(text: str) -> str | None:
     return text[start + len("<answer>"):end].strip() or None
 
 
+def response_answer(text: str) -> str | None:
+    """What the scorer judges: the tagged answer if the response has one, else the whole response (None if empty)."""
+    tagged = tagged_answer(text)
+    return tagged if tagged is not None else (text.strip() or None)
+
+
 def same_text(answer: str) -> str:
     """An answer with its whitespace collapsed: answers that differ in spacing alone vote together."""
     return " ".join(answer.split())
@@ -144,7 +152,7 @@ def same_text(answer: str) -> str:
 
 class ReasoningGymReward:
     """The team reward of a reasoning-gym task: the dataset's own ``score_answer`` (partial credit included) of
-    the team's answer, each agent's answer read from its <answer> tags. Independent protocol: the expected score
+    the team's answer, each agent's answer read by ``response_answer``. Independent protocol: the expected score
     of the majority answer under a uniform tie-break (``harness.reward.vote_score``); chain: the last agent's."""
 
     reward_range = (0.0, 1.0)
@@ -158,7 +166,7 @@ class ReasoningGymReward:
         out = []
         for question, texts, gold, meta in zip(prompts, completions, answer, metadata):
             entry = {"question": question, "answer": gold, "metadata": meta}
-            answers = [tagged_answer(t) for t in texts]
+            answers = [response_answer(t) for t in texts]
             score = lambda a: float(self.dataset.score_answer(a, entry))  # noqa: E731  (one entry's scorer)
             out.append(score(answers[-1]) if protocol == "chain" else vote_score(answers, score, same_text))
         return out

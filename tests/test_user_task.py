@@ -494,7 +494,7 @@ def test_reasoning_gym_reward_is_the_datasets_own_score_with_the_vote():
     gold = problems[0].columns["answer"]
     names = [part.split(" is ")[0].strip(" ,.") for part in gold.replace(", and", ",").split(",")]
     half = f"{names[0]} is a {'villain' if 'hero' in gold.split(',')[0] else 'hero'}, and {gold.split(', and ')[1]}"
-    texts = [[f"<answer>{gold}</answer>", "no tags", f"<answer>{gold}</answer>"],
+    texts = [[f"<answer>{gold}</answer>", "no tags", f"Thinking.\n<answer>{gold}</answer>"],
              [f"<answer>{half}</answer>", "<answer>nonsense</answer>", "<answer>x</answer>"]]
     rows = [problems[0], problems[0]]
     answers = [[reasoning_gym_task.tagged_answer(t) for t in row] for row in texts]
@@ -502,6 +502,9 @@ def test_reasoning_gym_reward_is_the_datasets_own_score_with_the_vote():
     score = fn.dataset.score_answer(half, {"answer": gold, "metadata": problems[0].columns["metadata"]})
     assert values[0] == 1.0 and 0 < score < 1 and values[1] == pytest.approx(score / 3)  # a three-way tie
     assert score_problems(reward, rows, texts, answers, "chain") == [1.0, 0.0]
+    untagged = score_problems(reward, rows[:1], [[f"So: {gold}"]], [[None]], "chain")[0]
+    assert untagged == fn.dataset.score_answer(f"So: {gold}", {"answer": gold, "metadata": {}}) > 0  # as written
+    assert reasoning_gym_task.response_answer("  ") is None
 
 
 def test_reasoning_gym_bad_names_and_options_are_one_line():
