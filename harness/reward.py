@@ -121,6 +121,8 @@ def import_module(spec: str, dotted: str):
     try:
         return importlib.import_module(dotted)
     except ModuleNotFoundError as e:
+        if e.name and dotted != e.name and not dotted.startswith(e.name + "."):  # a module it imports is missing
+            raise RewardError(f"--reward {spec}: importing {dotted} raised {describe(e)}") from e
         raise RewardError(f"--reward {spec}: no module {dotted!r} ({e}); pass FILE.py:NAME, or install the package "
                           "that holds it") from e
     except Exception as e:

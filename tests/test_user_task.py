@@ -183,9 +183,14 @@ def test_a_package_module_reward_loads(tmp_path, monkeypatch):
     pkg.mkdir()
     write(pkg / "__init__.py", "")
     write(pkg / "team.py", "def reward(prompts, completions, **c):\n    return [1.0] * len(prompts)\n")
+    write(pkg / "needs.py", "import not_installed_dep\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = load_reward("myrewards.team:reward")
     assert call_reward(fn, PROMPTS, COMPLETIONS, COLUMNS) == [1.0, 1.0, 1.0]
+    with pytest.raises(RewardError) as err:
+        load_reward("myrewards.needs:reward")
+    assert ("importing myrewards.needs raised ModuleNotFoundError: No module named 'not_installed_dep' (needs.py:1)"
+            in one_line(err))
 
 
 # -- The built-in reward through the same path: equal to the rollout's --------------------------------------
@@ -325,6 +330,14 @@ def test_data_errors_are_one_line_naming_what_the_file_has(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         datafiles.load_problems(str(tmp_path / "none.csv"))
     assert "none.csv: no such file" in one_line(err)
+
+
+def test_the_repositorys_jsonl_files_read_as_load_jsonl_reads_them():
+    from tasks import load_jsonl
+
+    for path in sorted((ROOT / "data").glob("*.jsonl")):
+        expected = [(p.id, p.problem, p.answer) for p in load_jsonl(path)]
+        assert [(p.id, p.problem, p.answer) for p in datafiles.load_problems(str(path))] == expected, path.name
 
 
 def test_hub_specs_parse_and_files_are_told_apart():
