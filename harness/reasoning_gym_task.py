@@ -15,6 +15,7 @@ on every response at the start teaches nothing.
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 import importlib.util
 
@@ -62,8 +63,9 @@ def make_dataset(name: str, options: dict, size: int, seed: int):
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
-        near = sorted(n for n in DATASETS if n[:3] == name[:3]) or sorted(DATASETS)[:10]
-        raise ValueError(f"--task reasoning-gym:{name}: no such reasoning-gym dataset; e.g. {', '.join(near)}")
+        near = difflib.get_close_matches(name, DATASETS, n=3) or sorted(DATASETS)[:5]
+        raise ValueError(f"--task reasoning-gym:{name}: no such reasoning-gym dataset; did you mean "
+                         f"{' or '.join(near)}? (reasoning_gym.factory.DATASETS lists all {len(DATASETS)})")
     try:
         return reasoning_gym.create_dataset(name, **options, size=size, seed=seed)
     except (TypeError, AssertionError, ValueError) as e:

@@ -521,7 +521,7 @@ def test_reasoning_gym_reward_is_the_datasets_own_score_with_the_vote():
 
 
 def test_reasoning_gym_bad_names_and_options_are_one_line():
-    for name, options, expected in (("knights_knave", {}, "no such reasoning-gym dataset; e.g. knight_swap, knights_"),
+    for name, options, expected in (("knights_knave", {}, "no such reasoning-gym dataset; did you mean knights_knaves"),
                                     ("tower_of_hanoi", {"disks": 3}, "not a valid HanoiConfig"),
                                     ("tower_of_hanoi", {"min_disks": 5, "max_disks": 2}, "not a valid HanoiConfig")):
         with pytest.raises(ValueError) as err:
