@@ -10,7 +10,9 @@ A question's split is a hash of its text alone, as tasks.is_heldout_pair does fo
 question is never a training question, whatever the seeds, sizes or options. Agents are asked to answer inside
 <answer>...</answer> (reasoning-gym's own convention, asked for by its default system prompt); a response without
 the tags is scored as written (``response_answer``): SmolLM2-135M almost never writes them, and a reward that is 0
-on every response at the start teaches nothing.
+on every response at the start teaches nothing. A scorer that reads anything it can from a text is then open to
+prose: sokoban's plays every character of the answer as a key and ignores the rest, so untagged prose solved 46% of
+one-box 4x4-5x5 puzzles at the start (docs/results.md); use the tasks whose scorers parse a strict format.
 """
 from __future__ import annotations
 
