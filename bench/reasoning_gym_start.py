@@ -38,6 +38,7 @@ from harness.reasoning_gym_task import (  # noqa: E402
     task_roles,
 )
 from harness.reward import Reward, score_problems  # noqa: E402
+from harness.roles import Role, Roles  # noqa: E402
 from rollout import HF, SamplingConfig, response_seeds  # noqa: E402
 from team import Agent  # noqa: E402
 
@@ -55,7 +56,7 @@ def parse_task(item: str) -> tuple[str, dict]:
 def measure(agent: Agent, name: str, options: dict, args, sampling: SamplingConfig) -> dict:
     """One task's figures: --team agents (one sample each per problem, seeds per agent as in a rollout)."""
     problems = reasoning_gym_problems(name, options, args.n, args.seed, "train")
-    roles = task_roles(1, "independent")
+    roles = task_roles(1, "independent") if args.system == "reasoning-gym" else Roles((Role(None, "{problem}"),))
     contexts = [agent.encode_prompt(roles.messages(0, p, [], [])) for p in problems]
     start, texts, tokens = time.perf_counter(), [], []
     for k in range(args.team):
@@ -86,6 +87,9 @@ def main() -> None:
     ap.add_argument("--team", type=int, default=1, help="agents (samples per problem) for the team reward")
     ap.add_argument("--temperature", type=float, default=0.4)
     ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--system", default="reasoning-gym", choices=["reasoning-gym", "none"],
+                    help="the system turn: reasoning-gym's default prompt (asks for <answer> tags), or none (the "
+                         "question alone; the chat template may add its own default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--examples", action="store_true", help="print each task's first response")
@@ -93,7 +97,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     agent = Agent.load(args.model)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    print(f"model {args.model}, {args.n} train problems a task, team of {args.team}, T {args.temperature}, "
+    print(f"model {args.model}, {args.n} train problems a task, team of {args.team}, system {args.system}, "
+          f"T {args.temperature}, "
           f"max_new_tokens {args.max_new_tokens}, {args.threads} threads")
     print(f"{'task':<72} {'n':>3} {'team':>6} {'agent':>6} {'tags':>6} {'tagged':>6} {'tokens':>6} "
           f"{'cut':>5} {'s':>6}")
