@@ -27,6 +27,9 @@ RUNS = {
     "real_stage.py": (["--agents", "tiny x2", "--batch-size", "8", "--minibatch-size", "8", "--eval-size", "4",
                        "--warmup-steps", "0", "--reuse", "regenerate"],
                       r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s"),
+    "reasoning_gym_start.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--team", "2", "--tasks",
+                                "knights_knaves;tower_of_hanoi:max_disks=3"],
+                               r"(?m)^tower_of_hanoi:max_disks=3 +2( +[\d.]+){6} +\d+$"),
     "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
                         r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }

@@ -1,0 +1,195 @@
+"""``--report-to tensorboard,wandb,trackio,mlflow,none``: each stage's numbers and samples sent to the trackers
+TRL and verl users read, beside metrics.jsonl.
+
+Each backend is imported when it is opened, never before; ``check_report_to`` refuses a missing package in one
+line naming its pip install before any work. A stage sends the scalars of its metrics row (``flatten``: team and
+per-agent accuracy, KL quantiles, beta, bounds, timings; nested names joined with "/", agents numbered from 1)
+and its samples as a table (``sample_table``). Every tracker writes inside the run folder: W&B runs offline
+(WANDB_MODE=offline: these machines have no network), MLflow to a file store, trackio to a local project.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}  # -> pip name
+CHOICES = (*PACKAGES, "none")
+MAX_INDEXED = 16  # a list of numbers up to this long is one scalar per entry (per agent); longer ones are per-row data
+
+
+def parse_report_to(spec: str) -> tuple[str, ...]:
+    """The trackers of ``--report-to`` ("tensorboard,wandb", "none"), each named once."""
+    names = tuple(dict.fromkeys(n.strip().lower() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in CHOICES]
+    if unknown or not names:
+        raise ValueError(f"--report-to {spec!r}: {('unknown tracker ' + repr(unknown[0])) if unknown else 'empty'}; "
+                         f"choose from {', '.join(CHOICES)} (comma-separated)")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"--report-to {spec!r}: none cannot be combined with a tracker")
+    return () if names == ("none",) else names
+
+
+def check_report_to(names: tuple[str, ...]) -> None:
+    """One line naming the pip install for the first tracker whose package is missing (before any work)."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise RuntimeError(f"--report-to {name} needs the package {PACKAGES[name]}, which is not installed: "
+                               f"pip install {PACKAGES[name]} (or drop it from --report-to)")
+
+
+def flatten(row: dict, prefix: str = "") -> dict[str, float]:
+    """The scalars of a metrics row: numbers and booleans by their "/"-joined path; lists of dicts (per agent)
+    and short lists of numbers numbered from 1; text, None and long lists (the per-row held-out rewards) left
+    to metrics.jsonl."""
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "/"))
+        elif isinstance(value, (list, tuple)) and len(value) <= MAX_INDEXED:
+            out.update(flatten({str(i + 1): v for i, v in enumerate(value)}, name + "/"))
+        elif isinstance(value, (bool, int, float)):
+            out[name] = float(value)
+    return out
+
+
+def sample_table(samples: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of a stage's samples (records.stage_samples): the problem, the gold answer, each agent's
+    response and answer, the team's answer and reward."""
+    if not samples:
+        return [], []
+    n_agents = len(samples[0]["agents"])
+    columns = ["stage", "problem", "gold"] + [f"agent_{k + 1}_{f}" for k in range(n_agents)
+                                              for f in ("response", "answer")] + ["team_answer", "reward"]
+    rows = [[s["stage"], s["problem"], str(s["gold"])]
+            + [str(a[f]) for a in s["agents"] for f in ("response", "answer")]
+            + [str(s["team_answer"]), float(s["reward"])] for s in samples]
+    return columns, rows
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table (TensorBoard's text plugin renders it), cells on one line each."""
+    def cell(v) -> str:
+        return str(v).replace("|", "\\|").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def finite(scalars: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in scalars.items() if math.isfinite(v)}
+
+
+class TensorBoard:
+    """Event files in <run>/tensorboard (torch's SummaryWriter); samples as a markdown table under "samples"."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", markdown_table(["option", "value"], sorted(config.items())), 0)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list]) -> None:
+        self.writer.add_text("samples", markdown_table(columns, rows), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """An offline W&B run (mode="offline": no network) with its files in <run>/wandb; samples as a wandb.Table.
+    ``wandb sync <run>/wandb/offline-run-*`` uploads it where there is network."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project="sat", name=run_dir.name, dir=str(run_dir), config=config, mode="offline")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list]) -> None:
+        self.run.log({"samples": self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackio:
+    """A local trackio project "sat" (under <run>/trackio unless TRACKIO_DIR says otherwise); samples as a table."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))  # read when trackio is first imported
+        import trackio
+
+        self.trackio = trackio
+        self.run = trackio.init(project="sat", name=run_dir.name, config=config)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.trackio.log(scalars, step=step)
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list]) -> None:
+        self.trackio.log({"samples": self.trackio.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+class MLflow:
+    """An MLflow run (experiment "sat") in the file store <run>/mlruns, which needs no database and works with
+    mlflow-skinny too (``mlflow ui --backend-store-uri <run>/mlruns`` shows it); samples as a JSON table per stage.
+    MLflow 3 keeps that store in maintenance mode behind MLFLOW_ALLOW_FILE_STORE, set here for this process."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment("sat")
+        self.run = mlflow.start_run(run_name=run_dir.name)
+        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})  # MLflow caps a value at 500 characters
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.mlflow.log_metrics(scalars, step=step)
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list]) -> None:
+        table = {c: [row[i] for row in rows] for i, c in enumerate(columns)}
+        self.mlflow.log_table(data=table, artifact_file=f"samples/stage_{step:04d}.json")
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio, "mlflow": MLflow}
+
+
+class Trackers:
+    """The run's trackers (none: every call does nothing): one ``log_stage`` per metrics row."""
+
+    def __init__(self, names: tuple[str, ...], run_dir: str | Path, config: dict):
+        check_report_to(names)
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.backends = [BACKENDS[name](run_dir, config) for name in names]
+
+    def log_stage(self, row: dict, samples: list[dict]) -> None:
+        """A stage's metrics row (its scalars, at step = the stage) and samples (records.stage_samples)."""
+        step, scalars = int(row["stage"]), finite(flatten(row))
+        columns, rows = sample_table(samples)
+        for backend in self.backends:
+            backend.log(step, scalars)
+            if rows:
+                backend.log_samples(step, columns, rows)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
