@@ -102,10 +102,10 @@ def leave(ok: bool = True) -> None:
 
 def end_rank(code: int) -> NoReturn:
     """End this torchrun rank with ``code``: exit handlers run and output is flushed, but the interpreter is not
-    finalized. The group's gloo worker threads outlive ``destroy_process_group`` (FSDP2 modules and DTensor's
-    meshes keep the group object), and one that drops a finished collective's tensors once finalization has begun
-    must take the GIL, is ended by Python inside a C++ destructor and aborts the process ("terminate called
-    without an active exception", exit -6: 1 run of tests/dist/frozen_worker.py in 10 beside busy CPUs)."""
+    finalized. The group's gloo threads outlive ``destroy_process_group`` (FSDP2 modules and DTensor's meshes keep
+    the group object), and a gloo thread that frees a collective's tensor once finalization has begun must take
+    the GIL, is ended by Python inside a C++ destructor and aborts the process ("terminate called without an
+    active exception", exit -6), at random, more often on a busy machine."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
