@@ -74,7 +74,7 @@ def test_a_second_invocation_skips_finished_runs(svj, capsys, monkeypatch):
     def no_run(*args, **kwargs):
         raise AssertionError("a finished run was run again")
 
-    monkeypatch.setattr(common.sat, "run", no_run)  # not a wall-time bound: a busy machine passes it too
+    monkeypatch.setattr(common.harness.run, "run", no_run)  # not a wall-time bound: a busy machine passes it too
     assert sequential_vs_joint.main(argv) == 0
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[experiments]")]
     assert len(said) == 4 and all(ln.endswith("skipped (finished)") for ln in said)

@@ -146,9 +146,9 @@ def test_cli_rejects_zero_threads(capsys):
 def test_output_sent_to_a_file_has_the_stage_lines_and_no_progress_bars(tmp_path, capfd):
     """Output that is not a terminal (pytest's capture files, like ``python sat.py > log 2>&1``) gets the stage
     lines but none of the progress bars' carriage-return updates (warm start, stages)."""
-    assert sat.main(["--agents", "tiny x2", "--stages", "1", "--batch-size", "16", "--group-size", "4",
-                     "--minibatch-size", "16", "--warmup-steps", "20", "--eval-size", "8", "--device", "cpu",
-                     "--out", str(tmp_path / "run")]) == 0
+    assert harness.cli.main(["--agents", "tiny x2", "--stages", "1", "--batch-size", "16", "--group-size", "4",
+                             "--minibatch-size", "16", "--warmup-steps", "20", "--eval-size", "8", "--device", "cpu",
+                             "--out", str(tmp_path / "run")]) == 0
     out, err = capfd.readouterr()
     assert "\r" not in out + err
     assert "held-out team accuracy" in out and len(out.splitlines()) > 5  # the stage table and samples
