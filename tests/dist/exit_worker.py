@@ -14,7 +14,6 @@ import sys
 import torch
 
 from scale import distributed
-from team import Agent
 from harness.loading import load_agent
 
 
