@@ -144,10 +144,10 @@ def raw_reference(branch: str) -> str:
 
 
 def share(part: list[float], whole: list[float]) -> str:
-    """mean(part) / mean(whole): the share of the raw swap's change a rule kept (a ratio of means over the
-    seeds both have, so seeds with a near-0 raw change do not blow it up)."""
-    if not part or not whole or abs(sum(whole)) < 1e-12:
-        return "-"
+    """mean(part) / mean(whole): the share of the raw swap's gain a rule kept (a ratio of means over the
+    seeds both have, so seeds with a near-0 raw change do not blow it up); none where the raw swap did not gain."""
+    if not part or not whole or sum(whole) <= 0:
+        return "- (raw did not gain)" if whole else "-"
     return f"{sum(part) / sum(whole):.0%}"
 
 
