@@ -27,6 +27,7 @@ contexts' law is unchanged); for ``weights`` it is the importance-sampled estima
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -248,3 +249,21 @@ def run(game: Game, team: list[torch.Tensor], delta: float, stages: int, conditi
         out.append(stage)
         cur = list(stage.team)
     return out
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def parse_list(text: str, kind, flag: str, example: str, zero_ok: bool = False) -> list:
+    """Comma-separated numbers for an argparse option: positive ones (``zero_ok``: >= 0, e.g. seeds)."""
+    try:
+        values = [kind(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: write comma-separated numbers, e.g. {example}") from None
+    if not values or min(values) < 0 or (not zero_ok and min(values) <= 0):
+        raise argparse.ArgumentTypeError(f"{flag} {text!r}: give {'numbers >= 0' if zero_ok else 'positive numbers'}, "
+                                         f"e.g. {example}")
+    return values

@@ -147,27 +147,13 @@ def verdicts(cells: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def parse_list(text: str, kind, flag: str) -> list:
-    try:
-        values = [kind(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: write comma-separated numbers, e.g. 2,3,5") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: give positive numbers, e.g. 2,3,5")
-    return values
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("exact", help="the enumerated game with exact trust-region steps (no sampling)")
-    ex.add_argument("--n", default="2,3,5", type=lambda s: parse_list(s, int, "--n"), help="team sizes")
-    ex.add_argument("--deltas", default="0.01,0.05,0.2,1.0", type=lambda s: parse_list(s, float, "--deltas"),
+    ex.add_argument("--n", default="2,3,5", type=lambda s: et.parse_list(s, int, "--n", "2,3,5"), help="team sizes")
+    ex.add_argument("--deltas", default="0.01,0.05,0.2,1.0",
+                    type=lambda s: et.parse_list(s, float, "--deltas", "0.01,0.05"),
                     help="trust-region radii")
     ex.add_argument("--stages", default=10, type=int, help="stages per run (default 10)")
     ex.add_argument("--p-answer", default=0.5, type=float, help="every agent's starting P(answer) (0.5)")
@@ -195,7 +181,7 @@ def exact_main(args: argparse.Namespace, argv: list[str]) -> str:
     start = ", ".join(f"{p:g}" for p in args.start)
     text = "\n".join([
         "# Role selection, exact (claim 1)", "",
-        markdown(EXACT_HEADER, exact_rows(cells)), "",
+        et.markdown(EXACT_HEADER, exact_rows(cells)), "",
         f"Start: every agent at (PASS, RIGHT, WRONG) = ({start}); {args.stages} stages; static order 1..n; "
         "J after the last stage, with the number of stages and of steps (one agent's update; a joint stage is "
         "one step) whose J fell by more than 1e-12. Predictions P1-P4 and the criterion: the docstring of "

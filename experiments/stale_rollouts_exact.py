@@ -193,27 +193,15 @@ def verdicts(cells: dict) -> list[str]:
     return lines
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def parse_list(text: str, kind, flag: str) -> list:
-    try:
-        values = [kind(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: write comma-separated numbers, e.g. 2,3,4,5") from None
-    if not values or min(values) < 0 or (flag != "--seeds" and min(values) <= 0):
-        raise argparse.ArgumentTypeError(f"{flag} {text!r}: give positive numbers (seeds: >= 0), e.g. 2,3,4,5")
-    return values
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", default="2,3,4,5", type=lambda s: parse_list(s, int, "--n"), help="team sizes (>= 2)")
-    p.add_argument("--deltas", default="0.01,0.05,0.2,1.0", type=lambda s: parse_list(s, float, "--deltas"),
+    p.add_argument("--n", default="2,3,4,5", type=lambda s: et.parse_list(s, int, "--n", "2,3,4,5"),
+                   help="team sizes (>= 2)")
+    p.add_argument("--deltas", default="0.01,0.05,0.2,1.0",
+                   type=lambda s: et.parse_list(s, float, "--deltas", "0.01,0.05"),
                    help="trust-region radii")
-    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7,8,9", type=lambda s: parse_list(s, int, "--seeds"),
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7,8,9",
+                   type=lambda s: et.parse_list(s, int, "--seeds", "0,1,2", zero_ok=True),
                    help="one random chain team per seed")
     p.add_argument("--stages", default=10, type=int, help="stages per run (default 10)")
     p.add_argument("--out", default=None, help="also write the tables, verdicts and command to this markdown file")
@@ -233,11 +221,11 @@ def report(cells: dict, args: argparse.Namespace, argv: list[str], seconds: floa
     n_max = max(args.n)
     parts = ["# Stale rollouts over n in the chain protocol, exact (claim 2)", ""]
     for order in ORDERS:
-        parts += [f"## Sequential order: {order}", "", markdown(SUMMARY_HEADER, summary_rows(cells, order)), "",
+        parts += [f"## Sequential order: {order}", "", et.markdown(SUMMARY_HEADER, summary_rows(cells, order)), "",
                   f"weights, {order} order, n = {n_max}: seed-mean |claimed - true| of each stage-1 step", "",
-                  markdown(["delta"] + [f"step {i + 1}" for i in range(n_max)], per_step_rows(cells, n_max, order)),
+                  et.markdown(["delta"] + [f"step {i + 1}" for i in range(n_max)], per_step_rows(cells, n_max, order)),
                   ""]
-    parts += ["## Growth of the stage-1 gap with n (seed means)", "", markdown(FIT_HEADER, fit_rows(cells)), "",
+    parts += ["## Growth of the stage-1 gap with n (seed means)", "", et.markdown(FIT_HEADER, fit_rows(cells)), "",
               f"Seeds {','.join(map(str, args.seeds))} (one random chain team each, K = 3 answers); {args.stages} "
               "stages; means over seeds; a stage fell when its J ended more than 1e-12 below its start. Predictions "
               "Q1-Q3 and the criterion: the docstring of experiments/stale_rollouts_exact.py, fixed before this run.",
