@@ -259,15 +259,15 @@ def grade(text: str, gold: str, backend: str = "auto") -> tuple[str | None, bool
     return pred, answers_match(pred, gold, backend)
 
 
-def _tied_answers(answers: list[str | None]) -> list[str]:
-    """The answers tied for most votes after normalisation, each as first written, earliest first
-    (None and empty abstain; [] if all do)."""
+def tied_answers(answers: list[str | None], same=normalize_answer) -> list[str]:
+    """The answers tied for most votes (answers equal under ``same`` vote together), each as first written,
+    earliest first (None and empty abstain; [] if all do)."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}  # key -> first spelling; insertion order = first index
     for ans in answers:
         if ans is None or not str(ans).strip():
             continue
-        key = normalize_answer(ans)
+        key = same(ans)
         counts[key] = counts.get(key, 0) + 1
         first.setdefault(key, ans)
     best = max(counts.values(), default=0)
@@ -277,7 +277,7 @@ def _tied_answers(answers: list[str | None]) -> list[str]:
 def majority_vote(answers: list[str | None], rng: random.Random | None = None) -> str | None:
     """The most common answer after normalisation, as first written (None if all abstain). A tie goes to
     the answer given first, or with ``rng`` to a uniform draw among the tied."""
-    tied = _tied_answers(answers)
+    tied = tied_answers(answers)
     if not tied:
         return None
     return tied[0] if rng is None else rng.choice(tied)
@@ -287,7 +287,7 @@ def vote_reward(answers: list[str | None], gold: str, backend: str = "auto") -> 
     """The independent protocol's team reward: the expected correctness of the majority vote under a
     uniform tie-break (0 if all abstain). Symmetric in the agents: with ties to the earliest agent, agent 1
     alone would decide every three-way disagreement."""
-    tied = _tied_answers(answers)
+    tied = tied_answers(answers)
     if not tied:
         return 0.0
     return sum(answers_match(a, gold, backend) for a in tied) / len(tied)

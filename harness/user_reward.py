@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from reward import answers_match, normalize_answer, vote_reward
+from reward import answers_match, normalize_answer, tied_answers, vote_reward
 
 DEFAULT_RANGE = (0.0, 1.0)
 SIGNATURE = "def NAME(prompts, completions, **columns) -> list[float]"
@@ -65,17 +65,8 @@ DEFAULT_REWARD = Reward(team_correct, "the built-in team reward")
 def vote_score(answers: list[str | None], score: Callable[[str], float], key: Callable[[str], str] = normalize_answer
                ) -> float:
     """The expected ``score`` of the majority answer under a uniform tie-break (answers equal under ``key``
-    vote together; None and empty abstain; 0 if all do): ``grading.vote_reward`` for any per-answer score."""
-    counts: dict[str, int] = {}
-    first: dict[str, str] = {}  # key -> the answer as first written
-    for ans in answers:
-        if ans is None or not str(ans).strip():
-            continue
-        k = key(ans)
-        counts[k] = counts.get(k, 0) + 1
-        first.setdefault(k, ans)
-    best = max(counts.values(), default=0)
-    tied = [first[k] for k, c in counts.items() if c == best]
+    vote together; None and empty abstain; 0 if all do): ``reward.vote_reward`` for any per-answer score."""
+    tied = tied_answers(answers, key)
     return sum(score(a) for a in tied) / len(tied) if tied else 0.0
 
 
