@@ -1,4 +1,4 @@
-"""Evaluate a team on AIME24 / AIME25 / MATH-500: avg@K, pass@k, maj@K (paper, Section 6, Table 1).
+"""Evaluate a team on AIME24 / AIME25 / MATH-500, or any task: avg@K, pass@k, maj@K (paper, Section 6, Table 1).
 
 Paper setting: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0, up to 32,768 new tokens.
 Each sample is one joint trajectory of the whole team (``rollout.rollout``, as in training); the team answer
@@ -9,6 +9,13 @@ is the majority vote (independent) or the last agent's answer (chain).
     python eval_aime.py --agents "Qwen3-4B x3" --data data/aime24.jsonl --k 64             # offline copy
     OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \
         --max-new-tokens 16 --out /tmp/ev                                                 # CPU smoke run
+    python eval_aime.py --ckpt runs/kk --bench reasoning-gym:knights_knaves --task-option n_people=2 --k 4
+    python eval_aime.py --ckpt runs/mine --data mine.csv --reward my_reward.py:reward --instruction "" --k 8
+
+A benchmark with a reward of its own (a reasoning-gym task, or --reward as in sat.py) scores each sample with it:
+avg@K is the mean reward (partial credit included), pass@k counts samples at the reward's maximum, maj@K is the
+reward of the first sample that gives the most common team answer. The math benchmarks keep answer matching of
+the team's voted answer.
 
 Metrics per benchmark, for the team and each agent (its own answer inside the joint trajectory): avg@K,
 the unbiased pass@1 and pass@K, maj@K, each with a 95% percentile bootstrap over problems (2000 resamples,
@@ -36,11 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness import reasoning_gym_task as rg
 from harness.config import BACKENDS, PROTOCOLS, add_options, default_backend, opt, parse_agents
+from harness.datafiles import load_problems
 from harness.loading import check_hub_available, load_agent, load_saved_team
+from harness.roles import parse_roles
 from harness.run_folder import folder_digests, latest_checkpoint, verify_checkpoint
-from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, load_dataset_by_name, load_jsonl
-from reward import answers_match, majority_vote, normalize_answer
+from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, load_dataset_by_name
+from harness.user_reward import load_reward
+from reward import DEFAULT_REWARD, Reward, answers_match, majority_vote, normalize_answer
 from rollout import SamplingConfig, TeamBatch, rollout
 from scale.rollout_vllm import make_backend  # the entry point picks the backend
 from team import Problem, Team, TeamConfig
@@ -58,12 +69,21 @@ class EvalConfig:
     agents: str = opt("Qwen3-4B x3", 'the team, e.g. "Qwen3-4B x3", "tiny x3" (ignored with --ckpt)')
     ckpt: str | None = opt(None, "a sat.py run folder (latest checkpoint), a checkpoints/stage_XXXX folder, or a "
                            "team folder")
-    bench: str = opt("aime24,aime25", "comma-separated dataset names: aime24, aime25, math500")
-    data: str | None = opt(None, "comma-separated JSONL files instead of --bench (each file stem names a benchmark)")
+    bench: str = opt("aime24,aime25", "comma-separated dataset names: aime24, aime25, math500, or one "
+                                      "reasoning-gym:NAME (its held-out questions, scored by its own verifier)")
+    data: str | None = opt(None, "comma-separated data files (.jsonl/.json/.csv/.parquet) or Hub ids instead of "
+                                 "--bench (each file stem names a benchmark)")
+    problem_key: str | None = opt(None, "the problem column of --data (as in sat.py)")
+    answer_key: str = opt("answer", "the gold-answer column of --data (as in sat.py)")
+    reward: str | None = opt(None, "score samples with this team reward, FILE.py:NAME or package.module:NAME (as in "
+                                   "sat.py); default: answer matching, or a reasoning-gym task's own scorer")
+    task_option: list[str] = opt([], "KEY=VALUE: the config of a reasoning-gym:NAME benchmark (repeatable)")
+    reasoning_gym_size: int = opt(100, "held-out questions generated for a reasoning-gym:NAME benchmark")
     k: int = opt(64, "samples (joint trajectories) per problem (paper: 64 on AIME, 4 on MATH-500)")
     protocol: str | None = opt(None, "default: the checkpoint's, else independent", PROTOCOLS)
     thinking: bool | None = opt(None, "Qwen3's thinking mode (default: the checkpoint's, else off)")
-    instruction: str = opt(BOXED_INSTRUCTION, "text appended to every problem (default: sat.py's boxed-answer one)")
+    instruction: str | None = opt(None, "text appended to every problem (default: sat.py's boxed-answer one; none for "
+                                        "a reasoning-gym:NAME benchmark, whose roles ask for <answer> tags)")
     temperature: float = opt(0.8, "sampling temperature")
     top_p: float = opt(1.0, "nucleus top-p")
     max_new_tokens: int = opt(32768, "new tokens per response at most")
@@ -128,11 +148,20 @@ def bootstrap_ci(scores: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed
     return (float(lo), float(hi))
 
 
-def problem_metrics(correct: list[bool], answers: list[str | None], gold: str, k: int) -> dict[str, float]:
-    """avg@K, pass@1, pass@K and maj@K of one problem from its K samples."""
+def problem_metrics(correct: list[bool], answers: list[str | None], gold: str, k: int,
+                    scores: list[float] | None = None) -> dict[str, float]:
+    """avg@K, pass@1, pass@K and maj@K of one problem from its K samples. ``scores``: each sample's reward (a
+    benchmark with a reward of its own): avg@K is their mean and maj@K the score of the first sample that gives
+    the majority answer; ``correct`` then says which samples earned the reward's maximum."""
     n, c = len(correct), sum(correct)
-    return {f"avg@{k}": c / n, "pass@1": pass_at_k(n, c, 1), f"pass@{k}": pass_at_k(n, c, k),
-            f"maj@{k}": float(majority_correct(answers, gold))}
+    if scores is None:
+        return {f"avg@{k}": c / n, "pass@1": pass_at_k(n, c, 1), f"pass@{k}": pass_at_k(n, c, k),
+                f"maj@{k}": float(majority_correct(answers, gold))}
+    majority = majority_vote(answers)
+    first = next((s for a, s in zip(answers, scores) if a is not None and majority is not None
+                  and normalize_answer(a) == normalize_answer(majority)), 0.0)
+    return {f"avg@{k}": sum(scores) / n, "pass@1": pass_at_k(n, c, 1), f"pass@{k}": pass_at_k(n, c, k),
+            f"maj@{k}": float(first)}
 
 
 def aggregate(per_problem: list[dict[str, float]]) -> dict[str, dict]:
@@ -153,9 +182,13 @@ def length_stats(tokens: list[int], truncated: list[bool]) -> dict[str, float]:
 # -- Benchmarks and the team -----------------------------------------------------------------------------
 def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
     """{benchmark name: every problem} from --data files or --bench names."""
+    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
     if cfg.data:
-        paths = [Path(p.strip()) for p in cfg.data.split(",") if p.strip()]
-        benches = {p.stem: load_jsonl(p) for p in paths}
+        specs = [p.strip() for p in cfg.data.split(",") if p.strip()]
+        benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key) for s in specs}
+    elif gym:  # the held-out split sat.py never trains on (seed 1: as sat.py --seed 0 draws its held-out rows)
+        benches = {cfg.bench.strip(): rg.reasoning_gym_problems(gym, rg.parse_options(cfg.task_option),
+                                                                cfg.reasoning_gym_size, 1, split="heldout")}
     else:
         names = [canonical_dataset_name(b) for b in cfg.bench.split(",") if b.strip()]  # unknown: before downloads
         if not names:
@@ -226,14 +259,22 @@ def team_identity(cfg: EvalConfig) -> dict:
         team = {"ckpt": None, "agents": [s.name for s in parse_agents(cfg.agents)], "weights_sha256": None}
         protocol = cfg.protocol or "independent"
         thinking = bool(cfg.thinking)
-    return {**team, "protocol": protocol, "enable_thinking": thinking, "instruction": cfg.instruction,
-            "temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
+    roles = meta.get("roles") if cfg.ckpt else None  # the prompts the team was trained with
+    if roles is None and gym:
+        roles = rg.task_roles(len(team["agents"]), protocol).to_dict()
+    instruction = cfg.instruction if cfg.instruction is not None else ("" if gym else BOXED_INSTRUCTION)
+    return {**team, "protocol": protocol, "enable_thinking": thinking, "instruction": instruction, "roles": roles,
+            "reward": cfg.reward or (cfg.bench.strip() if gym else None), "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
 
 
 def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    roles = identity["roles"] and parse_roles(identity["roles"], "the team's roles", len(identity["agents"]),
+                                              identity["protocol"])
     team_cfg = TeamConfig(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
-                          instruction=identity["instruction"])
+                          instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg))
     if cfg.ckpt:
         team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question
@@ -242,6 +283,17 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     agents = [load_agent(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
               for k, spec in enumerate(parse_agents(cfg.agents))]
     return Team(agents, team_cfg)
+
+
+def benchmark_reward(cfg: EvalConfig) -> Reward:
+    """The reward samples are scored with: --reward, a reasoning-gym benchmark's own scorer, or the built-in one."""
+    if cfg.reward:
+        return load_reward(cfg.reward)
+    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
+    if gym:
+        fn = rg.ReasoningGymReward(gym, rg.parse_options(cfg.task_option))
+        return Reward(fn, cfg.bench.strip(), fn.reward_range)
+    return DEFAULT_REWARD
 
 
 # -- Chunks of work, seeding, and rows -------------------------------------------------------------------
@@ -276,9 +328,11 @@ def team_source(answers: list[str | None], team_answer: str | None, protocol: st
     return next(f"agent_{i + 1}" for i, a in enumerate(answers) if a is not None and normalize_answer(a) == key)
 
 
-def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: range, protocol: str) -> list[dict]:
+def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: range, protocol: str,
+               reward: Reward = DEFAULT_REWARD) -> list[dict]:
     """predictions.jsonl rows of one rollout call: per trajectory one row per agent (its response) and one
-    for the team (its answer and where it came from)."""
+    for the team (its answer and where it came from). A benchmark with a reward of its own also gives each row
+    its ``score`` (the team's reward; an agent's own, ``reward.agent_scores``), ``correct`` at the maximum."""
     rows = []
     group = len(samples)
     for i, problem in enumerate(batch.problems):  # rollout orders trajectories problem-major
@@ -287,13 +341,17 @@ def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: ra
         answers = [t.answers[i] for t in batch.turns]
         tokens = [int(t.response_mask[i].sum()) for t in batch.turns]
         truncated = [bool(t.truncated[i]) for t in batch.turns]
+        top = reward.range[1]
+        scored = (lambda x: {"score": float(x), "correct": float(x) >= top}) if reward is not DEFAULT_REWARD else None
         for k, turn in enumerate(batch.turns):
-            rows.append({**base, "who": f"agent_{k + 1}", "text": turn.texts[i], "answer": answers[k],
-                         "correct": bool(batch.agent_correct[k, i]), "tokens": tokens[k], "truncated": truncated[k]})
+            graded = scored(batch.agent_correct[k, i]) if scored else {"correct": bool(batch.agent_correct[k, i])}
+            rows.append({**base, "who": f"agent_{k + 1}", "text": turn.texts[i], "answer": answers[k], **graded,
+                         "tokens": tokens[k], "truncated": truncated[k]})
         source = team_source(answers, batch.team_answers[i], protocol)
+        graded = scored(batch.rewards[i]) if scored else {"correct": answers_match(batch.team_answers[i],
+                                                                                   problem.answer)}
         rows.append({**base, "who": "team", "text": f"team answer from {source or 'no agent (no answer)'}",
-                     "source": source, "answer": batch.team_answers[i],
-                     "correct": answers_match(batch.team_answers[i], problem.answer),
+                     "source": source, "answer": batch.team_answers[i], **graded,
                      "tokens": sum(tokens), "truncated": any(truncated)})  # the team sample's cost: all its agents'
     return rows
 
@@ -399,8 +457,9 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
             per_problem = []
             for p in problems:
                 samples = [by_problem[p.id][s] for s in range(k)]  # in sample order: fixes maj@K tie-breaks
+                scores = [r["score"] for r in samples] if "score" in samples[0] else None
                 per_problem.append(problem_metrics([r["correct"] for r in samples], [r["answer"] for r in samples],
-                                                   p.answer, k))
+                                                   p.answer, k, scores))
             metrics[who] = aggregate(per_problem)
             lengths[who] = length_stats([r["tokens"] for r in picked], [r["truncated"] for r in picked])
         out[bench] = {"n_problems": len(problems), "k": k, "metrics": metrics, "lengths": lengths}
@@ -482,7 +541,7 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
                     seed_all(chunk_seed(cfg.seed, bench, prob_idx[0], chunk))
                     batch = rollout(team, problems, len(samples), sampling, backend=sampler, score=False)
                     # a half-written chunk is regenerated whole (same seed, same samples); its missing rows added
-                    rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol)
+                    rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol, team.config.reward)
                             if row_key(r) not in written]
                     append_rows(pred_path, rows)
                     written.update(row_key(r) for r in rows)

@@ -33,7 +33,8 @@ from advantage import make_value_head
 from bounds import paired_change_bound
 from harness.processes import ONE_PROCESS, OneProcess
 from logprobs import TurnTensors, left_pad, response_hidden_states
-from rollout import HF, REWARD_RANGE, SamplingConfig, rng_devices, rollout
+from reward import DEFAULT_RANGE
+from rollout import HF, SamplingConfig, rng_devices, rollout
 from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
 
@@ -460,7 +461,7 @@ def acceptance_splits(train: list[Problem], heldout: list[Problem], seed: int, r
 
 
 def certify(candidates: list[Candidate], rewards: Callable[[Agent | None, str], list[float]], delta_conf: float,
-            log) -> tuple[Agent | None, dict]:
+            log, reward_range: tuple[float, float] = DEFAULT_RANGE) -> tuple[Agent | None, dict]:
     """The certified acceptance rule for one slot (Sec. 4.3: the team's change when one factor of the product
     policy is replaced, bounded from paired draws by ``bounds.paired_change_bound``). ``rewards(agent, split)``:
     the team with ``agent`` in the slot (None: the incumbent) on that split's rows, every team under the split's
@@ -479,13 +480,14 @@ def certify(candidates: list[Candidate], rewards: Callable[[Agent | None, str], 
             tried.append({"candidate": candidate.name, "error": " ".join(str(err).split())})
             log(f"  certified: {candidate.name} dropped: {err}")
             continue
-        bound = paired_change_bound(incumbent["selection"], rewards(agent, "selection"), REWARD_RANGE, delta_conf)
+        bound = paired_change_bound(incumbent["selection"], rewards(agent, "selection"), reward_range, delta_conf)
         tried.append({"candidate": candidate.name, "selection": bound, **({"stage0": stage0} if stage0 else {})})
         log(f"  certified: {candidate.name}: gain on the selection split {bound['mean_change']:+.4f}, "
             f"lower bound {bound['lower_bound']:+.4f}")
         if bound["lower_bound"] > best_bound:
             best, best_bound, best_name = agent, bound["lower_bound"], candidate.name
-    cert = paired_change_bound(incumbent["certification"], rewards(best, "certification"), REWARD_RANGE, delta_conf)
+    cert = paired_change_bound(incumbent["certification"], rewards(best, "certification"), reward_range,
+                                delta_conf)
     swapped = cert["lower_bound"] > 0
     log(f"  certified: {best_name} on the certification split: gain {cert['mean_change']:+.4f}, lower bound "
         f"{cert['lower_bound']:+.4f} -> {'swapped in' if swapped else 'not > 0: the incumbent stays'}")
@@ -536,7 +538,7 @@ def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Pro
         holder = team if agent is None else with_agent(team, slot, agent)
         return acceptance.draw(holder, acceptance.splits[split], labels[split])
 
-    chosen, record = certify(candidates, rewards, cfg.delta_conf, log)
+    chosen, record = certify(candidates, rewards, cfg.delta_conf, log, team.config.reward.range)
     record["stage0_candidates"] = why
     record["splits"] = {split: {"rows": len(rows), "problems": len({p.problem for p in rows})}
                         for split, rows in acceptance.splits.items()}

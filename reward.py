@@ -1,16 +1,30 @@
-"""Answer grading: the verifiable team reward of a joint trajectory (paper, Section 5).
+"""The team reward R(tau) of a joint trajectory (paper, Section 5): answer grading, the vote, and the one
+checked call through which every reward, built-in or a user's, is scored.
 
 The reward is shared by every agent's tokens, so a false positive teaches the team to be wrong: when
 unsure the matcher says no. ``extract_answer`` -> ``normalize_answer`` / ``answers_match`` (exact
 rationals, math-verify where installed); ``majority_vote`` / ``vote_reward`` for the independent protocol.
+
+A ``Reward`` is a function in TRL's shape, ``f(prompts, completions, **columns) -> list[float]``, with its range
+(R_min, R_max): the range every bound and certificate uses (``bounds``). ``score`` calls it and checks what it
+returns; ``counterfactual_baselines`` and ``agent_scores`` call it again on swapped outputs, so it must be
+deterministic in its row. ``harness.user_reward`` loads a user's function and probes that contract.
 """
 from __future__ import annotations
 
+import inspect
+import math
 import random
 import re
 import threading
+import traceback
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import torch
 
 # -- Answer extraction -----------------------------------------------------------------------------------
 _BOX_COMMANDS = re.compile(r"\\(?:boxed|fbox)")
@@ -283,11 +297,190 @@ def majority_vote(answers: list[str | None], rng: random.Random | None = None) -
     return tied[0] if rng is None else rng.choice(tied)
 
 
+def vote_score(answers: list[str | None], score: Callable[[str], float], same=normalize_answer) -> float:
+    """The expected ``score`` of the majority answer under a uniform tie-break (answers equal under ``same`` vote
+    together; None and empty abstain; 0 if all do)."""
+    tied = tied_answers(answers, same)
+    return sum(score(a) for a in tied) / len(tied) if tied else 0.0
+
+
 def vote_reward(answers: list[str | None], gold: str, backend: str = "auto") -> float:
     """The independent protocol's team reward: the expected correctness of the majority vote under a
     uniform tie-break (0 if all abstain). Symmetric in the agents: with ties to the earliest agent, agent 1
     alone would decide every three-way disagreement."""
-    tied = tied_answers(answers)
-    if not tied:
-        return 0.0
-    return sum(answers_match(a, gold, backend) for a in tied) / len(tied)
+    return vote_score(answers, lambda a: float(answers_match(a, gold, backend)))
+
+
+# -- The team reward R(tau): one checked call for the built-in reward and a user's --------------------------
+DEFAULT_RANGE = (0.0, 1.0)
+SIGNATURE = "def NAME(prompts, completions, **columns) -> list[float]"
+
+
+class RewardError(ValueError):
+    """A reward function failed its contract: one line naming the function, the row and the value."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A team reward function, the name the user gave it and its range (R_min, R_max): the certificates'
+    A_max = R_max - R_min."""
+
+    fn: Callable
+    name: str
+    range: tuple[float, float] = DEFAULT_RANGE
+
+
+def team_correct(prompts: list[str], completions: list[list[str]], *, answer: list, agent_answers: list[list],
+                 protocol: str, **columns) -> list[float]:
+    """The built-in team reward (paper, Section 5): independent protocol, the expected correctness of the
+    majority vote of the agents' answers under a uniform tie-break (``vote_reward``); chain, whether the last
+    agent's answer is right."""
+    golds = [g if isinstance(g, str) else str(g) for g in answer]  # a data file's raw gold may be a number
+    if protocol == "independent":
+        return [vote_reward(list(answers), gold) for answers, gold in zip(agent_answers, golds)]
+    return [float(answers_match(answers[-1], gold)) for answers, gold in zip(agent_answers, golds)]
+
+
+DEFAULT_REWARD = Reward(team_correct, "the built-in team reward")
+
+
+def columns_of(problems: list, agent_answers: list[list[str | None]], protocol: str) -> dict:
+    """The reward's keyword arguments for rows of ``problems``: ``answer`` (the gold: the raw value a data file
+    holds, else the Problem's text), every other column the rows carry (None where a row lacks it), the agents'
+    extracted answers and the protocol."""
+    rows = [{"answer": p.answer, **p.columns} for p in problems]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    return {**columns, "agent_answers": [list(a) for a in agent_answers], "protocol": protocol}
+
+
+def score(reward: Reward, problems: list, completions: list[list[str]], agent_answers: list[list[str | None]],
+          protocol: str) -> list[float]:
+    """R of joint trajectories ``completions[i]`` (one text per agent) on ``problems[i]``: the one path every
+    reward takes, the built-in one included."""
+    return call_reward(reward, [p.problem for p in problems], completions,
+                       columns_of(problems, agent_answers, protocol), [p.id for p in problems])
+
+
+def counterfactual_baselines(reward: Reward, problems: list, completions: list[list[str]],
+                             agent_answers: list[list[str | None]], protocol: str, group_ids: torch.Tensor
+                             ) -> torch.Tensor:
+    """b_k(tau), agent k's counterfactual baseline in the independent protocol [n_agents, N]: the team
+    reward of tau with agent k's response (text and answer) swapped for each of its other responses in the
+    group, averaged. Agent k's responses to one prompt are i.i.d. and independent of the others', so b_k(tau)
+    is unbiased for E[R | the others' responses in tau] and does not depend on agent k's own: R - b_k is a
+    valid advantage for agent k without the noise of the other agents' responses. Every distinct swapped
+    row is scored once, all in one call."""
+    n_agents = len(completions[0])
+    rows: dict[tuple, int] = {}  # (trajectory, texts, answers) -> its index in the call
+    plan: list[tuple[int, int, list[int]]] = []  # (k, t, the indices of its swapped rows)
+    for g in torch.unique(group_ids).tolist():
+        idx = (group_ids == g).nonzero().flatten().tolist()
+        if len(idx) < 2:  # no other response to swap in: b_k stays 0
+            continue
+        for k in range(n_agents):
+            for t in idx:
+                keys = [(idx[0], tuple(completions[t][:k]) + (completions[u][k],) + tuple(completions[t][k + 1:]),
+                         tuple(agent_answers[t][:k]) + (agent_answers[u][k],) + tuple(agent_answers[t][k + 1:]))
+                        for u in idx if u != t]
+                plan.append((k, t, [rows.setdefault(key, len(rows)) for key in keys]))
+    keys = list(rows)
+    values = score(reward, [problems[t] for t, _, _ in keys], [list(c) for _, c, _ in keys],
+                   [list(a) for _, _, a in keys], protocol) if keys else []
+    out = torch.zeros(n_agents, len(problems))  # [n_agents, N]
+    for k, t, swaps in plan:
+        out[k, t] = sum(values[s] for s in swaps) / len(swaps)
+    return out
+
+
+def agent_scores(reward: Reward, problems: list, completions: list[list[str]], agent_answers: list[list[str | None]],
+                 protocol: str) -> torch.Tensor:
+    """Each agent's own score [n_agents, N]: R of the trajectory in which every agent gave agent k's response
+    (the built-in reward: 1 if agent k's answer is right). Logged per agent, and ``--order greedy`` ranks by it."""
+    n_agents, n = len(completions[0]), len(problems)
+    values = score(reward, [p for _ in range(n_agents) for p in problems],
+                   [[c[k]] * n_agents for k in range(n_agents) for c in completions],
+                   [[a[k]] * n_agents for k in range(n_agents) for a in agent_answers], protocol)
+    return torch.tensor(values).view(n_agents, n)  # [n_agents, N]
+
+
+def call_reward(reward: Reward, prompts: list[str], completions: list[list[str]], columns: dict,
+                ids: list[str] | None = None) -> list[float]:
+    """``reward`` on the rows, its values checked: a list of one finite number per row inside its range.
+    Each call gets its own copies of the lists, so a function that edits its inputs changes no batch."""
+    copies = take(columns, list(range(len(prompts))))
+    try:
+        inspect.signature(reward.fn).bind([], [], **copies)
+    except TypeError as e:
+        raise RewardError(f"reward {reward.name}: wrong arguments ({e}); write {SIGNATURE} (this call passes "
+                          f"{', '.join(columns)})") from None
+    except ValueError:  # no signature to check
+        pass
+    try:
+        values = reward.fn(list(prompts), [list(c) for c in completions], **copies)
+    except Exception as e:
+        raise RewardError(failing_row(reward, prompts, completions, columns, ids, e)) from None
+    return check_values(reward, values, len(prompts), ids)
+
+
+def take(columns: dict, rows: list[int]) -> dict:
+    """The columns of ``rows`` only (per-row lists sliced; ``protocol``, one string, kept)."""
+    return {k: v if k == "protocol" else [v[i] for i in rows] for k, v in columns.items()}
+
+
+def row_name(i: int, ids: list[str] | None) -> str:
+    return f"row {i} (id {ids[i]!r})" if ids else f"row {i}"
+
+
+def failing_row(reward: Reward, prompts, completions, columns: dict, ids, err: Exception) -> str:
+    """The one line for a function that raised on a batch: the first row that raises alone, and its error."""
+    for i in range(len(prompts)):
+        try:
+            reward.fn([prompts[i]], [list(completions[i])], **take(columns, [i]))
+        except Exception as e:
+            return f"reward {reward.name} raised on {row_name(i, ids)}: {describe(e)}"
+    return (f"reward {reward.name} raised on a batch of {len(prompts)} rows (on no row alone): {describe(err)}; "
+            "score each row on its own")
+
+
+def check_values(reward: Reward, values, n: int, ids: list[str] | None) -> list[float]:
+    """The values as floats, or one line: not a list, a wrong count, not a number, not finite, out of range."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward {reward.name} returned {type(values).__name__} {short(values)}, not a list of "
+                          f"{n} numbers (one per row)")
+    if len(values) != n:
+        raise RewardError(f"reward {reward.name} returned {len(values)} values for {n} rows; return one number "
+                          "per row (completions[i])")
+    lo, hi = reward.range
+    out = []
+    for i, v in enumerate(values):
+        where = f"reward {reward.name}, {row_name(i, ids)}"
+        try:
+            x = float(v) if not isinstance(v, (str, bytes)) else None
+        except (TypeError, ValueError):
+            x = None
+        if x is None:
+            raise RewardError(f"{where}: value {short(v)} is not a number")
+        if not math.isfinite(x):
+            raise RewardError(f"{where}: value {x} is not finite; return a number in [{lo}, {hi}]")
+        if not lo <= x <= hi:
+            raise RewardError(f"{where}: value {x} is outside its range [{lo}, {hi}]; return values in "
+                              f"[{lo}, {hi}], or give the function reward_range = (lo, hi)")
+        out.append(x)
+    return out
+
+
+def describe(err: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception, the line where it was raised, in one line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if isinstance(err, SyntaxError) and err.filename:
+        at = f" ({Path(err.filename).name}:{err.lineno})"
+    else:
+        at = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    message = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {message}{at}" if message else f"{type(err).__name__}{at}"
+
+
+def short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."

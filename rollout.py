@@ -2,8 +2,9 @@
 
 A joint trajectory is one response per agent under the team's protocol (independent answers + majority
 vote, or a chain in which agent k sees the answers of agents 1..k-1), with one team reward shared by every
-agent's tokens: chain, 1 if the last answer is right; independent, the expected correctness of the vote
-under a uniform tie-break (``grading.vote_reward``), so that no agent is a dictator.
+agent's tokens: the team's reward (``reward.Reward``: a user's function of every agent's response, or the
+built-in one: chain, 1 if the last answer is right; independent, the expected correctness of the vote under a
+uniform tie-break, so that no agent is a dictator).
 
 The behaviour log-probabilities come from the training model's teacher-forced forward at the sampling
 temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
@@ -22,7 +23,6 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -37,10 +37,8 @@ from logprobs import (
     turn_forward,
     turn_rows,
 )
-from reward import answers_match, vote_reward
+from reward import agent_scores, counterfactual_baselines, score
 from team import Problem, Team
-
-REWARD_RANGE = (0.0, 1.0)  # (R_min, R_max) of the team reward: the certificate's A_max = R_max - R_min
 
 
 @dataclass
@@ -91,7 +89,7 @@ class TeamBatch:
     turns: list[Turn]  # one per agent, turns[k].agent == k
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward in [0, 1]
-    agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own answer right?
+    agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own score (reward.agent_scores): its answer right?
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
 
     def __len__(self) -> int:
@@ -446,49 +444,22 @@ def turn_contexts(team: Team, k: int, flat: list[Problem], turns: list[Turn]) ->
     """Agent k's context in every trajectory: the problem, and in the chain protocol the answers of
     agents 0..k-1 (``turns[:k]``) of the same trajectory."""
     if team.protocol == "chain":
-        return [team.prompt_ids(k, p, [t.answers[i] for t in turns[:k]]) for i, p in enumerate(flat)]
+        return [team.prompt_ids(k, p, [t.answers[i] for t in turns[:k]], [t.texts[i] for t in turns[:k]])
+                for i, p in enumerate(flat)]
     return [team.prompt_ids(k, p, []) for p in flat]
 
 
-def counterfactual_baselines(answers: list[list[str | None]], flat: list[Problem],
-                             group_ids: torch.Tensor) -> torch.Tensor:
-    """b_k(tau), agent k's counterfactual baseline in the independent protocol [n_agents, N]: the team
-    reward of tau with agent k's answer swapped for each of its other answers in the group, averaged.
-    Agent k's answers to one prompt are i.i.d. and independent of the others', so b_k(tau) is unbiased
-    for E[R | the others' answers in tau] and does not depend on agent k's own answer: R - b_k is a
-    valid advantage for agent k without the noise of the other agents' answers."""
-    n_agents = len(answers[0])
-
-    @lru_cache(maxsize=None)
-    def reward(ans: tuple, gold: str) -> float:
-        return vote_reward(list(ans), gold)
-
-    out = torch.zeros(n_agents, len(flat))  # [n_agents, N]
-    for g in torch.unique(group_ids).tolist():
-        idx = (group_ids == g).nonzero().flatten().tolist()
-        if len(idx) < 2:
-            continue
-        gold = flat[idx[0]].answer
-        for k in range(n_agents):
-            for t in idx:
-                swaps = [tuple(answers[t][:k]) + (answers[u][k],) + tuple(answers[t][k + 1:]) for u in idx if u != t]
-                out[k, t] = sum(reward(a, gold) for a in swaps) / len(swaps)
-    return out
-
-
 def score_team(team: Team, flat: list[Problem], turns: list[Turn], group_ids: torch.Tensor):
-    """(team answers, team rewards [N], agent_correct [n_agents, N], counterfactual baselines
-    [n_agents, N] or None) of the joint trajectories."""
+    """(team answers, team rewards [N], each agent's own score [n_agents, N], counterfactual baselines
+    [n_agents, N] or None) of the joint trajectories, all from the team's reward (``reward.score``)."""
+    reward, protocol = team.config.reward, team.protocol
     answers = [[t.answers[i] for t in turns] for i in range(len(flat))]
-    team_answers = [team.team_answer(a) for a in answers]
-    if team.protocol == "independent":  # expected correctness of the vote under a uniform tie-break
-        rewards = torch.tensor([vote_reward(a, p.answer) for a, p in zip(answers, flat)])  # [N]
-    else:  # chain: the last agent's answer is the team's
-        rewards = torch.tensor([float(answers_match(a, p.answer)) for a, p in zip(team_answers, flat)])  # [N]
-    agent_correct = torch.tensor([[float(answers_match(t.answers[i], p.answer)) for i, p in enumerate(flat)]
-                                  for t in turns])  # [n_agents, N]
-    counterfactual = counterfactual_baselines(answers, flat, group_ids) if team.protocol == "independent" else None
-    return team_answers, rewards.float(), agent_correct, counterfactual
+    texts = [[t.texts[i] for t in turns] for i in range(len(flat))]
+    rewards = torch.tensor(score(reward, flat, texts, answers, protocol))  # [N]
+    own = agent_scores(reward, flat, texts, answers, protocol)  # [n_agents, N]
+    counterfactual = (counterfactual_baselines(reward, flat, texts, answers, protocol, group_ids)
+                      if protocol == "independent" else None)  # [n_agents, N]
+    return [team.team_answer(a) for a in answers], rewards.float(), own, counterfactual
 
 
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend=HF,

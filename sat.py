@@ -49,7 +49,7 @@ from bounds import paired_change_bound
 from harness.config import Config
 from harness.records import AgentStep, StageRecord, rollout_record
 from logprobs import measure_kl
-from rollout import HF, REWARD_RANGE, SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from rollout import HF, SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
 from team import Problem, Team
 from trust_region import (
     QuantileController,
@@ -127,7 +127,7 @@ def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: Sam
             elif i < n_agents - 1:
                 cached.append((log_rho, batch.turns[j].response_mask))
             agents[j].step_bound = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
-                                                           REWARD_RANGE, cfg.delta_conf / n_agents)
+                                                           team.config.reward.range, cfg.delta_conf / n_agents)
                                        if bounded else None)
     # line 14: pi_cur <- the assembled team; the stage's certificate is harness.records.stage_row's held-out bound
     record = StageRecord(**rollout_fields, order=[k + 1 for k in sigma], agents=agents, generations=generations,

@@ -11,22 +11,26 @@ by ``harness.loading``; this module holds no file I/O.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from harness.config import PROTOCOLS, AgentSpec
 from harness.processes import ONE_PROCESS, OneProcess
-from reward import extract_answer, majority_vote
+from reward import DEFAULT_REWARD, Reward, extract_answer, majority_vote
 
 
 @dataclass(frozen=True)
 class Problem:
-    """A problem the team answers: its text and the gold answer the reward checks against."""
+    """A problem the team answers: its text and the gold answer the reward checks against; a chat prompt's
+    system turn, and the row's other columns (raw values, as a data file stores them), which the reward
+    function receives by keyword."""
 
     id: str
     problem: str
     answer: str
+    system: str | None = None
+    columns: dict = field(default_factory=dict, hash=False)
 
 ENCODE_CACHE_SIZE = 1 << 16  # entries per agent and cache
 
@@ -203,6 +207,8 @@ class TeamConfig:
     protocol: str = "independent"  # independent | chain
     enable_thinking: bool = False  # Qwen3's thinking switch, passed to every chat template
     instruction: str = ""  # appended to every problem, e.g. "put your final answer within \\boxed{}"
+    roles: object | None = None  # harness.roles.Roles: a system turn and user template per agent (None: the paper's)
+    reward: Reward = DEFAULT_REWARD  # the team reward R and its range (reward.py)
 
 
 class Team:
@@ -229,18 +235,27 @@ class Team:
         return self.agents[0].procs
 
     def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
-        """The text agent k reads; chain: with the earlier agents' extracted answers (a thinking model's
-        whole response can be 30k tokens)."""
+        """The text agent k reads without roles; chain: with the earlier agents' extracted answers (a thinking
+        model's whole response can be 30k tokens)."""
         text = problem.problem + self.config.instruction
         if self.config.protocol == "chain" and previous_answers:
             lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
             text = f"{text}\n{lines}\n"
         return text
 
-    def prompt_ids(self, agent_index: int, problem: Problem, previous_answers: list[str | None]) -> list[int]:
-        agent = self.agents[agent_index]
-        messages = [{"role": "user", "content": self.user_message(problem, previous_answers)}]
-        return agent.encode_prompt(messages, self.config.enable_thinking)
+    def messages(self, k: int, problem: Problem, previous_answers: list[str | None],
+                 previous_texts: list[str] | None = None) -> list[dict]:
+        """Agent k's chat messages: its role's system turn and user template (--roles), else the problem's own
+        system turn, if any, and ``user_message``. ``previous_*``: the earlier agents' turns (chain)."""
+        if self.config.roles is not None:
+            return self.config.roles.messages(k, problem, previous_texts or [], previous_answers)
+        system = [{"role": "system", "content": problem.system}] if problem.system else []
+        return system + [{"role": "user", "content": self.user_message(problem, previous_answers)}]
+
+    def prompt_ids(self, agent_index: int, problem: Problem, previous_answers: list[str | None],
+                   previous_texts: list[str] | None = None) -> list[int]:
+        messages = self.messages(agent_index, problem, previous_answers, previous_texts)
+        return self.agents[agent_index].encode_prompt(messages, self.config.enable_thinking)
 
     def team_answer(self, answers: list[str | None]) -> str | None:
         """Majority vote (independent) or the last agent's answer (chain)."""

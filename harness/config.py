@@ -152,10 +152,28 @@ class Config:
 
     agents: str = opt("tiny x3", 'the team, e.g. "tiny x3", "Qwen3-4B x3", "Qwen3-4B x2, Qwen3-8B", or local folders')
     protocol: str = opt("independent", "independent (majority vote) or chain (agents speak in turn)", PROTOCOLS)
-    task: str | None = opt(None, "arithmetic (tiny default), arithmetic-chat (real models on CPU) or a dataset: "
-                                 "dapo-math-17k, deepscaler, aime24, aime25, math500")
-    data: str | None = opt(None, "a JSONL file of problems (problem/prompt + answer); overrides --task")
-    eval_data: str | None = opt(None, "a held-out JSONL file (default: the task's held-out split)")
+    task: str | None = opt(None, "arithmetic (tiny default), arithmetic-chat (real models on CPU), a math dataset "
+                                 "(dapo-math-17k, deepscaler, aime24, aime25, math500) or reasoning-gym:NAME "
+                                 "(logic and planning, generated offline)")
+    task_option: list[str] = opt([], "KEY=VALUE: the config of --task reasoning-gym:NAME's dataset (repeatable), "
+                                     "e.g. --task-option n_people=2")
+    data: str | None = opt(None, "your problems: a .jsonl/.json/.csv/.parquet file or a Hub id "
+                                 "org/name[:config][:split]; overrides --task")
+    eval_data: str | None = opt(None, "held-out problems, as --data (default: the task's held-out split, or a "
+                                      "tenth of --data)")
+    problem_key: str | None = opt(None, "the problem column of --data (a text or a chat list; dotted names reach "
+                                        "nested fields); default problem, else prompt")
+    answer_key: str = opt("answer", "the gold-answer column of --data (dotted names reach nested fields, e.g. "
+                                    "reward_model.ground_truth)")
+    instruction: str | None = opt(None, "text appended to each problem of --data on a line of its own ('boxed': "
+                                        "the boxed-math instruction); default none (the math datasets keep theirs)")
+    reward: str | None = opt(None, "the team reward over the joint output: FILE.py:NAME or package.module:NAME, "
+                                   "def NAME(prompts, completions, **columns) -> list[float] (README); default: the "
+                                   "vote's correctness, or a reasoning-gym task's own scorer")
+    roles: str | None = opt(None, "a YAML or JSON file: a system turn and user template per agent (harness/roles.py);"
+                                  " default none, as in the paper")
+    report_to: str = opt("none", "experiment trackers, comma-separated: tensorboard, wandb (offline), trackio, "
+                                 "mlflow, or none")
     stages: int | None = opt(None, "SAT stages (Algorithm 1's outer loop)")
     order: str = opt("static", "update order sigma: static, random, or greedy (weakest agent on the batch first)",
                      ORDERS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from team import Problem
@@ -20,18 +19,10 @@ HUB_SPEC = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)(?::([\w.-]+))?(?::([\w.\[\
 RESERVED_COLUMNS = ("prompts", "completions", "agent_answers", "protocol")
 
 
-@dataclass(frozen=True)
-class UserProblem(Problem):
-    """A Problem that also carries its row's system turn and its other columns (raw values, as the file stores
-    them; ``answer`` holds the gold at --answer-key), which the reward function receives."""
-
-    system: str | None = None
-    columns: dict = field(default_factory=dict, hash=False)
-
-
 def is_data_file(spec: str) -> bool:
-    """Whether ``spec`` names a data file (by its suffix) rather than a Hub id or a dataset name."""
-    return Path(spec).suffix.lower() in FILE_FORMATS
+    """Whether ``spec`` names a data file (by its suffix, or an existing file: read as JSONL) rather than a Hub id
+    or a dataset name."""
+    return Path(spec).suffix.lower() in FILE_FORMATS or Path(spec).is_file()
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
@@ -50,8 +41,11 @@ def read_rows(spec: str) -> list[dict]:
     if is_data_file(spec):
         path = Path(spec)
         if not path.is_file():
-            raise FileNotFoundError(f"{spec}: no such file; pass a {', '.join(FILE_FORMATS)} file or a Hub id "
-                                    "org/name[:config][:split]")
+            raise FileNotFoundError(f"{spec}: no such file; pass a {', '.join(FILE_FORMATS)} file, a Hub id "
+                                    "org/name[:config][:split] or a dataset name (dapo-math-17k, aime24, aime25, "
+                                    "math500, deepscaler)")
+        if path.suffix.lower() not in (".json", ".csv", ".parquet"):  # JSONL, line by line: a bad line is named
+            return read_jsonl(path)
         builder = FILE_FORMATS[path.suffix.lower()]
         try:
             return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
@@ -64,6 +58,23 @@ def read_rows(spec: str) -> list[dict]:
     except Exception as e:  # network, auth, cache and hub errors all look different
         raise RuntimeError(f"could not fetch dataset {spec!r} ({type(e).__name__}: {first_line(e)}); download it "
                            "where there is network and pass it as a file (.jsonl, .json, .csv, .parquet)") from e
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file, blank lines skipped; a line that is not one is named in one line."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object, e.g. "
+                             '{"problem": "2+2", "answer": 4}') from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
 
 
 def first_line(err: Exception) -> str:
@@ -141,8 +152,8 @@ def check_keys(spec: str, rows: list[dict], problem_key: str, answer_key: str) -
                          f"if it holds the gold answers")
 
 
-def problem_of(row: dict, index: int, spec: str, keys: tuple[str, str, str]) -> UserProblem:
-    """One row -> UserProblem: the problem text (and a chat prompt's system turn), the gold answer as text,
+def problem_of(row: dict, index: int, spec: str, keys: tuple[str, str, str]) -> Problem:
+    """One row -> Problem: the problem text (and a chat prompt's system turn), the gold answer as text,
     the id (the id column, else "<name>-<row>"), every other column raw; one line for a row that lacks one."""
     problem_key, answer_key, id_key = keys
     where = f"{spec}: row {index + 1}"
@@ -157,22 +168,22 @@ def problem_of(row: dict, index: int, spec: str, keys: tuple[str, str, str]) -> 
     found, raw_id = get_field(row, id_key)
     pid = str(raw_id) if found and raw_id is not None else f"{Path(spec).stem}-{index + 1}"
     columns = {k: v for k, v in row.items() if k != problem_key}
-    columns["answer"] = gold
-    return UserProblem(pid, text, answer_text(gold), system, columns)
+    columns["answer"] = gold  # the raw value at --answer-key, as TRL hands a column to its reward
+    return Problem(pid, text, answer_text(gold), system, columns)
 
 
 def load_problems(spec: str, problem_key: str | None = None, answer_key: str = "answer",
-                  id_key: str = "id") -> list[UserProblem]:
+                  id_key: str = "id") -> list[Problem]:
     """The problems of a data file or Hub id (``read_rows``). ``problem_key`` None takes "problem", else
     "prompt" (the JSONL files tasks.load_jsonl reads). Ids must be unique: evaluations key their samples by id."""
     rows = read_rows(spec)
     if not rows:
         return []
-    if problem_key is None:
-        problem_key = "problem" if any("problem" in row for row in rows[:100]) or not any(
-            "prompt" in row for row in rows[:100]) else "prompt"
-    check_keys(spec, rows, problem_key, answer_key)
-    problems = [problem_of(row, i, spec, (problem_key, answer_key, id_key)) for i, row in enumerate(rows)]
+    check_keys(spec, rows, problem_key or ("problem" if any("problem" in row for row in rows[:100]) or not any(
+        "prompt" in row for row in rows[:100]) else "prompt"), answer_key)
+    default_key = lambda row: "problem" if "problem" in row else "prompt"  # noqa: E731  (per row, as JSONL mixes)
+    problems = [problem_of(row, i, spec, (problem_key or default_key(row), answer_key, id_key))
+                for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, p in enumerate(problems):
         if p.id in seen:

@@ -21,6 +21,7 @@ import torch
 
 from advantage import masked_mean
 from harness.config import AgentSpec, resolve_agent_spec
+from harness.roles import parse_roles
 from harness.tasks import noisy_label
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
 from team import Agent, Problem, Team, TeamConfig
@@ -207,8 +208,11 @@ def read_team(path: str | Path) -> tuple[list[Path], TeamConfig]:
     """(the agents' checkpoint folders in slot order, the team's config) of a folder written by ``save_team``."""
     path = Path(path)
     meta = json.loads((path / "team.json").read_text())
-    cfg = TeamConfig(meta["protocol"], meta["enable_thinking"], meta["instruction"])
-    return [path / f"agent_{k}" for k in range(len(meta["agents"]))], cfg
+    n_agents = len(meta["agents"])
+    roles = parse_roles(meta["roles"], str(path / "team.json"), n_agents, meta["protocol"]) if meta.get("roles") \
+        else None  # the same prompts on --resume and in eval_aime.py
+    cfg = TeamConfig(meta["protocol"], meta["enable_thinking"], meta["instruction"], roles)
+    return [path / f"agent_{k}" for k in range(n_agents)], cfg
 
 
 def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, seed: int, lr: float = 1e-3,
@@ -220,6 +224,7 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
     from tqdm import tqdm
 
     rng = random.Random(seed)
+    others = [p.answer for p in problems[:256]]  # wrong labels for answers that are not whole numbers
     for k, agent in enumerate(team.agents):
         if agent.spec.kind != "tiny" or (slots is not None and k not in slots):
             continue
@@ -228,8 +233,10 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
         for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False,
                       disable=None):  # a bar only on a terminal: a log file gets no carriage-return updates
             items = [rng.choice(problems) for _ in range(batch)]
-            contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong) for _ in range(k)]) for p in items]
-            targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong)) + [tok.eos_token_id] for p in items]
+            contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong, others) for _ in range(k)])
+                        for p in items]
+            targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong, others)) + [tok.eos_token_id]
+                       for p in items]
             ctx, cmask = (t.to(agent.device) for t in left_pad(contexts, tok.pad_token_id))  # [b, Lc]
             resp, rmask = (t.to(agent.device) for t in right_pad(targets, tok.pad_token_id))  # [b, Lr]
             hidden = response_hidden_states(agent.model, ctx, cmask, resp, rmask)  # [b, Lr, H]
@@ -279,11 +286,13 @@ def save_team(team: Team, path: str | Path) -> None:
 
 
 def save_team_meta(team: Team, path: str | Path) -> None:
-    """team.json: the protocol, the instruction and the agents' names (``save_team`` writes the agents too)."""
+    """team.json: the protocol, the instruction, the roles and the agents' names (``save_team`` writes the agents
+    too). The reward is the run's (config.json): a function cannot be written to JSON."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     meta = {"protocol": team.config.protocol, "enable_thinking": team.config.enable_thinking,
-            "instruction": team.config.instruction, "agents": [a.spec.name for a in team.agents]}
+            "instruction": team.config.instruction, "agents": [a.spec.name for a in team.agents],
+            "roles": team.config.roles.to_dict() if team.config.roles is not None else None}
     (path / "team.json").write_text(json.dumps(meta))
 
 

@@ -21,9 +21,9 @@ import difflib
 import hashlib
 import importlib.util
 
-from harness.datafiles import UserProblem
 from harness.roles import Role, Roles
-from harness.user_reward import vote_score
+from reward import vote_score
+from team import Problem
 
 PREFIX = "reasoning-gym:"
 HELDOUT_PERCENT = 20  # share of the question space held out
@@ -82,13 +82,13 @@ def is_heldout_question(question: str) -> bool:
     return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
 
 
-def entry_problem(name: str, entry: dict) -> UserProblem:
+def entry_problem(name: str, entry: dict) -> Problem:
     """One reasoning-gym entry as a problem: its question, its answer (text; the scorer reads the raw value
     and the metadata from the columns), an id from the question's hash (the same question, the same id)."""
     question, answer = entry["question"], entry["answer"]
     pid = f"rg-{name}-{hashlib.sha256(question.encode()).hexdigest()[:12]}"
     text = "" if answer is None else str(answer)
-    return UserProblem(pid, question, text, None, {"answer": answer, "metadata": entry["metadata"]})
+    return Problem(pid, question, text, None, {"answer": answer, "metadata": entry["metadata"]})
 
 
 def draw(name: str, options: dict, size: int, seed: int) -> list[dict]:
@@ -101,13 +101,13 @@ def draw(name: str, options: dict, size: int, seed: int) -> list[dict]:
                          f"({type(e).__name__}: {e}); change --task-option") from e
 
 
-def reasoning_gym_problems(name: str, options: dict, n: int, seed: int, split: str = "train") -> list[UserProblem]:
+def reasoning_gym_problems(name: str, options: dict, n: int, seed: int, split: str = "train") -> list[Problem]:
     """``n`` distinct questions of ``split`` (``is_heldout_question``), deterministic in ``seed``: drawn from
     reasoning-gym under seeds derived from ``seed``, round after round, until ``n`` are found or a round finds
     no new one (a small question space); fewer than ``n`` then, and none is a one-line error."""
     if split not in DRAW_FACTOR:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    problems: dict[str, UserProblem] = {}
+    problems: dict[str, Problem] = {}
     for round_ in range(MAX_ROUNDS):
         before = len(problems)
         round_seed = int.from_bytes(hashlib.sha256(f"{seed}:{split}:{round_}".encode()).digest()[:4], "big")
@@ -157,7 +157,7 @@ def same_text(answer: str) -> str:
 class ReasoningGymReward:
     """The team reward of a reasoning-gym task: the dataset's own ``score_answer`` (partial credit included) of
     the team's answer, each agent's answer read by ``response_answer``. Independent protocol: the expected score
-    of the majority answer under a uniform tie-break (``harness.user_reward.vote_score``); chain: the last agent's."""
+    of the majority answer under a uniform tie-break (``reward.vote_score``); chain: the last agent's."""
 
     reward_range = (0.0, 1.0)
 

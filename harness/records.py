@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from bounds import heldout_change_bound, paired_change_bound
-from rollout import REWARD_RANGE
 from update import TrainStats
 
 
@@ -74,7 +73,7 @@ class StageRecord:
 
 
 def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: list[dict], prev: dict,
-              upgrades: list, delta_conf: float) -> dict:
+              upgrades: list, delta_conf: float, reward_range: tuple[float, float]) -> dict:
     """A stage's metrics row: its record, the held-out evaluation, and its certificates from the paired
     held-out rows (``bounds.paired_change_bound``; the rows of every evaluation share their seeds):
     ``certificate`` on the change since ``prev`` (the previous evaluated row, or the evaluation right after
@@ -92,9 +91,9 @@ def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: li
     since_stage = prev.get("stage", rows[-1]["stage"])  # an upgrade's evaluation happened at the last row's stage
     since = "the previous row" if since_stage == stage - 1 else f"the evaluation of stage {since_stage}"
     rec["measured_change"] = rec["eval_accuracy"] - prev["eval_accuracy"]
-    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, since)
+    rec["certificate"] = heldout_certificate(prev, rec, delta_conf, since, reward_range)
     rec["certified_since_stage"] = since_stage
-    rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)")
+    rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)", reward_range)
     rec["violation"] = rec["certificate"]["mean_change"] < -2 * rec["certificate"]["stderr"]
     rec["certified_fall"] = rec["certificate"]["upper_bound"] < 0
     trained = [r for r in rows[1:] if "certificate" in r] + [rec]  # the evaluated trained stages
@@ -108,7 +107,8 @@ def last_evaluated(rows: list[dict]) -> dict:
     return next(r for r in reversed(rows) if "eval_accuracy" in r)
 
 
-def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str) -> dict:
+def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str,
+                        reward_range: tuple[float, float]) -> dict:
     """The paired certificate of the held-out change from ``before`` to ``after`` (two metrics rows),
     with the unpaired Hoeffding bound on the same draws beside it (``unpaired_lower_bound``)."""
     if "eval_rewards" not in before:
@@ -117,9 +117,9 @@ def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str
     if len(before["eval_rewards"]) != len(after["eval_rewards"]):
         raise ValueError(f"the held-out evaluation has {len(after['eval_rewards'])} rows, {since} had "
                          f"{len(before['eval_rewards'])}: keep --eval-size and --eval-samples when resuming")
-    paired = paired_change_bound(before["eval_rewards"], after["eval_rewards"], REWARD_RANGE, delta_conf)
+    paired = paired_change_bound(before["eval_rewards"], after["eval_rewards"], reward_range, delta_conf)
     unpaired = heldout_change_bound(before["eval_accuracy"], before["eval_n"], after["eval_accuracy"],
-                                    after["eval_n"], REWARD_RANGE, delta_conf)
+                                    after["eval_n"], reward_range, delta_conf)
     return {**paired, "unpaired_lower_bound": unpaired,
             "kind": f"held-out, paired: lower bound on the change in expected team reward on the held-out rows "
                     f"since {since}, with probability >= 1 - delta_conf"}

@@ -20,12 +20,16 @@ import numpy as np
 import torch
 
 from advantage import make_value_head
-from harness import records, run_folder
+from harness import reasoning_gym_task, records, run_folder
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.loading import check_hub_available, load_agent, warm_start
 from harness.processes import ONE_PROCESS, OneProcess
+from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import load_task
+from harness.trackers import Trackers, check_report_to, parse_report_to
+from harness.user_reward import check_reward, load_reward
 from plug_and_play import AcceptanceDraws, acceptance_splits, apply_upgrades
+from reward import DEFAULT_REWARD, Reward
 from rollout import SamplingConfig, check_sampler
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
@@ -85,6 +89,13 @@ def validate_run_inputs(cfg: "Config") -> None:
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm but vLLM is not installed: "
                          "pip install -r requirements-vllm.txt, or use --backend hf")
+    check_report_to(parse_report_to(cfg.report_to))  # a missing package: refused before any work
+    if cfg.task_option and not reasoning_gym_task.task_name(cfg.task):
+        raise ValueError("--task-option configures a --task reasoning-gym:NAME dataset; pass that task, or drop the "
+                         "option")
+    if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
+        reasoning_gym_task.check_installed()
+    team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:
@@ -115,21 +126,45 @@ def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
     return train, heldout, instruction
 
 
-def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS) -> Team:
+def team_reward(cfg: Config) -> Reward:
+    """The team reward: --reward, else a reasoning-gym task's own scorer, else the built-in one (reward.py)."""
+    if cfg.reward:
+        return load_reward(cfg.reward)
+    gym = reasoning_gym_task.task_name(cfg.task) if not cfg.data else None
+    if gym:
+        return Reward(reasoning_gym_task.ReasoningGymReward(gym, reasoning_gym_task.parse_options(cfg.task_option)),
+                      cfg.task, reasoning_gym_task.ReasoningGymReward.reward_range)
+    return DEFAULT_REWARD
+
+
+def team_roles(cfg: Config, n_agents: int) -> Roles | None:
+    """Each agent's system turn and user template: --roles, else a reasoning-gym task's, else none (the paper)."""
+    if cfg.roles:
+        return load_roles(cfg.roles, n_agents, cfg.protocol)
+    if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
+        return reasoning_gym_task.task_roles(n_agents, cfg.protocol)
+    return None
+
+
+def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, reward: Reward = DEFAULT_REWARD
+               ) -> Team:
     dtype = getattr(torch, cfg.dtype)
+    specs = parse_agents(cfg.agents)
     agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
-              for k, spec in enumerate(parse_agents(cfg.agents))]
-    return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction))
+              for k, spec in enumerate(specs)]
+    return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction,
+                                   roles=team_roles(cfg, len(specs)), reward=reward))
 
 
 def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
-               log) -> tuple[RunState, dict, list[dict]]:
+               log, reward: Reward = DEFAULT_REWARD) -> tuple[RunState, dict, list[dict]]:
     """(the run's state with the HF backend, the checkpoint's other saved state, the metrics so far):
-    from a checkpoint (the run's metrics of stages 0..k kept), or new (tiny
-    agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
+    from a checkpoint (the run's metrics of stages 0..k kept; its roles from its team.json, the reward from
+    config.json), or new (tiny agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
     if resume_from is not None:
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
+        team.config.reward = reward
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -138,7 +173,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         log(f"resumed from {resume_from} at stage {start}")
     else:
         rng = seed_run(cfg.seed)
-        team, state, rows = build_team(cfg, instruction, procs), {}, []
+        team, state, rows = build_team(cfg, instruction, procs, reward), {}, []
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
@@ -155,6 +190,13 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
     return RunState(team, controllers, value_heads, rng, log=log), state, rows
+
+
+def team_size(cfg: Config, resume_from: Path | None) -> int:
+    """The number of agents: the checkpoint's team, or --agents."""
+    if resume_from is not None:
+        return len(json.loads((resume_from / "team" / "team.json").read_text())["agents"])
+    return len(parse_agents(cfg.agents))
 
 
 def seed_run(seed: int) -> random.Random:
@@ -183,7 +225,9 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     replaced = run_folder.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     procs.barrier()  # every process has looked before one writes anything
     train, heldout, instruction = load_problems(cfg)
-    run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log)
+    reward = team_reward(cfg)
+    check_reward(reward, train, team_size(cfg, resume_from), cfg.protocol)  # before any model is loaded
+    run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log, reward)
     train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
@@ -215,6 +259,21 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
     start = state.get("stage", 0)
     recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), state.get("baseline_eval"),
                            state.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
+    names = parse_report_to(cfg.report_to) if team.procs.main else ()  # one process reports
+    recorder.trackers = Trackers(names, out, asdict(cfg))
+    if team.procs.main and team.config.roles is not None:
+        save_roles(team.config.roles, out)  # also in every checkpoint's team.json, which --resume reads
+    try:
+        train_stages(cfg, run, train, heldout, recorder, start, sampling)
+    finally:
+        recorder.trackers.close()
+    return rows
+
+
+def train_stages(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], recorder: "RunRecorder",
+                 start: int, sampling: SamplingConfig) -> None:
+    """``train_team`` once its recorder is made: the upgrades, config.json, the stages, the plot and the summary."""
+    team, backend, log, rows, out = run.team, run.backend, run.log, recorder.rows, Path(cfg.out)
     if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
         recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending,
                                                       rows[-1])
@@ -237,7 +296,6 @@ def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[P
         f"metrics in {out / 'metrics.jsonl'}{plot}")
     if last["stage"] > 0:
         log(records.run_summary(last))
-    return rows
 
 
 @dataclass
@@ -251,6 +309,7 @@ class RunRecorder:
     how: dict  # the processes and device, in every row
     baseline: dict | None = None  # the held-out evaluation right after an upgrade: the next stage's reference
     pending: list = field(default_factory=list)  # upgrade events, recorded in the next stage's row
+    trackers: Trackers | None = None  # --report-to: each row and its samples also go there
 
     def stage_zero(self, evaluation: dict) -> None:
         self.close({"stage": 0, "seconds": 0.0, **evaluation, **self.how})
@@ -261,19 +320,22 @@ class RunRecorder:
         if self.run.team.procs.main:
             run_folder.write_samples(out, stage, samples)
         prev = self.baseline or records.last_evaluated(self.rows)
-        row = records.stage_row(record, evaluation, stage, self.rows, prev, self.pending, cfg.delta_conf)
-        self.close({**row, **self.how})
+        row = records.stage_row(record, evaluation, stage, self.rows, prev, self.pending, cfg.delta_conf,
+                                self.run.team.config.reward.range)
+        self.close({**row, **self.how}, samples)
         if samples:
             self.run.log(records.sample_text(samples[0]))
         self.pending = []  # recorded in this row
         if evaluation is not None:
             self.baseline = None  # an upgrade's evaluation is the reference until the next evaluation
 
-    def close(self, row: dict) -> None:
+    def close(self, row: dict, samples: list[dict] = ()) -> None:
         run, out = self.run, Path(self.cfg.out)
         self.rows.append(row)
         if run.team.procs.main:
             run_folder.write_metrics(out, self.rows)
+        if self.trackers is not None:
+            self.trackers.log_stage(row, list(samples))
         run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {})
         run.log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
                 f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n"
@@ -295,8 +357,8 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
         if "accept" in event:
-            event["heldout_change"] = records.heldout_certificate(last_row, baseline, cfg.delta_conf,
-                                                                  "the row before the upgrade")
+            event["heldout_change"] = records.heldout_certificate(
+                last_row, baseline, cfg.delta_conf, "the row before the upgrade", team.config.reward.range)
     if team.procs.main:
         run_folder.record_upgrades(out, events)
     pending = pending + events

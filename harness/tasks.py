@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from harness import reasoning_gym_task as rg
+from harness.datafiles import load_problems
 from team import Problem
 
 # -- Synthetic addition task -----------------------------------------------------------------------------
@@ -135,12 +137,15 @@ def chat_arithmetic_problems(n: int, seed: int, split: str = "train", kinds=CHAT
     return problems
 
 
-def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5) -> str:
+def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5, others: list[str] = ()) -> str:
     """A warm-start label (it stands in for pretraining tiny agents): right with prob 1 - p_wrong, else off
-    by 1, 2 or 10 (never negative), a spread of answers around the truth for sparse reward to sharpen."""
-    value = int(answer)
+    by 1, 2 or 10 (never negative), a spread of answers around the truth for sparse reward to sharpen. An answer
+    that is not a whole number is replaced by one of ``others`` (other problems' answers: the task's format)."""
     if rng.random() >= p_wrong:
         return answer
+    if not answer.isdigit():
+        return rng.choice(list(others) or [answer])
+    value = int(answer)
     candidates = [value + d for d in (-10, -2, -1, 1, 2, 10) if value + d >= 0]
     return str(rng.choice(candidates))
 
@@ -318,11 +323,18 @@ def load_dataset_by_name(name: str, split: str | None = None, limit: int | None 
     return rows_to_problems(rows, spec, key, limit)
 
 
-def load_problem_set(spec: str) -> list[Problem]:
-    """A .jsonl path (or any existing file) -> load_jsonl; otherwise a dataset name."""
-    if spec.lower().endswith(".jsonl") or Path(spec).is_file():
-        return load_jsonl(spec)
-    return load_dataset_by_name(spec)
+def load_problem_set(spec: str, problem_key: str | None = None, answer_key: str = "answer") -> list[Problem]:
+    """A data file (.jsonl/.json/.csv/.parquet) or Hub id ``org/name[:config][:split]``, its columns named by the
+    keys (``harness.datafiles``); otherwise one of the named math datasets (DATASETS)."""
+    if is_named_dataset(spec):
+        return load_dataset_by_name(spec)
+    return load_problems(spec, problem_key, answer_key)
+
+
+def is_named_dataset(spec: str) -> bool:
+    """Whether ``spec`` is one of the named math datasets (or an alias), not a file or a Hub id."""
+    key = spec.strip().lower().replace("_", "-")
+    return DATASET_ALIASES.get(key, key) in DATASETS
 
 
 # -- A run's problems ------------------------------------------------------------------------------------
@@ -330,22 +342,40 @@ BOXED_INSTRUCTION = "\nPlease reason step by step, and put your final answer wit
 
 
 SYNTHETIC_TASKS = ("arithmetic", "arithmetic-chat")
+TRAIN_POOL = 4096  # training problems generated for a synthetic or reasoning-gym task
+
+
+def user_instruction(text: str | None) -> str:
+    """What --instruction appends to each problem of a user's data: nothing by default, "boxed" for
+    BOXED_INSTRUCTION, else the text on a line of its own."""
+    if not text:
+        return ""
+    return BOXED_INSTRUCTION if text == "boxed" else "\n" + text
 
 
 def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
+    gym = rg.task_name(cfg.task) if not cfg.data else None
     synthetic = cfg.task in SYNTHETIC_TASKS and not cfg.data
-    if not synthetic:
-        train = load_problem_set(cfg.data or cfg.task)
-        instruction = BOXED_INSTRUCTION
+    if gym:  # the instruction comes with the task's roles (reasoning_gym_task.task_roles)
+        wanted = min(TRAIN_POOL, max(64, cfg.stages * cfg.batch_size // cfg.group_size))  # a generator can be slow
+        train = rg.reasoning_gym_problems(gym, rg.parse_options(cfg.task_option), wanted, cfg.seed)
+        instruction = user_instruction(cfg.instruction)
+    elif not synthetic:
+        spec = cfg.data or cfg.task
+        train = load_problem_set(spec, cfg.problem_key, cfg.answer_key)
+        instruction = BOXED_INSTRUCTION if is_named_dataset(spec) else user_instruction(cfg.instruction)
     elif cfg.task == "arithmetic":
-        train = arithmetic_problems(4096, seed=cfg.seed, split="train")
+        train = arithmetic_problems(TRAIN_POOL, seed=cfg.seed, split="train")
         instruction = ""  # tiny agents answer "23+15" with "38"
     else:  # a chat model answers "7 * 8 = ?" with "... \boxed{56}"
-        train = chat_arithmetic_problems(4096, seed=cfg.seed, split="train")
+        train = chat_arithmetic_problems(TRAIN_POOL, seed=cfg.seed, split="train")
         instruction = CHAT_INSTRUCTION
     if cfg.eval_data:
-        heldout = load_problem_set(cfg.eval_data)
+        heldout = load_problem_set(cfg.eval_data, cfg.problem_key, cfg.answer_key)
+    elif gym:  # questions of the held-out split, never a training one
+        heldout = rg.reasoning_gym_problems(gym, rg.parse_options(cfg.task_option), cfg.eval_size, cfg.seed + 1,
+                                            split="heldout")
     elif synthetic:
         make = arithmetic_problems if cfg.task == "arithmetic" else chat_arithmetic_problems
         heldout = make(cfg.eval_size, seed=cfg.seed + 1, split="heldout")

@@ -255,12 +255,18 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
 
 
 def test_counterfactual_baseline_brute_force_and_independent_of_own_answer():
-    from rollout import counterfactual_baselines
+    from reward import DEFAULT_REWARD, counterfactual_baselines
     from team import Problem
 
     gold = Problem(id="p", problem="1+4", answer="5")
     answers = [["5", "6", "7"], ["6", "6", "5"], ["5", "5", None], ["8", "6", "7"]]  # one group of G = 4, 3 agents
-    b = counterfactual_baselines(answers, [gold] * 4, torch.zeros(4, dtype=torch.long))
+
+    def baselines(answers):
+        texts = [[str(a) for a in row] for row in answers]
+        return counterfactual_baselines(DEFAULT_REWARD, [gold] * 4, texts, answers, "independent",
+                                        torch.zeros(4, dtype=torch.long))
+
+    b = baselines(answers)
     for k in range(3):
         for t in range(4):
             swapped = [answers[t][:k] + [answers[u][k]] + answers[t][k + 1:] for u in range(4) if u != t]
@@ -268,6 +274,6 @@ def test_counterfactual_baseline_brute_force_and_independent_of_own_answer():
     # b_k(tau) does not read agent k's own answer in tau: changing it moves only the others' baselines
     changed = [list(a) for a in answers]
     changed[0][1] = "5"
-    b2 = counterfactual_baselines(changed, [gold] * 4, torch.zeros(4, dtype=torch.long))
+    b2 = baselines(changed)
     assert b2[1, 0] == b[1, 0]
     assert b2[0, 0].item() == pytest.approx(5 / 9) and b[0, 0].item() == pytest.approx(1 / 9)

@@ -363,7 +363,7 @@ def test_load_jsonl_good(tmp_path):
                  '{"problem": "half?", "answer": 0.5}\n')
     probs = load_jsonl(f)
     assert probs == [Problem("q1", "1+1?", "2"), Problem("mine-3", "2+2?", "4"), Problem("mine-4", "half?", "0.5")]
-    assert load_problem_set(str(f)) == probs
+    assert [(p.problem, p.answer) for p in load_problem_set(str(f))] == [(p.problem, p.answer) for p in probs]
 
 
 def test_load_jsonl_bad_json(tmp_path):

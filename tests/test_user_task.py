@@ -18,20 +18,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness import datafiles, reasoning_gym_task, roles, trackers  # noqa: E402
-from harness.user_reward import (  # noqa: E402
+from harness.user_reward import load_reward, probe  # noqa: E402
+from reward import (  # noqa: E402
     DEFAULT_REWARD,
     Reward,
     RewardError,
+    answers_match,
     call_reward,
+    columns_of,
     counterfactual_baselines,
-    load_reward,
-    probe,
-    score_problems,
+    score,
+    vote_reward,
     vote_score,
 )
-from reward import answers_match, vote_reward  # noqa: E402
 from rollout import Turn, score_team  # noqa: E402
-from rollout import counterfactual_baselines as rollout_counterfactual  # noqa: E402
 from team import (  # noqa: E402
     Problem,  # noqa: E402
     Team,
@@ -42,6 +42,14 @@ from team import (  # noqa: E402
 def write(path: Path, text: str) -> Path:
     path.write_text(textwrap.dedent(text))
     return path
+
+
+def score_problems(reward, problems, completions, answers, protocol, check_determinism=False) -> list[float]:
+    """``reward.score``, or with ``check_determinism`` the probe's three calls on the same rows."""
+    if not check_determinism:
+        return score(reward, problems, completions, answers, protocol)
+    return probe(reward, [p.problem for p in problems], completions, columns_of(problems, answers, protocol),
+                 [p.id for p in problems])
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:
@@ -228,13 +236,17 @@ def test_vote_score_with_correctness_is_vote_reward(answers, gold):
 
 
 @given(st.lists(st.lists(ANSWERS, min_size=3, max_size=3), min_size=2, max_size=6), st.integers(1, 3), GOLDS)
-def test_counterfactual_baselines_equal_the_rollouts_for_the_default_reward(answers, groups, gold):
+def test_counterfactual_baselines_of_the_default_reward_by_their_definition(answers, groups, gold):
+    """b_k(t): the vote's correctness with agent k's answer swapped for each of its others in t's group, averaged."""
     group_ids = torch.arange(len(answers)) % groups
     problems = [Problem(f"g{g}", "q", gold) for g in group_ids.tolist()]
-    expected = rollout_counterfactual(answers, problems, group_ids)
     texts = [[str(a) for a in row] for row in answers]
     got = counterfactual_baselines(DEFAULT_REWARD, problems, texts, answers, "independent", group_ids)
-    assert torch.allclose(got, expected, atol=1e-12)
+    for k in range(3):
+        for t in range(len(answers)):
+            mates = [u for u in range(len(answers)) if group_ids[u] == group_ids[t] and u != t]
+            swaps = [vote_reward(answers[t][:k] + [answers[u][k]] + answers[t][k + 1:], gold) for u in mates]
+            assert got[k, t].item() == pytest.approx(sum(swaps) / len(swaps) if swaps else 0.0, abs=1e-6)
 
 
 def test_counterfactual_baselines_with_a_user_reward_and_its_own_range():
@@ -368,7 +380,7 @@ agents:
 def test_roles_render_per_agent_with_previous_in_the_chain(tmp_path):
     path = write(tmp_path / "roles.yaml", CHAIN_ROLES)
     r = roles.load_roles(path, 3, "chain")
-    problem = datafiles.UserProblem("p", "2+2", "4", "Row system.", {})
+    problem = Problem("p", "2+2", "4", "Row system.", {})
     assert r.messages(0, problem, [], []) == [{"role": "system", "content": "You solve."},
                                               {"role": "user", "content": "Solve 2+2"}]
     assert r.messages(1, problem, ["I think 4"], ["4"])[1]["content"] == "2+2\nEarlier:\nAgent 1: 4"
