@@ -96,6 +96,8 @@ def validate_run_inputs(cfg: "Config") -> None:
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
     team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
+    if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
+        team_roles(cfg, len(parse_agents(cfg.agents)))
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:

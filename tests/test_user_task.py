@@ -547,3 +547,84 @@ def test_reasoning_gym_bad_names_and_options_are_one_line():
     with pytest.raises(ValueError) as err:
         reasoning_gym_task.parse_options(["max_disks"])
     assert "write key=value" in one_line(err)
+
+
+# -- Whole runs: a user's reward, data, roles and tracker; reasoning-gym; resume ----------------------------
+def sat_main(argv: list[str], capsys) -> tuple[int, str]:
+    from harness.cli import main
+
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+TINY_RUN = ["--agents", "tiny x2", "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
+            "--eval-size", "8", "--warmup-steps", "20"]
+
+
+def test_a_run_keeps_its_reward_and_roles_on_resume_and_reports_to_tensorboard(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from harness.loading import read_team
+    from harness.run_folder import latest_checkpoint
+
+    roles_file = tmp_path / "roles.json"
+    roles_file.write_text(json.dumps({"agents": [{"system": "Add.", "user": "{problem}="}]}))
+    out = tmp_path / "run"
+    first = TINY_RUN + ["--data", str(ROOT / "examples" / "addition.jsonl"), "--eval-data",
+                        str(ROOT / "examples" / "addition_heldout.jsonl"), "--reward",
+                        str(ROOT / "examples" / "addition_reward.py") + ":reward", "--roles", str(roles_file),
+                        "--report-to", "tensorboard", "--stages", "1", "--out", str(out)]
+    assert sat_main(first, capsys)[0] == 0
+    roles_file.unlink()  # the run keeps its own copy: --resume never reads the user's file again
+    assert sat_main(["--resume", str(out), "--stages", "2"], capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["reward"].endswith("addition_reward.py:reward") and config["report_to"] == "tensorboard"
+    _, team_cfg = read_team(latest_checkpoint(out) / "team")
+    assert team_cfg.roles.role(1).system == "Add." and team_cfg.roles.role(0).user == "{problem}="
+    assert json.loads((out / "roles.json").read_text())["agents"][0]["system"] == "Add."
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == [0, 1, 2]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for s in samples:  # the example's reward, the share of agents with the right sum, on every stage's samples
+        right = sum(a["response"].strip() == s["gold"] for a in s["agents"])
+        assert s["reward"] == pytest.approx(right / 2), s
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    held_out = events.Scalars("eval_accuracy")
+    assert [e.step for e in held_out] == [0, 1, 2]  # the resumed run appends stage 2 to the same log
+    assert [e.value for e in held_out] == pytest.approx([r["eval_accuracy"] for r in rows])
+
+
+def test_a_reward_that_fails_is_refused_before_any_model_loads(tmp_path, capsys):
+    bad = reward_file(tmp_path, "def reward(prompts, completions, answer, **columns):\n"
+                                "    return [float('nan') if int(a) > 10 else 1.0 for a in answer]\n")
+    out = tmp_path / "run"
+    rc, err = sat_main(TINY_RUN + ["--data", str(ROOT / "examples" / "addition.jsonl"), "--reward", f"{bad}:reward",
+                                   "--out", str(out)], capsys)
+    line = err.strip().splitlines()[-1]
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and "is not finite" in line and "row " in line, err
+    assert not out.exists()  # nothing written, no model loaded
+
+
+def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys):
+    import eval_aime
+    from harness.config import Config
+    from harness.tasks import load_task
+
+    out = tmp_path / "run"
+    task = ["--task", "reasoning-gym:knights_knaves", "--task-option", "n_people=2"]
+    argv = ["--agents", "tiny x2", "--batch-size", "8", "--group-size", "2", "--epochs", "1", "--minibatch-size", "8",
+            "--eval-size", "4", "--warmup-steps", "0", "--max-new-tokens", "8", "--stages", "1", "--out", str(out)]
+    assert sat_main(argv + task, capsys)[0] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == [0, 1] and all(0 <= r["eval_accuracy"] <= 1 for r in rows)
+    cfg = Config(task="reasoning-gym:knights_knaves", task_option=["n_people=2"], eval_size=4, stages=1,
+                 batch_size=8, group_size=2)
+    train, heldout, _ = load_task(cfg)
+    assert not {p.problem for p in train} & {p.problem for p in heldout}
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+        ["--ckpt", str(out), "--bench", "reasoning-gym:knights_knaves", "--task-option", "n_people=2", "--k", "2",
+         "--limit", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
+    team = summary["benchmarks"]["reasoning-gym:knights_knaves"]["metrics"]["team"]
+    assert 0 <= team["avg@2"]["value"] <= 1 and summary["setting"]["reward"] == "reasoning-gym:knights_knaves"
+    assert summary["setting"]["roles"]["agents"][0]["system"]  # reasoning-gym's system prompt, from the checkpoint
