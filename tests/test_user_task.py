@@ -561,7 +561,20 @@ TINY_RUN = ["--agents", "tiny x2", "--batch-size", "16", "--group-size", "4", "-
             "--eval-size", "8", "--warmup-steps", "20"]
 
 
+def readme_example(out: Path) -> list[str]:
+    """The README's own-task command, its options (run from the repository root), --out replaced."""
+    import shlex
+
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                if line.strip().startswith("python sat.py --data examples/"))
+    argv = shlex.split(line)[2:]
+    argv = [str(ROOT / a) if a.startswith("examples/") else a for a in argv]  # a FILE.py:NAME keeps its :NAME
+    at = argv.index("--out")
+    return argv[:at] + argv[at + 2:] + ["--out", str(out)]
+
+
 def test_a_run_keeps_its_reward_and_roles_on_resume_and_reports_to_tensorboard(tmp_path, capsys):
+    """The README's example at a tiny size, with roles, then resumed for a second stage."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from harness.loading import read_team
@@ -570,10 +583,7 @@ def test_a_run_keeps_its_reward_and_roles_on_resume_and_reports_to_tensorboard(t
     roles_file = tmp_path / "roles.json"
     roles_file.write_text(json.dumps({"agents": [{"system": "Add.", "user": "{problem}="}]}))
     out = tmp_path / "run"
-    first = TINY_RUN + ["--data", str(ROOT / "examples" / "addition.jsonl"), "--eval-data",
-                        str(ROOT / "examples" / "addition_heldout.jsonl"), "--reward",
-                        str(ROOT / "examples" / "addition_reward.py") + ":reward", "--roles", str(roles_file),
-                        "--report-to", "tensorboard", "--stages", "1", "--out", str(out)]
+    first = readme_example(out) + TINY_RUN + ["--roles", str(roles_file), "--stages", "1"]
     assert sat_main(first, capsys)[0] == 0
     roles_file.unlink()  # the run keeps its own copy: --resume never reads the user's file again
     assert sat_main(["--resume", str(out), "--stages", "2"], capsys)[0] == 0
