@@ -136,12 +136,14 @@ def run_summary(row: dict) -> str:
 
 def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
     """What the agents said: the first joint trajectory of each of the stage rollout's first ``count`` groups
-    (problem, gold answer, each agent's response, extracted answer, whether it is right, its length, whether it
+    (problem, gold answer, each agent's response, extracted answer, its own score (``reward.agent_scores``) and
+    whether that is nonzero, its length, whether it
     was cut at the token limit; the team's answer and reward)."""
     rows = range(0, min(len(batch), count * group_size), group_size)
     return [{"stage": stage, "problem": batch.problems[r].problem, "gold": batch.problems[r].answer,
              "agents": [{"response": t.texts[r], "answer": t.answers[r], "correct": bool(batch.agent_correct[k, r]),
-                         "tokens": int(t.response_mask[r].sum()), "truncated": bool(t.truncated[r])}
+                         "score": float(batch.agent_correct[k, r]), "tokens": int(t.response_mask[r].sum()),
+                         "truncated": bool(t.truncated[r])}
                         for k, t in enumerate(batch.turns)],
              "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r])} for r in rows]
 
@@ -155,7 +157,8 @@ def sample_text(sample: dict, width: int = 160) -> str:
     lines = [f"  sample, stage {sample['stage']}: {cut(sample['problem'])}  (gold {sample['gold']}; team "
              f"{sample['team_answer']}, reward {sample['reward']:.2f})"]
     for k, a in enumerate(sample["agents"]):
-        mark = "right" if a["correct"] else "wrong"
+        score = a.get("score", float(a["correct"]))
+        mark = {1.0: "right", 0.0: "wrong"}.get(score, f"score {score:.2f}")
         lines.append(f"    agent {k + 1} [{a['tokens']} tok{', cut' if a['truncated'] else ''}] -> {a['answer']} "
                      f"({mark}): {cut(a['response'])}")
     return "\n".join(lines)
