@@ -213,7 +213,7 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
     log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
     weights = log_w.exp()  # [N]
     if cfg.baseline == "counterfactual" and batch.counterfactual is not None:
-        # R - b_j: the others' answers held fixed (rollout.counterfactual_baselines), then Eq. (2)'s normalisation
+        # R - b_j: the others' answers held fixed (reward.counterfactual_baselines), then Eq. (2)'s normalisation
         signal = batch.rewards - batch.counterfactual[j]  # [N], in [-(R_max - R_min), R_max - R_min]
         adv = group_advantages(signal, batch.group_ids, clip=cfg.adv_clip, weights=weights).float()  # [N]
         raw_adv = signal.float()  # [N] reward units, for the certificate

@@ -39,7 +39,7 @@ from harness.reasoning_gym_task import (  # noqa: E402
     task_roles,
 )
 from harness.roles import Role, Roles  # noqa: E402
-from harness.user_reward import Reward, score_problems  # noqa: E402
+from reward import Reward, score  # noqa: E402
 from rollout import HF, SamplingConfig, response_seeds  # noqa: E402
 from team import Agent  # noqa: E402
 
@@ -69,8 +69,8 @@ def measure(agent: Agent, name: str, options: dict, args, sampling: SamplingConf
     reward = Reward(fn, fn.__name__, fn.reward_range)
     completions = [[texts[k][i] for k in range(args.team)] for i in range(len(problems))]
     answers = [[response_answer(t) for t in row] for row in completions]
-    team = score_problems(reward, problems, completions, answers, "independent", check_determinism=True)
-    one = score_problems(reward, problems, [[t] for t in texts[0]], [[a[0]] for a in answers], "chain")
+    team = score(reward, problems, completions, answers, "independent")
+    one = score(reward, problems, [[t] for t in texts[0]], [[a[0]] for a in answers], "chain")
     tags = [fn.dataset.score_answer(tagged_answer(t), {"question": p.problem, **p.columns})
             for t, p in zip(texts[0], problems)]
     flat = [t for row in tokens for t in row]

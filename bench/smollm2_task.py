@@ -10,7 +10,7 @@ loaded with transformers (dequantised to float32). The measurement goes through 
 ``Team.prompt_ids`` (the chat template with the generation prompt; problem + instruction as the user turn), one
 left-padded batched sample per problem from ``rollout.HF.generate`` (the tempered full softmax, top-p 1, as in
 training), answers graded by ``Team.extract`` (asked for \\boxed{}: the last complete box, else "answer is X")
-and ``grading.answers_match``. Per instruction, temperature and kind it prints: accuracy, "lenient" accuracy (the
+and ``reward.answers_match``. Per instruction, temperature and kind it prints: accuracy, "lenient" accuracy (the
 last number counts too when there is no box: does the model know the answer, whatever the format), the share of
 responses with a complete \\boxed{...} answer, mean response tokens (eos counted), the share cut at
 --max-new-tokens, and generated tokens/s of the generate call (one batch per kind, --threads torch threads; on a

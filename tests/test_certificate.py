@@ -2,7 +2,7 @@
 
 Each agent answers with L = 10 tokens from a vocabulary of 2 (1,024 responses, every one enumerable); its
 answer is how many of its tokens are 1, in three bins (0-2, 3-5, 6-10), and the gold answer is 0. The
-independent protocol scores the joint answer with the project's vote (``grading.vote_reward``), the chain
+independent protocol scores the joint answer with the project's vote (``reward.vote_reward``), the chain
 protocol by the last agent's answer, given having seen the answer before it. A policy is a table of
 per-position logits for each state (chain: the previous agent's answer), so J and every step's change
 are exact sums over the enumerated responses.
