@@ -289,10 +289,8 @@ def benchmark_reward(cfg: EvalConfig) -> Reward:
     """The reward samples are scored with: --reward, a reasoning-gym benchmark's own scorer, or the built-in one."""
     if cfg.reward:
         return load_reward(cfg.reward)
-    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
-    if gym:
-        fn = rg.ReasoningGymReward(gym, rg.parse_options(cfg.task_option))
-        return Reward(fn, cfg.bench.strip(), fn.reward_range)
+    if rg.task_name(cfg.bench.strip()) and not cfg.data:
+        return rg.task_reward(cfg.bench.strip(), cfg.task_option)
     return DEFAULT_REWARD
 
 

@@ -22,7 +22,7 @@ import hashlib
 import importlib.util
 
 from harness.roles import Role, Roles
-from reward import vote_score
+from reward import Reward, vote_score
 from team import Problem
 
 PREFIX = "reasoning-gym:"
@@ -174,3 +174,9 @@ class ReasoningGymReward:
             score = lambda a: float(self.dataset.score_answer(a, entry))  # noqa: E731  (one entry's scorer)
             out.append(score(answers[-1]) if protocol == "chain" else vote_score(answers, score, same_text))
         return out
+
+
+def task_reward(task: str, options: list[str]) -> Reward:
+    """The team reward of a ``reasoning-gym:NAME`` task with its --task-option list: its own scorer and range."""
+    fn = ReasoningGymReward(task_name(task), parse_options(options))
+    return Reward(fn, task, fn.reward_range)

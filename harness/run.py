@@ -132,10 +132,8 @@ def team_reward(cfg: Config) -> Reward:
     """The team reward: --reward, else a reasoning-gym task's own scorer, else the built-in one (reward.py)."""
     if cfg.reward:
         return load_reward(cfg.reward)
-    gym = reasoning_gym_task.task_name(cfg.task) if not cfg.data else None
-    if gym:
-        return Reward(reasoning_gym_task.ReasoningGymReward(gym, reasoning_gym_task.parse_options(cfg.task_option)),
-                      cfg.task, reasoning_gym_task.ReasoningGymReward.reward_range)
+    if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
+        return reasoning_gym_task.task_reward(cfg.task, cfg.task_option)
     return DEFAULT_REWARD
 
 
