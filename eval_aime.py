@@ -182,7 +182,7 @@ def length_stats(tokens: list[int], truncated: list[bool]) -> dict[str, float]:
 # -- Benchmarks and the team -----------------------------------------------------------------------------
 def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
     """{benchmark name: every problem} from --data files or --bench names."""
-    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
+    gym = gym_bench(cfg)
     if cfg.data:
         specs = [p.strip() for p in cfg.data.split(",") if p.strip()]
         benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key) for s in specs}
@@ -259,7 +259,7 @@ def team_identity(cfg: EvalConfig) -> dict:
         team = {"ckpt": None, "agents": [s.name for s in parse_agents(cfg.agents)], "weights_sha256": None}
         protocol = cfg.protocol or "independent"
         thinking = bool(cfg.thinking)
-    gym = rg.task_name(cfg.bench.strip()) if not cfg.data else None
+    gym = gym_bench(cfg)
     roles = meta.get("roles") if cfg.ckpt else None  # the prompts the team was trained with
     if roles is None and gym:
         roles = rg.task_roles(len(team["agents"]), protocol).to_dict()
@@ -285,11 +285,16 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     return Team(agents, team_cfg)
 
 
+def gym_bench(cfg: EvalConfig) -> str | None:
+    """NAME when the benchmark is ``reasoning-gym:NAME`` (and no --data replaces it), else None."""
+    return rg.task_name(cfg.bench.strip()) if not cfg.data else None
+
+
 def benchmark_reward(cfg: EvalConfig) -> Reward:
     """The reward samples are scored with: --reward, a reasoning-gym benchmark's own scorer, or the built-in one."""
     if cfg.reward:
         return load_reward(cfg.reward)
-    if rg.task_name(cfg.bench.strip()) and not cfg.data:
+    if gym_bench(cfg):
         return rg.task_reward(cfg.bench.strip(), cfg.task_option)
     return DEFAULT_REWARD
 

@@ -251,8 +251,7 @@ DATASET_ALIASES = {
 
 def canonical_dataset_name(name: str) -> str:
     """The DATASETS key for a user-given name (case-insensitive, '_' == '-')."""
-    key = name.strip().lower().replace("_", "-")
-    key = DATASET_ALIASES.get(key, key)
+    key = dataset_key(name)
     if key not in DATASETS:
         aliases = {k: [a for a, v in DATASET_ALIASES.items() if v == k] for k in DATASETS}
         known = ", ".join(f"{k} ({'/'.join(aliases[k])})" if aliases[k] else k for k in DATASETS)
@@ -331,10 +330,15 @@ def load_problem_set(spec: str, problem_key: str | None = None, answer_key: str 
     return load_problems(spec, problem_key, answer_key)
 
 
+def dataset_key(name: str) -> str:
+    """A user-given dataset name as a DATASETS key would be (case-insensitive, '_' == '-', aliases resolved)."""
+    key = name.strip().lower().replace("_", "-")
+    return DATASET_ALIASES.get(key, key)
+
+
 def is_named_dataset(spec: str) -> bool:
     """Whether ``spec`` is one of the named math datasets (or an alias), not a file or a Hub id."""
-    key = spec.strip().lower().replace("_", "-")
-    return DATASET_ALIASES.get(key, key) in DATASETS
+    return dataset_key(spec) in DATASETS
 
 
 # -- A run's problems ------------------------------------------------------------------------------------
