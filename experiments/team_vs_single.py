@@ -18,6 +18,10 @@ single agent's avg@n (= its avg@K) and maj@n (the majority of n samples, average
 of n samples: the same n responses per answer as the team's vote). The paired column is team - single maj@n by
 seed.
 
+``--budget updates`` adds a second single agent trained --stages stages: as many KL-bounded policy steps as each
+team agent gets (one a stage), on a third of the team's generated tokens: the comparison at equal updates, where
+the equal-tokens single agent has n times the team agent's steps.
+
     python experiments/team_vs_single.py --seeds 0,1,2 --stages 6 --out /tmp/tvs --batch-size 256
 
 Paper scale (--agents "Qwen3-4B x3" against one Qwen3-4B trained 3 x 10 stages; the paper's own comparison is
@@ -44,13 +48,19 @@ import harness.cli
 import harness.run
 
 TOKEN_TOLERANCE = 0.10
+SINGLE_STAGES = {"tokens": lambda n, stages: n * stages, "updates": lambda n, stages: stages}  # budget -> stages
+SINGLE_FOLDER = {"tokens": "single", "updates": "single-updates"}
 
 
 def parse_args(argv=None):
     p = common.base_parser(__doc__, "runs/experiments/team_vs_single")
     p.add_argument("--vote-groups", type=common.positive_int, default=8,
                    help="disjoint groups of n samples per problem in the evaluation (K = n x this; default 8)")
+    p.add_argument("--budget", default="tokens",
+                   help="tokens (the single agent trains n x --stages stages: equal generated tokens), updates "
+                        "(--stages stages: equal policy steps per agent), or both: tokens,updates")
     args, rest = common.parse(p, argv)
+    args.budget = common.parse_list(args.budget, tuple(SINGLE_STAGES), "--budget")
     args.n = len(common.parse_agents(args.agents))
     args.single = common.team_of(args.agents, 1)
     return args, rest
@@ -108,28 +118,46 @@ def paired_over_problems(a: dict[str, float], b: dict[str, float]) -> tuple[floa
 
 
 def run_seed(args, rest: list[str], seed: int) -> dict:
-    """Train (or skip) both runs of a seed, evaluate both; the seed's numbers."""
+    """Train (or skip) the team and each budget's single agent of a seed, evaluate them; the seed's numbers."""
     team = common.run_folder(args.out, "", "team", seed)
-    single = common.run_folder(args.out, "", "single", seed)
     team_rows = common.ensure_run(team, ["--agents", args.agents, "--seed", str(seed)] + rest, args.stages, args.quiet)
-    single_rows = common.ensure_run(single, ["--agents", args.single, "--seed", str(seed)] + rest,
-                                    args.n * args.stages, args.quiet)
     data, instruction, cfg = heldout_file(team, Path(args.out) / "heldout" / f"seed{seed}.jsonl")
     k = args.n * args.vote_groups
     team_eval = evaluate(team, data, instruction, cfg, k, Path(args.out) / "eval" / "team" / f"seed{seed}")
-    single_eval = evaluate(single, data, instruction, cfg, k, Path(args.out) / "eval" / "single" / f"seed{seed}")
-    vote, single_avg = per_problem(team_eval, "team"), per_problem(single_eval, "agent_1")
-    single_maj = per_problem(single_eval, "agent_1", args.n)
-    tokens_team = common.training_tokens(common.trained(team_rows))
-    tokens_single = common.training_tokens(common.trained(single_rows))
-    return {"team_rows": team_rows, "single_rows": single_rows, "problems": len({r["problem_id"] for r in team_eval}),
-            "team_vote": statistics.mean(vote.values()),
-            "team_agents": statistics.mean(accuracy(team_eval, f"agent_{i + 1}") for i in range(args.n)),
-            "single_avg": statistics.mean(single_avg.values()), "single_maj": statistics.mean(single_maj.values()),
-            "vote_minus_maj": paired_over_problems(vote, single_maj),
-            "vote_minus_avg": paired_over_problems(vote, single_avg),
-            "tokens_team": tokens_team, "tokens_single": tokens_single,
-            "seconds_team": common.seconds(team_rows), "seconds_single": common.seconds(single_rows)}
+    vote = per_problem(team_eval, "team")
+    out = {"team_rows": team_rows, "problems": len({r["problem_id"] for r in team_eval}),
+           "team_vote": statistics.mean(vote.values()),
+           "team_agents": statistics.mean(accuracy(team_eval, f"agent_{i + 1}") for i in range(args.n)),
+           "tokens_team": common.training_tokens(common.trained(team_rows)),
+           "seconds_team": common.seconds(team_rows), "singles": {}}
+    for budget in args.budget:
+        name = SINGLE_FOLDER[budget]
+        single = common.run_folder(args.out, "", name, seed)
+        rows = common.ensure_run(single, ["--agents", args.single, "--seed", str(seed)] + rest,
+                                 SINGLE_STAGES[budget](args.n, args.stages), args.quiet)
+        single_eval = evaluate(single, data, instruction, cfg, k, Path(args.out) / "eval" / name / f"seed{seed}")
+        avg, maj = per_problem(single_eval, "agent_1"), per_problem(single_eval, "agent_1", args.n)
+        out["singles"][budget] = {"rows": rows, "avg": statistics.mean(avg.values()),
+                                  "maj": statistics.mean(maj.values()),
+                                  "vote_minus_maj": paired_over_problems(vote, maj),
+                                  "vote_minus_avg": paired_over_problems(vote, avg),
+                                  "tokens": common.training_tokens(common.trained(rows)),
+                                  "seconds": common.seconds(rows)}
+    return out
+
+
+def single_rows(args, per_seed: dict, budget: str) -> list[list[str]]:
+    """The two table rows of one budget's single agent: maj@n and avg@n, each paired with the team vote."""
+    n, k = args.n, args.n * args.vote_groups
+    col = lambda key: [v["singles"][budget][key] for v in per_seed.values()]  # noqa: E731
+    vote = dict(zip(per_seed, [v["team_vote"] for v in per_seed.values()]))
+    ci = lambda xs, sign=False: common.fmt_ci(*common.mean_ci(xs), sign=sign)  # noqa: E731
+    stages = SINGLE_STAGES[budget](n, args.stages)
+    return [[f"single '{args.single}' ({stages} stages: equal {budget})", f"maj@{n}", ci(col("maj")),
+             ci(common.paired_differences(vote, dict(zip(per_seed, col("maj")))), sign=True),
+             f"{statistics.mean(col('tokens')):.0f}", f"{statistics.mean(col('seconds')):.0f}"],
+            [f"single '{args.single}' ({stages} stages)", f"avg@{n} (= avg@{k})", ci(col("avg")),
+             ci(common.paired_differences(vote, dict(zip(per_seed, col("avg")))), sign=True), "-", "-"]]
 
 
 def main(argv=None) -> int:
@@ -137,38 +165,36 @@ def main(argv=None) -> int:
     per_seed = {seed: run_seed(args, rest, seed) for seed in args.seeds}
     n, k = args.n, args.n * args.vote_groups
     col = lambda key: [v[key] for v in per_seed.values()]  # noqa: E731
-    ci = lambda xs, sign=False: common.fmt_ci(*common.mean_ci(xs), sign=sign)  # noqa: E731
-    ratio = [v["tokens_single"] / v["tokens_team"] for v in per_seed.values()]
+    ci = lambda xs: common.fmt_ci(*common.mean_ci(xs), sign=False)  # noqa: E731
     rows = [[f"team '{args.agents}' ({args.stages} stages)", "vote (avg@K of the team answer)", ci(col("team_vote")),
              "-", f"{statistics.mean(col('tokens_team')):.0f}", f"{statistics.mean(col('seconds_team')):.0f}"],
-            ["team: its agents alone", f"avg@{k}, mean over agents", ci(col("team_agents")), "-", "-", "-"],
-            [f"single '{args.single}' ({n * args.stages} stages)", f"maj@{n}", ci(col("single_maj")),
-             ci(common.paired_differences(dict(zip(per_seed, col("team_vote"))),
-                                          dict(zip(per_seed, col("single_maj")))), sign=True),
-             f"{statistics.mean(col('tokens_single')):.0f}", f"{statistics.mean(col('seconds_single')):.0f}"],
-            [f"single '{args.single}'", f"avg@{n} (= avg@{k})", ci(col("single_avg")),
-             ci(common.paired_differences(dict(zip(per_seed, col("team_vote"))),
-                                          dict(zip(per_seed, col("single_avg")))), sign=True), "-", "-"]]
+            ["team: its agents alone", f"avg@{k}, mean over agents", ci(col("team_agents")), "-", "-", "-"]]
+    for budget in args.budget:
+        rows += single_rows(args, per_seed, budget)
     header = ["system", "metric", "held-out accuracy (95% CI)", "team vote - this (paired)", "training tokens / run",
               "stage s / run"]
-    off = [f"seed {s}: {r:.3f}" for s, r in zip(per_seed, ratio) if abs(r - 1) > TOKEN_TOLERANCE]
     notes = [f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}); eval_aime.py on the runs' held-out "
              f"problems ({statistics.mean(col('problems')):.0f} distinct), K = {k} samples each at the training "
              f"temperature; sat.py options: {' '.join(rest) or '(defaults)'}.",
-             f"Generated training tokens single / team: {min(ratio):.3f} to {max(ratio):.3f} over seeds "
-             + (f"(outside {TOKEN_TOLERANCE:.0%} for {', '.join(off)})." if off else
-                f"(within {TOKEN_TOLERANCE:.0%}: equal compute holds)."),
              "Mean ± half-width of the 95% t interval over seeds; paired: by seed (same held-out problems, agent 1 "
-             "and the single agent start from the same weights).",
-             "Per seed, paired over its held-out problems (mean ± standard error over problems): "
-             + "; ".join(f"seed {s}: team vote - single maj@{n} {v['vote_minus_maj'][0]:+.3f} ± "
-                         f"{v['vote_minus_maj'][1]:.3f}, - single avg@{n} {v['vote_minus_avg'][0]:+.3f} ± "
-                         f"{v['vote_minus_avg'][1]:.3f}" for s, v in per_seed.items()) + "."]
-    common.write_table(args.out, "Team vs one agent at equal training tokens (claim 4)",
-                       common.markdown_table(header, rows), notes)
-    common.plot_curves(Path(args.out) / "plot.png",
-                       {"held-out accuracy vs generated training tokens":
-                        {f"team {args.agents}": col("team_rows"), f"single {args.single}": col("single_rows")}},
+             "and the single agent start from the same weights)."]
+    for budget in args.budget:
+        ratio = [v["singles"][budget]["tokens"] / v["tokens_team"] for v in per_seed.values()]
+        off = [f"seed {s}: {r:.3f}" for s, r in zip(per_seed, ratio) if abs(r - 1) > TOKEN_TOLERANCE]
+        check = ("" if budget != "tokens" else " " + (f"(outside {TOKEN_TOLERANCE:.0%} for {', '.join(off)})." if off
+                                                      else f"(within {TOKEN_TOLERANCE:.0%}: equal compute holds)."))
+        notes.append(f"Equal {budget}: generated training tokens single / team {min(ratio):.3f} to {max(ratio):.3f} "
+                     f"over seeds{check} Per seed, paired over its held-out problems (mean ± standard error): "
+                     + "; ".join(f"seed {s}: team vote - single maj@{n} "
+                                 f"{v['singles'][budget]['vote_minus_maj'][0]:+.3f} ± "
+                                 f"{v['singles'][budget]['vote_minus_maj'][1]:.3f}, - single avg@{n} "
+                                 f"{v['singles'][budget]['vote_minus_avg'][0]:+.3f} ± "
+                                 f"{v['singles'][budget]['vote_minus_avg'][1]:.3f}" for s, v in per_seed.items()) + ".")
+    common.write_table(args.out, "Team vs one agent (claim 4)", common.markdown_table(header, rows), notes)
+    curves = {f"team {args.agents}": col("team_rows")}
+    curves.update({f"single {args.single}, equal {b}": [v["singles"][b]["rows"] for v in per_seed.values()]
+                   for b in args.budget})
+    common.plot_curves(Path(args.out) / "plot.png", {"held-out accuracy vs generated training tokens": curves},
                        x="tokens")
     print(f"plot: {Path(args.out) / 'plot.png'}")
     return 0

@@ -156,12 +156,14 @@ def test_plug_and_play_branches_and_table(tmp_path, capsys):
 @pytest.mark.slow  # over 10 s on two busy cores: two small runs
 def test_team_vs_single_equal_tokens_and_table(tmp_path, capsys):
     out = tmp_path / "tvs"
-    argv = ["--agents", "tiny x2", "--seeds", "0", "--stages", "1", "--vote-groups", "2", "--out", str(out)] + SMALL
+    argv = ["--agents", "tiny x2", "--seeds", "0", "--stages", "1", "--vote-groups", "2", "--out", str(out),
+            "--budget", "tokens,updates"] + SMALL
     assert team_vs_single.main(argv) == 0
     rows = table_rows(out)
     assert [r[1] for r in rows] == ["vote (avg@K of the team answer)", "avg@4, mean over agents", "maj@2",
-                                    "avg@2 (= avg@4)"]
+                                    "avg@2 (= avg@4)", "maj@2", "avg@2 (= avg@4)"]
     assert [r["stage"] for r in read_metrics(out / "single" / "seed0")] == [0, 1, 2]  # n x the stages
+    assert [r["stage"] for r in read_metrics(out / "single-updates" / "seed0")] == [0, 1]  # one step per agent
     assert "within 10%" in (out / "table.md").read_text()
     assert (out / "plot.png").stat().st_size > 0
     summary = json.loads((out / "eval" / "single" / "seed0" / "summary.json").read_text())
@@ -169,7 +171,7 @@ def test_team_vs_single_equal_tokens_and_table(tmp_path, capsys):
     capsys.readouterr()
     assert team_vs_single.main(argv) == 0
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[experiments]")]
-    assert len(said) == 2 and all(ln.endswith("skipped (finished)") for ln in said)
+    assert len(said) == 3 and all(ln.endswith("skipped (finished)") for ln in said)
 
 
 def test_majority_at_n_uses_disjoint_groups():
