@@ -256,11 +256,11 @@ def llm_runs(args: argparse.Namespace) -> tuple[dict, dict]:
 
     train, heldout = write_game_data(Path(args.out) / "data")
     common_opts = ["--data", str(train), "--eval-data", str(heldout), "--threads", str(args.threads),
-                   "--reward", f"{Path(__file__).resolve()}:game_reward"] + GAME_OPTIONS
+                   "--reward", f"{Path(__file__).resolve()}:game_reward"] + GAME_OPTIONS + args.sat_options
     runs, shares = {}, {}
     for seed in args.seeds:
         warm = common.run_folder(args.out, "warm", "tiny", seed)
-        common.ensure_run(warm, ["--agents", "tiny", "--seed", str(seed), "--warmup-steps", "600",
+        common.ensure_run(warm, ["--agents", "tiny", "--seed", str(seed), "--warmup-steps", str(args.warmup_steps),
                                  "--warmup-p-wrong", "0.2"] + common_opts, 0, args.quiet)
         agent = warm / "checkpoints" / "stage_0000" / "team" / "agent_0"
         shares[seed] = {name: measure(warm, heldout, f"{name}_reward", 8, args.quiet) for name in ("answered", "right")}
@@ -382,7 +382,8 @@ def llm_main(args: argparse.Namespace, argv: list[str]) -> str:
         "# Role selection with tiny LLM agents (claim 1)", "",
         common.markdown_table(LLM_HEADER, llm_rows(cells, exact)), "",
         f"Seeds {', '.join(map(str, args.seeds))}; {args.stages} stages; lr {args.lr:g}; sat.py options "
-        f"{' '.join(GAME_OPTIONS[:-2])}. Start (warm agent alone, held-out, 8 samples a problem, mean over seeds): "
+        f"{' '.join(GAME_OPTIONS[:-2] + args.sat_options)}. Start (warm agent alone, held-out, 8 samples a "
+        "problem, mean over seeds): "
         f"P(answer) {p_answer:.3f}, P(right) {p_right:.3f}. J is the held-out team reward (73 problems x 8 "
         "samples, common random numbers across conditions); gains are the last stage minus stage 0, mean ± 95% t "
         "half-width over seeds; the paired column is each seed's gain minus sat-regenerate's. Steps backtracked: "
@@ -424,7 +425,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     llm.add_argument("--out", default="runs/experiments/role_selection", help="run folders, table.md and plot.png")
     llm.add_argument("--quiet", action="store_true", help="no per-stage console lines from the runs")
     llm.add_argument("--threads", default=1, type=int, help="torch CPU threads per run (default 1)")
-    args = p.parse_args(argv)
+    llm.add_argument("--warmup-steps", default=600, type=int, help="the one warm agent's supervised steps (600)")
+    args, args.sat_options = p.parse_known_args(argv)  # llm: any other option goes to every sat.py run
+    if args.sat_options and args.command != "llm":
+        p.error(f"unrecognized arguments: {' '.join(args.sat_options)}")
     if args.stages < 1:
         p.error(f"--stages must be >= 1, got {args.stages}")
     if args.threads < 1:
