@@ -10,7 +10,7 @@ is the majority vote (independent) or the last agent's answer (chain).
     OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \
         --max-new-tokens 16 --out /tmp/ev                                                 # CPU smoke run
     python eval_aime.py --ckpt runs/kk --bench reasoning-gym:knights_knaves --task-option n_people=2 --k 4
-    python eval_aime.py --ckpt runs/mine --data mine.csv --reward my_reward.py:reward --instruction "" --k 8
+    python eval_aime.py --ckpt runs/mine --data mine.csv --reward my_reward.py:reward --k 8   # its own prompts
 
 A benchmark with a reward of its own (a reasoning-gym task, or --reward as in sat.py) scores each sample with it:
 avg@K is the mean reward (partial credit included), pass@k counts samples at the reward's maximum, maj@K is the
@@ -82,8 +82,9 @@ class EvalConfig:
     k: int = opt(64, "samples (joint trajectories) per problem (paper: 64 on AIME, 4 on MATH-500)")
     protocol: str | None = opt(None, "default: the checkpoint's, else independent", PROTOCOLS)
     thinking: bool | None = opt(None, "Qwen3's thinking mode (default: the checkpoint's, else off)")
-    instruction: str | None = opt(None, "text appended to every problem (default: sat.py's boxed-answer one; none for "
-                                        "a reasoning-gym:NAME benchmark, whose roles ask for <answer> tags)")
+    instruction: str | None = opt(None, "text appended to every problem (default: a --ckpt team's own, else sat.py's "
+                                        "boxed-answer one; none for a reasoning-gym:NAME benchmark, whose roles "
+                                        "ask for <answer> tags)")
     temperature: float = opt(0.8, "sampling temperature")
     top_p: float = opt(1.0, "nucleus top-p")
     max_new_tokens: int = opt(32768, "new tokens per response at most")
@@ -263,7 +264,9 @@ def team_identity(cfg: EvalConfig) -> dict:
     roles = meta.get("roles") if cfg.ckpt else None  # the prompts the team was trained with
     if roles is None and gym:
         roles = rg.task_roles(len(team["agents"]), protocol).to_dict()
-    instruction = cfg.instruction if cfg.instruction is not None else ("" if gym else BOXED_INSTRUCTION)
+    saved = meta.get("instruction") if cfg.ckpt else None  # the prompt suffix the team was trained with
+    default = "" if gym else saved if saved is not None else BOXED_INSTRUCTION
+    instruction = cfg.instruction if cfg.instruction is not None else default
     return {**team, "protocol": protocol, "enable_thinking": thinking, "instruction": instruction, "roles": roles,
             "reward": cfg.reward or (cfg.bench.strip() if gym else None), "temperature": cfg.temperature,
             "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}

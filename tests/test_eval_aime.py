@@ -158,7 +158,7 @@ def test_resume_after_interruption_gives_the_same_summary(tmp_path):
 
 @needs_aime
 def test_checkpoint_team_keeps_its_protocol(tmp_path):
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain", instruction=" Sum?"))
     stage = tmp_path / "run" / "checkpoints" / "stage_0003"
     save_team(team, stage / "team")
     (tmp_path / "run" / "latest.json").write_text(json.dumps({"stage": 3, "path": "stage_0003"}))
@@ -168,7 +168,10 @@ def test_checkpoint_team_keeps_its_protocol(tmp_path):
     assert eval_aime.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["setting"]["protocol"] == "chain" and summary["setting"]["ckpt"] == str((stage / "team").resolve())
+    assert summary["setting"]["instruction"] == " Sum?"  # the prompts it was trained on, not the boxed default
     assert set(summary["benchmarks"]["aime24"]["metrics"]) == {"team", "agent_1", "agent_2"}
+    identity = eval_aime.team_identity(eval_aime.parse_args(argv + ["--instruction", ""]))
+    assert identity["instruction"] == ""  # an explicit --instruction still replaces it
 
 
 # -- clear errors ------------------------------------------------------------------------------
