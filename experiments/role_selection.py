@@ -70,6 +70,7 @@ import io
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -227,11 +228,20 @@ def write_game_data(folder: Path) -> tuple[Path, Path]:
     for p in arithmetic_problems(327, seed=0, split="train"):
         rows.append({"id": p.id, "problem": p.problem, "answer": p.answer, "total": int(p.answer)})
         rows.append({"id": p.id + "-pass", "problem": p.problem, "answer": PASS_TEXT, "total": int(p.answer)})
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    heldout.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer,
-                                           "total": int(p.answer)}) + "\n"
-                               for p in arithmetic_problems(73, seed=0, split="heldout")))
+    write_once(train, "".join(json.dumps(r) + "\n" for r in rows))
+    write_once(heldout, "".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer,
+                                            "total": int(p.answer)}) + "\n"
+                                for p in arithmetic_problems(73, seed=0, split="heldout")))
     return train, heldout
+
+
+def write_once(path: Path, text: str) -> None:
+    """``text`` at ``path``, replaced atomically and only if it differs: another invocation (other seeds into the
+    same --out) may be reading it."""
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def measure(ckpt: Path, heldout: Path, reward_name: str, samples: int, quiet: bool) -> float:
