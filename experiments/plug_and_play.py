@@ -182,6 +182,29 @@ def acceptance_row(branch: str, branches: dict[str, dict[int, list[dict]]], stag
             f"{share(after_k, raw_k)} ({len(both)} seeds)" if both else "-", f"{falls}/{stages}"]
 
 
+def candidate_rows(branch: str, runs: dict[int, list[dict]], stage: int) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of every candidate a certified branch tried, a column per seed: its gain over the incumbent
+    on the selection split / that paired lower bound (Stage-0's kept KL quantile, or why it was dropped); the
+    last row is the pick's certification."""
+    seeds = sorted(runs)
+    accept = {s: upgrade_event(runs[s], stage)["accept"] for s in seeds}
+    names = [c["candidate"] for c in accept[seeds[0]]["candidates"]]
+
+    def cell(c: dict) -> str:
+        if "error" in c:
+            return "dropped: Stage-0 did not fit"
+        kl = f" (KL q {c['stage0']['kl_quantile']:.3f})" if "stage0" in c else ""
+        return f"{c['selection']['mean_change']:+.4f} / {c['selection']['lower_bound']:+.4f}{kl}"
+
+    rows = [[name] + [cell(next(c for c in accept[s]["candidates"] if c["candidate"] == name)) for s in seeds]
+            for name in names]
+    rows.append([f"**certification of the pick** ({branch})"]
+                + [f"{accept[s]['chosen']}: {accept[s]['certification']['mean_change']:+.4f} / "
+                   f"**{accept[s]['certification']['lower_bound']:+.4f}** -> "
+                   f"{'swapped' if accept[s]['swapped'] else 'incumbent kept'}" for s in seeds])
+    return ["candidate"] + [f"seed {s}: selection gain / lower bound" for s in seeds], rows
+
+
 ACCEPT_HEADER = ["branch", "seeds", "swapped", "chosen", "certification lower bound", "held-out change at the swap",
                  "raw swap's change at the swap", "share of raw kept at the swap", "swaps that fell (measured)",
                  "swaps that fell (certified, held-out)", "gain - continue after k (paired)",
@@ -195,6 +218,11 @@ ACCEPT_NOTES = ("The --upgrade-accept branches. 'chosen': the candidate each see
                 "ratios of means over seeds: the branch's change over the raw swap's ('after k': each minus no swap, "
                 "paired by seed with continue and the raw branch, strong-raw or weak-raw). Certified-fall stages: "
                 "stages after the swap whose held-out paired upper bound on the change since the previous row is < 0.")
+
+CANDIDATE_NOTES = ("Every candidate: the team with the candidate in the slot against the incumbent team on the "
+                   "selection split, mean change / its paired lower bound at --delta-conf (the rule picks the "
+                   "largest bound); the last row is the pick on the disjoint certification split, swapped only if "
+                   "its bound is > 0.")
 
 
 def main(argv=None) -> int:
@@ -225,8 +253,11 @@ def main(argv=None) -> int:
     accepting = [b for b, runs in branches.items() if b in ACCEPT_BRANCHES and runs]
     if accepting:
         table = common.markdown_table(ACCEPT_HEADER, [acceptance_row(b, branches, args.stages) for b in accepting])
+        for branch in (b for b in accepting if b.endswith("-certified")):
+            header, cand = candidate_rows(branch, branches[branch], args.stages)
+            table += f"\n\nEvery candidate of {branch}:\n\n" + common.markdown_table(header, cand)
         common.write_table(args.out, "Plug-and-play: how the replacement entered (--upgrade-accept)", table,
-                           [ACCEPT_NOTES], name="acceptance.md")
+                           [ACCEPT_NOTES, CANDIDATE_NOTES], name="acceptance.md")
     curves = {"base": bases, **{b: list(r.values()) for b, r in branches.items() if r}}
     common.plot_curves(Path(args.out) / "plot.png", {f"slot {args.slot} swapped after stage {args.stages}": curves})
     print(f"plot: {Path(args.out) / 'plot.png'}")

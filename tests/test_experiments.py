@@ -212,3 +212,22 @@ def test_bad_input_is_one_line(argv, message, capsys):
         sequential_vs_joint.parse_args(argv)
     text = str(exc.value.code) if isinstance(exc.value.code, str) else capsys.readouterr().err
     assert message in text and exc.value.code != 0
+
+
+def test_candidate_rows_list_every_candidate_and_the_certification():
+    def bound(mean, lower):
+        return {"mean_change": mean, "lower_bound": lower}
+
+    def rows(chosen, swapped, cert):
+        accept = {"chosen": chosen, "swapped": swapped, "certification": cert, "candidates": [
+            {"candidate": "stage0 delta0=0.01", "selection": bound(0.01, -0.02), "stage0": {"kl_quantile": 0.0099}},
+            {"candidate": "stage0 delta0=1", "error": "Stage-0 could not bring agent 2 inside delta_0=1.0"},
+            {"candidate": "raw", "selection": bound(0.05, 0.03)}]}
+        return [{"stage": 0}, {"stage": 1, "upgrades": [{"accept": accept}]}]
+
+    runs = {0: rows("raw", True, bound(0.04, 0.02)), 3: rows("raw", False, bound(0.01, -0.01))}
+    header, table = plug_and_play.candidate_rows("strong-certified", runs, 0)
+    assert header == ["candidate", "seed 0: selection gain / lower bound", "seed 3: selection gain / lower bound"]
+    assert [r[0] for r in table[:3]] == ["stage0 delta0=0.01", "stage0 delta0=1", "raw"]
+    assert table[0][1] == "+0.0100 / -0.0200 (KL q 0.010)" and table[1][2] == "dropped: Stage-0 did not fit"
+    assert table[3][1].endswith("**+0.0200** -> swapped") and table[3][2].endswith("**-0.0100** -> incumbent kept")
