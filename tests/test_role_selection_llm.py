@@ -6,7 +6,6 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from test_claims_exact import rs
 from test_experiments import table_rows
 
