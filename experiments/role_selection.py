@@ -65,8 +65,6 @@ half of the steps of every condition backtracked.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import math
@@ -187,6 +185,7 @@ def verdicts(cells: list[dict]) -> list[str]:
 PASS_TEXT = "PASS"
 LLM_DELTAS = (0.05, 0.5)
 MDE_TARGET = 0.03
+LLM_CONDITIONS = ("joint", "sat-regenerate", "sat-weights")  # sequential_vs_joint.CONDITIONS, in table order
 GAME_OPTIONS = ["--batch-size", "256", "--group-size", "8", "--max-new-tokens", "4", "--temperature", "1.0",
                 "--epochs", "4", "--minibatch-size", "128", "--beta", "0.01", "--eval-size", "73",
                 "--eval-samples", "8", "--instruction", ""]
@@ -198,8 +197,8 @@ def _answers(texts: list[str]) -> list[str]:
 
 def game_reward(prompts: list[str], completions: list[list[str]], total: list[int], **columns) -> list[float]:
     """The team reward R of the game: 1 iff exactly one agent did not write PASS and wrote the sum."""
-    return [float(len(a) == 1 and a[0] == str(gold)) for a, gold in
-            ((_answers(texts), gold) for texts, gold in zip(completions, total))]
+    answers = [_answers(texts) for texts in completions]
+    return [float(a == [str(gold)]) for a, gold in zip(answers, total)]
 
 
 def one_answer_reward(prompts: list[str], completions: list[list[str]], **columns) -> list[float]:
@@ -253,10 +252,7 @@ def measure(ckpt: Path, heldout: Path, reward_name: str, samples: int, quiet: bo
     argv = ["--ckpt", str(ckpt), "--data", str(heldout), "--reward", f"{Path(__file__).resolve()}:{reward_name}",
             "--k", str(samples), "--max-new-tokens", "4", "--temperature", "1.0", "--instruction", "", "--out",
             str(out)]
-    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        if eval_aime.main(argv) != 0:
-            raise RuntimeError(f"eval_aime.py {' '.join(argv)} failed")
-    summary = json.loads((out / "summary.json").read_text())
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(argv), log=(lambda *_: None) if quiet else print)
     return summary["benchmarks"]["heldout"]["metrics"]["team"][f"avg@{samples}"]["value"]
 
 
@@ -303,7 +299,7 @@ def mde(half_width: float, k: int) -> float:
 def seeds_for(sd: float, target: float = MDE_TARGET) -> int:
     """The fewest seeds whose paired MDE would be <= ``target`` at standard deviation ``sd`` (the pilot's)."""
     for k in range(2, 1000):
-        if (common.t_quantile(k - 1) + common.t_quantile(k - 1, 0.6)) * sd / math.sqrt(k) <= target:
+        if mde(common.t_quantile(k - 1) * sd / math.sqrt(k), k) <= target:  # the half-width k seeds would give
             return k
     return 1000
 
@@ -334,7 +330,7 @@ def llm_verdict(cells: dict, ns: list[int], deltas: list[float]) -> list[str]:
     lines, holds, refuted = [], {n: False for n in ns}, []
     for n in ns:
         for delta in deltas:
-            group = {c: cells[(n, delta, c)] for c in ("joint", "sat-regenerate", "sat-weights")}
+            group = {c: cells[(n, delta, c)] for c in LLM_CONDITIONS}
             if min(c["backtracked"] for c in group.values()) < 0.5:
                 lines.append(f"n={n} delta={delta:g}: the trust region does not bind (a condition backtracked in "
                              "under half its steps): not judged")
@@ -378,14 +374,13 @@ def llm_main(args: argparse.Namespace, argv: list[str]) -> str:
     t0 = time.perf_counter()
     runs, shares = llm_runs(args)
     seconds = time.perf_counter() - t0
-    cells = {(n, d, c): llm_cell(runs, shares, n, d, c) for n in args.n for d in args.deltas
-             for c in ("joint", "sat-regenerate", "sat-weights")}
+    cells = {(n, d, c): llm_cell(runs, shares, n, d, c) for n in args.n for d in args.deltas for c in LLM_CONDITIONS}
     p_answer = statistics.mean(shares[s]["answered"] for s in args.seeds)
     p_right = statistics.mean(shares[s]["right"] for s in args.seeds)
     start = [1 - p_answer, p_right, p_answer - p_right]
     exact = {(n, d): exact_cell(n, d, args.stages, start) for n in args.n for d in args.deltas}
     common.plot_curves(Path(args.out) / "plot.png", {
-        f"n={n}, delta={d:g}": {c: list(runs[(n, d, c)].values()) for c in ("joint", "sat-regenerate", "sat-weights")}
+        f"n={n}, delta={d:g}": {c: list(runs[(n, d, c)].values()) for c in LLM_CONDITIONS}
         for n in args.n for d in args.deltas})
     run_seconds = sum(common.seconds(rows) for by_seed in runs.values() for rows in by_seed.values())
     text = "\n".join([

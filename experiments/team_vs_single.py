@@ -181,8 +181,10 @@ def main(argv=None) -> int:
     for budget in args.budget:
         ratio = [v["singles"][budget]["tokens"] / v["tokens_team"] for v in per_seed.values()]
         off = [f"seed {s}: {r:.3f}" for s, r in zip(per_seed, ratio) if abs(r - 1) > TOKEN_TOLERANCE]
-        check = ("." if budget != "tokens" else " " + (f"(outside {TOKEN_TOLERANCE:.0%} for {', '.join(off)})." if off
-                                                      else f"(within {TOKEN_TOLERANCE:.0%}: equal compute holds)."))
+        check = "."
+        if budget == "tokens":
+            check = (f" (outside {TOKEN_TOLERANCE:.0%} for {', '.join(off)})." if off
+                     else f" (within {TOKEN_TOLERANCE:.0%}: equal compute holds).")
         notes.append(f"Equal {budget}: generated training tokens single / team {min(ratio):.3f} to {max(ratio):.3f} "
                      f"over seeds{check} Per seed, paired over its held-out problems (mean ± standard error): "
                      + "; ".join(f"seed {s}: team vote - single maj@{n} "
