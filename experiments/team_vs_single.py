@@ -45,6 +45,7 @@ import common  # noqa: E402
 
 import eval_aime  # noqa: E402
 import harness.cli
+import harness.eval_folder
 import harness.run
 
 TOKEN_TOLERANCE = 0.10
@@ -84,7 +85,7 @@ def evaluate(run: Path, data: Path, instruction: str, cfg, k: int, out: Path) ->
                                  "--seed", str(cfg.seed), "--device", cfg.device, "--backend", cfg.backend,
                                  "--out", str(out)])
     eval_aime.evaluate_benchmarks(ecfg, log=lambda *_: None)
-    return eval_aime.read_predictions(out / "predictions.jsonl")
+    return harness.eval_folder.read_predictions(out / "predictions.jsonl")
 
 
 def per_problem(rows: list[dict], who: str, n: int | None = None) -> dict[str, float]:

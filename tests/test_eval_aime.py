@@ -20,9 +20,10 @@ from eval_aime import (
     pass_at_k,
     plan_chunks,
     problem_metrics,
-    read_predictions,
     summarize,
 )
+from harness.eval_folder import read_predictions
+from harness.eval_setting import team_identity
 from harness.loading import load_agent, save_team
 from reward import answers_match, extract_answer
 from team import Problem, Team, TeamConfig
@@ -170,7 +171,7 @@ def test_checkpoint_team_keeps_its_protocol(tmp_path):
     assert summary["setting"]["protocol"] == "chain" and summary["setting"]["ckpt"] == str((stage / "team").resolve())
     assert summary["setting"]["instruction"] == " Sum?"  # the prompts it was trained on, not the boxed default
     assert set(summary["benchmarks"]["aime24"]["metrics"]) == {"team", "agent_1", "agent_2"}
-    identity = eval_aime.team_identity(eval_aime.parse_args(argv + ["--instruction", ""]))
+    identity = team_identity(eval_aime.parse_args(argv + ["--instruction", ""]))
     assert identity["instruction"] == ""  # an explicit --instruction still replaces it
 
 
