@@ -4,8 +4,10 @@ TRL and verl users read, beside metrics.jsonl.
 Each backend is imported when it is opened, never before; ``check_report_to`` refuses a missing package in one
 line naming its pip install before any work. A stage sends the scalars of its metrics row (``flatten``: team and
 per-agent accuracy, KL quantiles, beta, bounds, timings; nested names joined with "/", agents numbered from 1)
-and its samples as a table (``sample_table``). Every tracker writes inside the run folder: W&B runs offline
-(WANDB_MODE=offline: these machines have no network), MLflow to a file store, trackio to a local project.
+and its samples as a table (``sample_table``), every text whole (a multi-round transcript included). Every tracker
+writes inside the run folder and nowhere else, and reaches no network: W&B runs offline, MLflow to a file store,
+trackio to a local project. Each reads its folders and switches from environment variables (``tracker_env``), set
+while the tracker is open and restored when it closes; a variable the user set keeps the user's value.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}  # -> pip name
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow-skinny"}  # pip name
 CHOICES = (*PACKAGES, "none")
 MAX_INDEXED = 16  # a list of numbers up to this long is one scalar per entry (per agent); longer ones are per-row data
 
@@ -81,6 +83,40 @@ def finite(scalars: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in scalars.items() if math.isfinite(v)}
 
 
+def tracker_env(name: str, run_dir: Path) -> dict[str, str]:
+    """The environment a tracker package reads, so that it writes only under ``run_dir`` and sends nothing.
+
+    wandb: the process-wide mode offline (else its own usage telemetry probes a server even for an offline run),
+    no crash reports, its cache (wandb-core's logs) and data (a table's artifact staging) under <run>/wandb.
+    MLflow: its file store allowed (MLflow 3 keeps it in maintenance mode), no usage telemetry (which writes an
+    id under ~/.config and sends events). trackio: its folder, read once when trackio is first imported."""
+    run_dir = run_dir.resolve()
+    if name == "wandb":
+        home = run_dir / "wandb"
+        return {"WANDB_MODE": "offline", "WANDB_ERROR_REPORTING": "false", "WANDB_CACHE_DIR": str(home / "cache"),
+                "WANDB_DATA_DIR": str(home / "data")}
+    if name == "mlflow":
+        return {"MLFLOW_ALLOW_FILE_STORE": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    if name == "trackio":
+        return {"TRACKIO_DIR": str(run_dir / "trackio")}
+    return {}
+
+
+def set_env(values: dict[str, str]) -> dict[str, str | None]:
+    """Sets each variable the user has not set; returns the values before, for ``restore_env``."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if before[k] is None})
+    return before
+
+
+def restore_env(before: dict[str, str | None]) -> None:
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 class TensorBoard:
     """Event files in <run>/tensorboard (torch's SummaryWriter); samples as a markdown table under "samples"."""
 
@@ -104,10 +140,12 @@ class TensorBoard:
 
 
 class WandB:
-    """An offline W&B run (mode="offline": no network) with its files in <run>/wandb; samples as a wandb.Table.
-    ``wandb sync <run>/wandb/offline-run-*`` uploads it where there is network."""
+    """An offline W&B run (mode="offline": no network) with its files in <run>/wandb; samples as a wandb.Table
+    (files/media/table/*.table.json, each text whole). ``wandb sync <run>/wandb/offline-run-*`` uploads it
+    where there is network."""
 
     def __init__(self, run_dir: Path, config: dict):
+        self.env = set_env(tracker_env("wandb", run_dir))
         import wandb
 
         self.wandb = wandb
@@ -121,15 +159,25 @@ class WandB:
 
     def close(self) -> None:
         self.run.finish()
+        restore_env(self.env)
 
 
 class Trackio:
-    """A local trackio project "sat" (under <run>/trackio unless TRACKIO_DIR says otherwise); samples as a table."""
+    """A local trackio project "sat" in one SQLite file, <run>/trackio/sat.db (unless TRACKIO_DIR says otherwise),
+    never a Space; samples as a trackio.Table, each text whole. ``trackio show --project sat`` with the same
+    TRACKIO_DIR serves its dashboard. trackio fixes its folder when first imported, so one process reports to
+    one run folder's trackio; a second one is refused rather than written into the first."""
 
     def __init__(self, run_dir: Path, config: dict):
-        os.environ.setdefault("TRACKIO_DIR", str(run_dir / "trackio"))  # read when trackio is first imported
+        self.env = set_env(tracker_env("trackio", run_dir))
         import trackio
+        from trackio.utils import TRACKIO_DIR
 
+        wanted = os.environ["TRACKIO_DIR"]
+        if Path(TRACKIO_DIR).resolve() != Path(wanted).resolve():
+            restore_env(self.env)
+            raise RuntimeError(f"--report-to trackio: this process's trackio writes to {TRACKIO_DIR} (fixed when "
+                               f"trackio was first imported), not {wanted}; report one run folder per process")
         self.trackio = trackio
         self.run = trackio.init(project="sat", name=run_dir.name, config=config)
 
@@ -141,22 +189,24 @@ class Trackio:
 
     def close(self) -> None:
         self.trackio.finish()
+        restore_env(self.env)
 
 
 class MLflow:
     """An MLflow run (experiment "sat") in the file store <run>/mlruns, which needs no database and works with
-    mlflow-skinny too (``mlflow ui --backend-store-uri <run>/mlruns`` shows it); samples as a JSON table per stage.
-    MLflow 3 keeps that store in maintenance mode behind MLFLOW_ALLOW_FILE_STORE, set here for this process."""
+    mlflow-skinny; samples as a JSON table per stage (artifacts/samples/stage_NNNN.json, each text whole).
+    Reading it back needs MLFLOW_ALLOW_FILE_STORE=true too (MLflow 3 keeps that store in maintenance mode), so
+    does ``mlflow ui --backend-store-uri <run>/mlruns`` (the full mlflow package) that shows it."""
 
     def __init__(self, run_dir: Path, config: dict):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.env = set_env(tracker_env("mlflow", run_dir))
         import mlflow
 
         self.mlflow = mlflow
         mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment("sat")
         self.run = mlflow.start_run(run_name=run_dir.name)
-        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})  # MLflow caps a value at 500 characters
+        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})  # 500 characters: any MLflow takes that
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.mlflow.log_metrics(scalars, step=step)
@@ -167,6 +217,7 @@ class MLflow:
 
     def close(self) -> None:
         self.mlflow.end_run()
+        restore_env(self.env)
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio, "mlflow": MLflow}

@@ -1,10 +1,8 @@
 """A researcher's own task (issue 46): the reward contract and its one-line errors, data files in four formats
-with key mapping, roles per agent, trackers (TensorBoard read back by its own reader), reasoning-gym splits."""
+with key mapping, roles per agent, reasoning-gym splits (the trackers: tests/test_trackers.py)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import sys
 import textwrap
 from pathlib import Path
@@ -17,7 +15,7 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import datafiles, reasoning_gym_task, roles, trackers  # noqa: E402
+from harness import datafiles, reasoning_gym_task, roles  # noqa: E402
 from harness.user_reward import load_reward, probe  # noqa: E402
 from reward import (  # noqa: E402
     DEFAULT_REWARD,
@@ -422,78 +420,6 @@ def test_bad_roles_are_one_line(tmp_path, content, n, protocol, expected):
     with pytest.raises(ValueError) as err:
         roles.load_roles(path, n, protocol)
     assert expected in one_line(err) and "roles.json" in str(err.value)
-
-
-# -- Trackers ----------------------------------------------------------------------------------------------
-ROW = {"stage": 2, "team_reward": 0.25, "agent_reward": [0.5, 0.0], "eval_rewards": [1.0] * 64, "kind": "cpu",
-       "agents": [{"kl_quantile": 0.01, "accepted": True, "step_bound": None},
-                  {"kl_quantile": 0.02, "accepted": False}],
-       "certificate": {"lower_bound": -0.1, "n": 64}, "eval_accuracy": math.nan}
-SAMPLES = [{"stage": 2, "problem": "1+1", "gold": "2", "team_answer": "2", "reward": 1.0,
-            "agents": [{"response": "2", "answer": "2"}, {"response": "it is\n3 | 2", "answer": "2"}]}]
-
-
-def test_report_to_parses_and_refuses_a_missing_package(monkeypatch):
-    assert trackers.parse_report_to("none") == ()
-    assert trackers.parse_report_to("TensorBoard, wandb,tensorboard") == ("tensorboard", "wandb")
-    for bad, expected in (("tensorbored", "unknown tracker 'tensorbored'"), ("none,wandb", "none cannot be combined")):
-        with pytest.raises(ValueError) as err:
-            trackers.parse_report_to(bad)
-        assert expected in one_line(err)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(RuntimeError) as err:
-        trackers.Trackers(("tensorboard", "wandb"), "never-made", {})
-    assert one_line(err) == ("--report-to wandb needs the package wandb, which is not installed: pip install wandb "
-                             "(or drop it from --report-to)")
-    assert not Path("never-made").exists()  # refused before any work
-
-
-def test_flatten_keeps_the_scalars_of_a_metrics_row():
-    flat = trackers.flatten(ROW)
-    assert math.isnan(flat.pop("eval_accuracy"))  # kept here; trackers.finite drops it before logging
-    assert flat == {"stage": 2.0, "team_reward": 0.25, "agent_reward/1": 0.5, "agent_reward/2": 0.0,
-                    "agents/1/kl_quantile": 0.01, "agents/1/accepted": 1.0, "agents/2/kl_quantile": 0.02,
-                    "agents/2/accepted": 0.0, "certificate/lower_bound": -0.1, "certificate/n": 64.0}
-
-
-def test_tensorboard_scalars_and_samples_read_back(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run = trackers.Trackers(trackers.parse_report_to("tensorboard"), tmp_path, {"agents": "tiny x2", "lr": 3e-4})
-    run.log_stage({**ROW, "stage": 0, "team_reward": 0.125}, [])
-    run.log_stage(ROW, SAMPLES)
-    run.close()
-    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("team_reward")] == [(0, 0.125), (2, 0.25)]
-    assert [e.value for e in events.Scalars("agents/2/kl_quantile")] == pytest.approx([0.02, 0.02])
-    assert "eval_accuracy" not in events.Tags()["scalars"]  # NaN stays in metrics.jsonl
-    text = [e for e in events.Tensors("samples/text_summary")]
-    assert [e.step for e in text] == [2] and b"it is<br>3 \\| 2" in text[0].tensor_proto.string_val[0]
-
-
-@pytest.mark.slow  # wandb starts its service process: 13-19 s on two busy cores
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed")
-def test_wandb_runs_offline_inside_the_run_folder(tmp_path, monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    run = trackers.Trackers(("wandb",), tmp_path, {"lr": 3e-4})
-    run.log_stage(ROW, SAMPLES)
-    run.close()
-    offline = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(offline) == 1 and offline[0].stat().st_size > 0
-
-
-@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="mlflow not installed")
-def test_mlflow_writes_metrics_and_samples_to_the_run_folder(tmp_path):
-    run = trackers.Trackers(("mlflow",), tmp_path, {"lr": 3e-4})
-    run.log_stage(ROW, SAMPLES)
-    run.close()
-    import mlflow
-
-    found = mlflow.search_runs(experiment_names=["sat"], output_format="list")
-    assert found and found[0].data.metrics["team_reward"] == 0.25
-    assert list((tmp_path / "mlruns").rglob("stage_0002.json"))
 
 
 # -- reasoning-gym ------------------------------------------------------------------------------------------
