@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from harness import reasoning_gym_task as rg
-from harness.config import BACKENDS, PROTOCOLS, add_options, default_backend, opt, parse_agents
+from harness.config import BACKENDS, add_options, default_backend, opt, parse_agents
 from harness.datafiles import load_problems
 from harness.loading import check_hub_available, load_agent, load_saved_team
 from harness.roles import parse_roles
@@ -54,7 +54,7 @@ from harness.user_reward import load_reward
 from reward import DEFAULT_REWARD, Reward, answers_match, majority_vote, normalize_answer
 from rollout import SamplingConfig, TeamBatch, rollout
 from scale.rollout_vllm import make_backend  # the entry point picks the backend
-from team import Problem, Team, TeamConfig
+from team import PROTOCOLS, Problem, Team, TeamConfig
 
 TRUNCATION_WARNING = 0.05  # warn when more than this share of an agent's responses hit --max-new-tokens
 BOOTSTRAP_RESAMPLES = 2000

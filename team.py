@@ -15,9 +15,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.config import PROTOCOLS, AgentSpec
 from harness.processes import ONE_PROCESS, OneProcess
 from reward import DEFAULT_REWARD, Reward, extract_answer, majority_vote
+
+PROTOCOLS = ("independent", "chain")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What to load for one team slot. ``kind`` is tiny | hub | local | gguf."""
+
+    name: str  # as the user wrote it, e.g. "Qwen3-4B"
+    kind: str
+    source: str  # hub id, folder path, GGUF file path, or "tiny"
+    tiny_layers: int = 4
 
 
 @dataclass(frozen=True)

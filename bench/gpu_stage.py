@@ -43,12 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402
-from harness.config import AgentSpec  # noqa: E402
 from harness.loading import build_char_tokenizer  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
-from team import Agent, Team, TeamConfig  # noqa: E402
+from team import Agent, AgentSpec, Team, TeamConfig  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 QWEN3_06B = memory.QWEN3_DIMS["qwen3-0.6b"]

@@ -33,12 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.config import AgentSpec  # noqa: E402
 from harness.loading import load_agent, prepare_tokenizer  # noqa: E402
 from harness.tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
 from reward import answers_match, extract_answer  # noqa: E402
 from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
-from team import Agent, Team, TeamConfig  # noqa: E402
+from team import Agent, AgentSpec, Team, TeamConfig  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLUMNS = ("accuracy", "lenient", "boxed", "mean_tokens", "truncated", "tokens_per_s")

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from advantage import masked_mean
-from harness.config import AgentSpec, resolve_agent_spec
+from harness.config import resolve_agent_spec
 from harness.roles import parse_roles
 from harness.tasks import noisy_label
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
-from team import Agent, Problem, Team, TeamConfig
+from team import Agent, AgentSpec, Problem, Team, TeamConfig
 
 # The tiny character tokenizer's specials; its chat template uses the role markers as a real chat model does.
 TINY_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|unk|>"]
