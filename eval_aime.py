@@ -50,7 +50,8 @@ from harness.eval_folder import (
     write_summary,
 )
 from harness.eval_setting import EvalConfig, check_context, eval_identity, load_benchmarks, load_team
-from reward import DEFAULT_REWARD, Reward, answers_match, majority_vote, normalize_answer
+from harness.math_grading import DEFAULT_REWARD, answers_match, majority_vote, normalize_answer
+from reward import Reward
 from rollout import SamplingConfig, TeamBatch, rollout
 from scale.rollout_vllm import make_backend  # the entry point picks the backend
 from team import Problem, Team

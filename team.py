@@ -2,8 +2,9 @@
 
 Paper, Section 3: a team of n agents is one factorized policy pi(a|s) = prod_i pi_i(a_i|s); each
 agent's action is a whole response. Protocols: ``independent`` (every agent answers alone; the team
-answer is the majority vote, ties -> earliest agent) and ``chain`` (agent k also sees the extracted
-answers of agents 1..k-1; the last agent's answer is the team answer).
+answer is the majority vote of their answers) and ``chain`` (agent k also sees the extracted answers of
+agents 1..k-1; the last agent's answer is the team answer). How an answer is read from a response, how
+answers vote and the team reward R are the task's: the entry point hands them in (``TeamConfig``).
 
 A bf16 agent trains on fp32 master weights (``MasterWeightAdamW``). Agents are built, loaded and saved
 by ``harness.loading``; this module holds no file I/O.
@@ -12,12 +13,24 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from harness.config import PROTOCOLS, AgentSpec
 from harness.processes import ONE_PROCESS, OneProcess
-from reward import DEFAULT_REWARD, Reward, extract_answer, majority_vote
+from reward import Reward
+
+PROTOCOLS = ("independent", "chain")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What to load for one team slot. ``kind`` is tiny | hub | local | gguf."""
+
+    name: str  # as the user wrote it, e.g. "Qwen3-4B"
+    kind: str
+    source: str  # hub id, folder path, GGUF file path, or "tiny"
+    tiny_layers: int = 4
 
 
 @dataclass(frozen=True)
@@ -204,19 +217,23 @@ def check_same_vocabulary(incumbent: Agent, replacement: Agent) -> None:
 
 @dataclass
 class TeamConfig:
+    """The task's part of a team (its reward, how it reads an answer, its vote) and how agents are prompted."""
+
+    reward: Reward  # the team reward R and its range (reward.py)
+    extract: Callable[[str, str], str | None]  # (response, instruction) -> the agent's answer, or None
+    vote: Callable[[list[str | None]], str | None]  # the agents' answers -> the independent protocol's team answer
     protocol: str = "independent"  # independent | chain
     enable_thinking: bool = False  # Qwen3's thinking switch, passed to every chat template
     instruction: str = ""  # appended to every problem, e.g. "put your final answer within \\boxed{}"
     roles: object | None = None  # harness.roles.Roles: a system turn and user template per agent (None: the paper's)
-    reward: Reward = DEFAULT_REWARD  # the team reward R and its range (reward.py)
 
 
 class Team:
     """Ordered agents + a protocol; agent k's prompt is built with its own tokenizer and chat template."""
 
-    def __init__(self, agents: list[Agent], config: TeamConfig | None = None):
+    def __init__(self, agents: list[Agent], config: TeamConfig):
         self.agents = agents
-        self.config = config or TeamConfig()
+        self.config = config
         if self.config.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol '{self.config.protocol}': choose one of {', '.join(PROTOCOLS)}")
         if not agents:
@@ -258,9 +275,9 @@ class Team:
         return self.agents[agent_index].encode_prompt(messages, self.config.enable_thinking)
 
     def team_answer(self, answers: list[str | None]) -> str | None:
-        """Majority vote (independent) or the last agent's answer (chain)."""
+        """The task's vote (independent) or the last agent's answer (chain)."""
         if self.config.protocol == "independent":
-            return majority_vote(answers)
+            return self.config.vote(answers)
         return answers[-1]
 
     def swap(self, slot: int, new_agent: Agent, projected: bool = True) -> Agent:
@@ -274,5 +291,5 @@ class Team:
         return incumbent
 
     def extract(self, text: str) -> str | None:
-        """An agent's answer; asked for a \\boxed{} answer, only a complete final one counts (not a truncated one)."""
-        return extract_answer(text, final_only="\\boxed" in self.config.instruction)
+        """An agent's answer as the task reads it from its response to this team's instruction."""
+        return self.config.extract(text, self.config.instruction)

@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402
-from harness.config import AgentSpec  # noqa: E402
 from harness.loading import build_char_tokenizer  # noqa: E402
+from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
-from team import Agent, Team, TeamConfig  # noqa: E402
+from team import Agent, AgentSpec, Team  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 QWEN3_06B = memory.QWEN3_DIMS["qwen3-0.6b"]
@@ -173,7 +173,7 @@ def build_team(dims: dict, n_agents: int, device: torch.device, dtype: torch.dty
                 model = Qwen3ForCausalLM(config)
         model.to(dtype=dtype)
         agents.append(Agent(AgentSpec(name=f"random-{k + 1}", kind="tiny", source="random"), model, tok))
-    return Team(agents, TeamConfig(protocol="independent", instruction=""))
+    return Team(agents, math_team_config(protocol="independent", instruction=""))
 
 
 def check_out_of_vocab_decoding(team: Team, vocab: int) -> None:

@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 from harness.loading import load_agent
+from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
-from team import Agent, Team, TeamConfig  # noqa: E402
+from team import Agent, Team  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def one_stage(length: int, reuse: str, args) -> dict:
     agents = [load_agent("tiny", seed=args.seed * 100 + k) for k in range(3)]
     for a in agents:
         never_stop(a)
-    team = Team(agents, TeamConfig(protocol="independent"))
+    team = Team(agents, math_team_config(protocol="independent"))
     cfg = sat.Config(agents="tiny x3", stages=1, batch_size=args.batch_size, group_size=4, max_new_tokens=length,
                      temperature=1.0, epochs=args.epochs, minibatch_size=args.batch_size // 2, lr=args.lr, delta=1e3,
                      beta=0.0, kl_check_every=0, warmup_steps=0, reuse=reuse, device="cpu").apply_preset()

@@ -39,7 +39,8 @@ from harness.reasoning_gym_task import (  # noqa: E402
     task_roles,
 )
 from harness.roles import Role, Roles  # noqa: E402
-from reward import Reward, score  # noqa: E402
+from harness.user_reward import CheckedReward  # noqa: E402
+from reward import score  # noqa: E402
 from rollout import HF, SamplingConfig, response_seeds  # noqa: E402
 from team import Agent  # noqa: E402
 
@@ -66,7 +67,7 @@ def measure(agent: Agent, name: str, options: dict, args, sampling: SamplingConf
         tokens.append([(len(r), agent.tokenizer.eos_token_id not in r) for r in responses])
     seconds = time.perf_counter() - start
     fn = ReasoningGymReward(name, options)
-    reward = Reward(fn, fn.__name__, fn.reward_range)
+    reward = CheckedReward(fn, fn.__name__, fn.reward_range)
     completions = [[texts[k][i] for k in range(args.team)] for i in range(len(problems))]
     answers = [[response_answer(t) for t in row] for row in completions]
     team = score(reward, problems, completions, answers, "independent")

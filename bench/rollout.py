@@ -26,10 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.loading import load_agent
+from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from logprobs import TurnTensors, turn_forward  # noqa: E402
 from rollout import HF, SamplingConfig, draw_seed, rollout  # noqa: E402
-from team import Team, TeamConfig  # noqa: E402
+from team import Team  # noqa: E402
 
 
 def loop_rollout(team: Team, problems, group_size: int, sampling: SamplingConfig) -> int:
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="problems, each with G = 4 joint trajectories")
     args = ap.parse_args()
 
-    team = Team([load_agent("tiny", seed=k) for k in range(3)], TeamConfig(protocol=args.protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(3)], math_team_config(protocol=args.protocol))
     problems = arithmetic_problems(args.prompts, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
     print(f"tiny team x3, {args.protocol}, {args.prompts} prompts x G=4 = {4 * args.prompts} joint trajectories, "

@@ -10,9 +10,9 @@ loaded with transformers (dequantised to float32). The measurement goes through 
 ``Team.prompt_ids`` (the chat template with the generation prompt; problem + instruction as the user turn), one
 left-padded batched sample per problem from ``rollout.HF.generate`` (the tempered full softmax, top-p 1, as in
 training), answers graded by ``Team.extract`` (asked for \\boxed{}: the last complete box, else "answer is X")
-and ``reward.answers_match``. Per instruction, temperature and kind it prints: accuracy, "lenient" accuracy (the
-last number counts too when there is no box: does the model know the answer, whatever the format), the share of
-responses with a complete \\boxed{...} answer, mean response tokens (eos counted), the share cut at
+and ``harness.math_grading.answers_match``. Per instruction, temperature and kind it prints: accuracy, "lenient"
+accuracy (the last number counts too when there is no box: does the model know the answer, whatever the format),
+the share of responses with a complete \\boxed{...} answer, mean response tokens (eos counted), the share cut at
 --max-new-tokens, and generated tokens/s of the generate call (one batch per kind, --threads torch threads; on a
 shared machine this column moves with the load), then the mean over the kinds.
 
@@ -33,12 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.config import AgentSpec  # noqa: E402
 from harness.loading import load_agent, prepare_tokenizer  # noqa: E402
+from harness.math_grading import (  # noqa: E402
+    answers_match,
+    extract_answer,
+    math_team_config,  # noqa: E402
+)
 from harness.tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
-from reward import answers_match, extract_answer  # noqa: E402
 from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
-from team import Agent, Team, TeamConfig  # noqa: E402
+from team import Agent, AgentSpec, Team  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COLUMNS = ("accuracy", "lenient", "boxed", "mean_tokens", "truncated", "tokens_per_s")
@@ -100,7 +103,7 @@ def main() -> None:
           f"{args.n} {args.split} problems per kind, max_new_tokens {args.max_new_tokens}, {args.threads} threads")
     instructions = [s.replace("\\n", "\n") for s in args.instruction or [CHAT_INSTRUCTION]]  # a typed \n
     for i, instruction in enumerate(instructions):
-        team = Team([agent], TeamConfig(instruction=instruction))
+        team = Team([agent], math_team_config(instruction=instruction))
         print(f"\ninstruction {i}: {instruction!r}")
         print(f"{'T':>4} {'kind':>6} {'accuracy':>9} {'lenient':>8} {'boxed':>6} {'mean tokens':>12} "
               f"{'truncated':>10} {'tokens/s':>9}")

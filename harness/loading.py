@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from advantage import masked_mean
-from harness.config import AgentSpec, resolve_agent_spec
+from harness.config import resolve_agent_spec
+from harness.math_grading import math_team_config
 from harness.roles import parse_roles
 from harness.tasks import noisy_label
 from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
-from team import Agent, Problem, Team, TeamConfig
+from team import Agent, AgentSpec, Problem, Team, TeamConfig
 
 # The tiny character tokenizer's specials; its chat template uses the role markers as a real chat model does.
 TINY_SPECIALS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|unk|>"]
@@ -211,7 +212,7 @@ def read_team(path: str | Path) -> tuple[list[Path], TeamConfig]:
     n_agents = len(meta["agents"])
     roles = parse_roles(meta["roles"], str(path / "team.json"), n_agents, meta["protocol"]) if meta.get("roles") \
         else None  # the same prompts on --resume and in eval_aime.py
-    cfg = TeamConfig(meta["protocol"], meta["enable_thinking"], meta["instruction"], roles)
+    cfg = math_team_config(meta["protocol"], meta["enable_thinking"], meta["instruction"], roles)
     return [path / f"agent_{k}" for k in range(n_agents)], cfg
 
 

@@ -21,8 +21,10 @@ import difflib
 import hashlib
 import importlib.util
 
+from harness.math_grading import vote_score
 from harness.roles import Role, Roles
-from reward import Reward, vote_score
+from harness.user_reward import CheckedReward
+from reward import Reward
 from team import Problem
 
 PREFIX = "reasoning-gym:"
@@ -157,7 +159,7 @@ def same_text(answer: str) -> str:
 class ReasoningGymReward:
     """The team reward of a reasoning-gym task: the dataset's own ``score_answer`` (partial credit included) of
     the team's answer, each agent's answer read by ``response_answer``. Independent protocol: the expected score
-    of the majority answer under a uniform tie-break (``reward.vote_score``); chain: the last agent's."""
+    of the majority answer under a uniform tie-break (``harness.math_grading.vote_score``); chain: the last agent's."""
 
     reward_range = (0.0, 1.0)
 
@@ -179,4 +181,4 @@ class ReasoningGymReward:
 def task_reward(task: str, options: list[str]) -> Reward:
     """The team reward of a ``reasoning-gym:NAME`` task with its --task-option list: its own scorer and range."""
     fn = ReasoningGymReward(task_name(task), parse_options(options))
-    return Reward(fn, task, fn.reward_range)
+    return CheckedReward(fn, task, fn.reward_range)

@@ -23,20 +23,21 @@ from advantage import make_value_head
 from harness import reasoning_gym_task, records, run_folder
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.loading import check_hub_available, load_agent, warm_start
+from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
 from harness.user_reward import check_reward, load_reward
 from plug_and_play import AcceptanceDraws, acceptance_splits, apply_upgrades
-from reward import DEFAULT_REWARD, Reward
+from reward import Reward
 from rollout import SamplingConfig, check_sampler
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
-from team import Agent, Problem, Team, TeamConfig
+from team import Agent, Problem, Team
 from trust_region import QuantileController
 
 
@@ -129,7 +130,8 @@ def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
 
 
 def team_reward(cfg: Config) -> Reward:
-    """The team reward: --reward, else a reasoning-gym task's own scorer, else the built-in one (reward.py)."""
+    """The team reward: --reward, else a reasoning-gym task's own scorer, else the built-in one
+    (``harness.math_grading.DEFAULT_REWARD``)."""
     if cfg.reward:
         return load_reward(cfg.reward)
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
@@ -152,8 +154,8 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, r
     specs = parse_agents(cfg.agents)
     agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
               for k, spec in enumerate(specs)]
-    return Team(agents, TeamConfig(protocol=cfg.protocol, instruction=instruction,
-                                   roles=team_roles(cfg, len(specs)), reward=reward))
+    return Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
+                                         roles=team_roles(cfg, len(specs)), reward=reward))
 
 
 def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,

@@ -11,8 +11,8 @@ independent or chain). Values lie in [0, 1] unless the function has a ``reward_r
 range is the (R_min, R_max) every bound and certificate uses (``bounds``). The function must be deterministic in
 its row: the counterfactual baseline and the paired certificates call it again on swapped and redrawn outputs, in
 other batches. ``check_reward`` probes all of it on the data's first rows before any model is loaded; every call
-after that goes through ``reward.score``'s checks. Every failure is a ``reward.RewardError``: one line naming the
-function, the row and the value.
+after that goes through ``call_reward``'s checks (``CheckedReward``). Every failure is a ``RewardError``: one line
+naming the function, the row and the value.
 """
 from __future__ import annotations
 
@@ -21,16 +21,31 @@ import importlib.util
 import inspect
 import math
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
-from reward import DEFAULT_RANGE, SIGNATURE, Reward, RewardError, call_reward, columns_of, describe, row_name, take
+from reward import DEFAULT_RANGE, Reward, columns_of
 
 PROBE_ROWS = 4  # data rows the reward is probed on before any training
+SIGNATURE = "def NAME(prompts, completions, **columns) -> list[float]"
+
+
+class RewardError(ValueError):
+    """A reward function failed its contract: one line naming the function, the row and the value."""
+
+
+class CheckedReward(Reward):
+    """A reward whose every call is checked (``call_reward``): a user's function, a task's scorer, the built-in one.
+    Its values are the function's; a broken contract is a ``RewardError`` instead of a wrong number."""
+
+    def values(self, prompts: list[str], completions: list[list[str]], columns: dict,
+               ids: list[str] | None = None) -> list[float]:
+        return call_reward(self, prompts, completions, columns, ids)
 
 
 # -- Loading ---------------------------------------------------------------------------------------------
-def load_reward(spec: str) -> Reward:
+def load_reward(spec: str) -> CheckedReward:
     """The function at ``FILE.py:NAME`` or ``package.module:NAME``, its signature and range checked."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
@@ -45,7 +60,7 @@ def load_reward(spec: str) -> Reward:
     if not callable(fn):
         raise RewardError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function; {SIGNATURE}")
     check_signature(fn, spec)
-    return Reward(fn, spec, range_of(fn, spec))
+    return CheckedReward(fn, spec, range_of(fn, spec))
 
 
 def import_file(spec: str, path: str):
@@ -105,6 +120,88 @@ def range_of(fn: Callable, name: str) -> tuple[float, float]:
         raise RewardError(f"--reward {name}: reward_range must be (lo, hi) with finite lo < hi, got {value!r}")
     return lo, hi
 
+
+# -- The contract, checked on every call ---------------------------------------------------------------
+def call_reward(reward: Reward, prompts: list[str], completions: list[list[str]], columns: dict,
+                ids: list[str] | None = None) -> list[float]:
+    """``reward`` on the rows, its values checked: a list of one finite number per row inside its range.
+    Each call gets its own copies of the lists, so a function that edits its inputs changes no batch."""
+    copies = take(columns, list(range(len(prompts))))
+    try:
+        inspect.signature(reward.fn).bind([], [], **copies)
+    except TypeError as e:
+        raise RewardError(f"reward {reward.name}: wrong arguments ({e}); write {SIGNATURE} (this call passes "
+                          f"{', '.join(columns)})") from None
+    except ValueError:  # no signature to check
+        pass
+    try:
+        values = reward.fn(list(prompts), [list(c) for c in completions], **copies)
+    except Exception as e:
+        raise RewardError(failing_row(reward, prompts, completions, columns, ids, e)) from None
+    return check_values(reward, values, len(prompts), ids)
+
+
+def take(columns: dict, rows: list[int]) -> dict:
+    """The columns of ``rows`` only (per-row lists sliced; ``protocol``, one string, kept)."""
+    return {k: v if k == "protocol" else [v[i] for i in rows] for k, v in columns.items()}
+
+
+def row_name(i: int, ids: list[str] | None) -> str:
+    return f"row {i} (id {ids[i]!r})" if ids else f"row {i}"
+
+
+def failing_row(reward: Reward, prompts, completions, columns: dict, ids, err: Exception) -> str:
+    """The one line for a function that raised on a batch: the first row that raises alone, and its error."""
+    for i in range(len(prompts)):
+        try:
+            reward.fn([prompts[i]], [list(completions[i])], **take(columns, [i]))
+        except Exception as e:
+            return f"reward {reward.name} raised on {row_name(i, ids)}: {describe(e)}"
+    return (f"reward {reward.name} raised on a batch of {len(prompts)} rows (on no row alone): {describe(err)}; "
+            "score each row on its own")
+
+
+def check_values(reward: Reward, values, n: int, ids: list[str] | None) -> list[float]:
+    """The values as floats, or one line: not a list, a wrong count, not a number, not finite, out of range."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward {reward.name} returned {type(values).__name__} {short(values)}, not a list of "
+                          f"{n} numbers (one per row)")
+    if len(values) != n:
+        raise RewardError(f"reward {reward.name} returned {len(values)} values for {n} rows; return one number "
+                          "per row (completions[i])")
+    lo, hi = reward.range
+    out = []
+    for i, v in enumerate(values):
+        where = f"reward {reward.name}, {row_name(i, ids)}"
+        try:
+            x = float(v) if not isinstance(v, (str, bytes)) else None
+        except (TypeError, ValueError):
+            x = None
+        if x is None:
+            raise RewardError(f"{where}: value {short(v)} is not a number")
+        if not math.isfinite(x):
+            raise RewardError(f"{where}: value {x} is not finite; return a number in [{lo}, {hi}]")
+        if not lo <= x <= hi:
+            raise RewardError(f"{where}: value {x} is outside its range [{lo}, {hi}]; return values in "
+                              f"[{lo}, {hi}], or give the function reward_range = (lo, hi)")
+        out.append(x)
+    return out
+
+
+def describe(err: BaseException) -> str:
+    """``Type: message (file:line)`` of an exception, the line where it was raised, in one line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if isinstance(err, SyntaxError) and err.filename:
+        at = f" ({Path(err.filename).name}:{err.lineno})"
+    else:
+        at = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    message = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {message}{at}" if message else f"{type(err).__name__}{at}"
+
+
+def short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 # -- The contract, probed ---------------------------------------------------------------------------

@@ -130,7 +130,7 @@ PROMPT_ALLOWANCE = 1024  # tokens allowed for a task prompt in its chat template
 
 
 def run_max_len(cfg, n_agents: int) -> int:
-    """The longest sequence a run's rollout reaches (``config.Config``): the prompt allowance, the earlier
+    """The longest sequence a run's rollout reaches (``harness.config.Config``): the prompt allowance, the earlier
     agents' answers in the chain protocol (at most --max-new-tokens each) and the response. The vLLM engines of
     a run are sized to it (``rollout_vllm.make_backend``), the memory plan counts it."""
     answers = n_agents if cfg.protocol == "chain" else 1
@@ -400,7 +400,7 @@ QWEN3_DIMS = {
 
 
 def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
-    """``estimate_memory`` of a run (``config.Config``) of ``n_agents`` agents, each taken as large as
+    """``estimate_memory`` of a run (``harness.config.Config``) of ``n_agents`` agents, each taken as large as
     ``model_config`` (the biggest agent), per rank; with --upgrade also Stage-0's (``stage0_rank_bytes``, the
     replacement taken to be as large as the biggest agent)."""
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if cfg.dtype == "float32" else 2
@@ -428,10 +428,10 @@ def _stage0_error(memory: str, est: dict[str, int], available: int) -> ValueErro
 
 
 def check_run(cfg, team, log) -> float | None:
-    """For a run on CUDA (``config.Config`` and its team): log what each phase needs against what the GPU has, and
-    refuse in one line if it cannot fit. On CPU the same against this machine's RAM (``check_ram``). Returns the
-    fraction of the GPU that training keeps during rollouts (what the vLLM engines are sized from), or None off
-    CUDA."""
+    """For a run on CUDA (``harness.config.Config`` and its team): log what each phase needs against what the GPU
+    has, and refuse in one line if it cannot fit. On CPU the same against this machine's RAM (``check_ram``).
+    Returns the fraction of the GPU that training keeps during rollouts (what the vLLM engines are sized from), or
+    None off CUDA."""
     if on_cpu(cfg.device):
         biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
         check_ram(cfg, biggest.model.config, len(team), log)
@@ -511,7 +511,7 @@ def cpu_plan(cfg, model_config, n_agents: int) -> tuple[dict[str, int], dict, di
 
 
 def check_ram(cfg, model_config, n_agents: int, log=None) -> None:
-    """A CPU run (``config.Config``) of ``n_agents`` agents as large as ``model_config``: log its memory table
+    """A CPU run (``harness.config.Config``) of ``n_agents`` agents as large as ``model_config``: log its memory table
     against this machine's RAM (``ram_per_process``) and refuse in one line if a peak does not fit. Where the RAM
     cannot be read, nothing is checked (and the log says so)."""
     available = ram_per_process()
@@ -528,7 +528,7 @@ def check_ram(cfg, model_config, n_agents: int, log=None) -> None:
 
 
 def spec_model_config(spec):
-    """The model config of an agent spec (``config.AgentSpec``), read without loading any weights, or None: a
+    """The model config of an agent spec (``team.AgentSpec``), read without loading any weights, or None: a
     Qwen3 short name or Qwen/Qwen3-* hub id from QWEN3_DIMS, another hub id whose config.json is in the local
     Hugging Face cache, a local folder's config.json. None for tiny agents (built in code), GGUF files (converted
     on first load) and a config that cannot be read or lacks what ``model_dims`` needs: the check after loading
@@ -559,7 +559,7 @@ def spec_model_config(spec):
 
 def check_team_ram(cfg, specs) -> None:
     """Before any weights are loaded (``harness.run.validate_run_inputs``), on CPU: refuse in one line a team
-    (``config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
+    (``harness.config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
     loading it could exhaust the RAM. The team is estimated as ``check_run`` estimates it after loading, every
     slot as large as the agent with the most parameters, taken among the agents whose config
     ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading). Nothing is checked off

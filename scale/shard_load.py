@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from harness.config import AgentSpec, resolve_agent_spec
+from harness.config import resolve_agent_spec
 from harness.loading import folder_spec, hub_offline, load_agent, prepare_tokenizer
 from scale import distributed
-from team import Agent
+from team import Agent, AgentSpec
 
 WEIGHT_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # config, weights, tokenizer
 
@@ -32,9 +32,10 @@ WEIGHT_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # con
 def load_agent_sharded(spec: AgentSpec | str | Path, device: str, dtype: torch.dtype, seed: int = 0) -> Agent:
     """An ``Agent`` whose model is read straight into FSDP2 shards in ``dtype`` (a collective: every rank calls it).
 
-    ``spec``: an ``AgentSpec`` or a name (``team.resolve_agent_spec``: a hub id, a short name, a folder), or a folder
-    written by ``Agent.save`` (a checkpoint's ``agent_k``: its ``agent.json`` names the agent). A tiny spec is built
-    whole by ``load_agent(spec, device, dtype, seed)``; ``Torchrun.adopt`` shards it later."""
+    ``spec``: an ``AgentSpec`` or a name (``harness.config.resolve_agent_spec``: a hub id, a short name, a
+    folder), or a folder written by ``harness.loading.save_agent`` (a checkpoint's ``agent_k``: its ``agent.json``
+    names the agent). A tiny spec is built whole by ``load_agent(spec, device, dtype, seed)``; ``Torchrun.adopt``
+    shards it later."""
     spec = folder_spec(spec if isinstance(spec, AgentSpec) else _spec_of(str(spec)))  # a GGUF file: its folder
     if spec.kind == "tiny":
         return load_agent(spec, device=device, dtype=dtype, seed=seed)

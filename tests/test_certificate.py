@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import bounds
-from reward import vote_reward
+from harness.math_grading import vote_reward
 from rollout import SeededSampler, draw_seed, response_seeds
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
 from update import clipped_surrogate

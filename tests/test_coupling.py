@@ -12,9 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 from harness.loading import load_agent
+from harness.math_grading import math_team_config
 from harness.tasks import arithmetic_problems
 from rollout import SamplingConfig, SeededSampler, generate_hf, response_seeds, rollout, tempered_probs
-from team import Team, TeamConfig
+from team import Team
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # [V] a small vocabulary
 
@@ -58,7 +59,7 @@ def test_positions_and_rows_draw_independent_uniforms():
 
 
 def tiny_team(seed: int, n: int = 2) -> Team:
-    return Team([load_agent("tiny", seed=seed + k) for k in range(n)], TeamConfig(protocol="chain"))
+    return Team([load_agent("tiny", seed=seed + k) for k in range(n)], math_team_config(protocol="chain"))
 
 
 def test_identical_policies_under_one_seed_give_identical_responses():

@@ -15,11 +15,11 @@ import harness.run
 import sat
 from advantage import credit_correlation
 from harness.loading import load_agent
+from harness.math_grading import answers_match, majority_vote, math_team_config, vote_reward
 from harness.tasks import arithmetic_problems
 from logprobs import batched_response_logprobs
-from reward import answers_match, majority_vote, vote_reward
 from rollout import SamplingConfig, regenerate, rollout
-from team import Agent, Team, TeamConfig
+from team import Agent, Team
 
 
 # -- the team reward: expected correctness under a uniform tie-break -------------------------
@@ -110,7 +110,7 @@ def promote(agent, scale=0.3, seed=0):
 @pytest.mark.slow  # over 10 s on two busy cores
 def test_regenerate_independent_redraws_only_the_promoted_turn_from_the_promoted_policy(tiny3):
     agents = [Agent(a.spec, copy.deepcopy(a.model), a.tokenizer) for a in tiny3]
-    team = Team(agents, TeamConfig(protocol="independent"))
+    team = Team(agents, math_team_config(protocol="independent"))
     problem = arithmetic_problems(1, seed=3)[0]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=1)
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def first_token_probs(agent, batch):
 
 
 def test_regenerate_chain_redraws_the_promoted_turn_and_the_turns_after_it(tiny3):
-    team = Team(tiny3, TeamConfig(protocol="chain"))
+    team = Team(tiny3, math_team_config(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     torch.manual_seed(1)
     batch = rollout(team, arithmetic_problems(4, seed=0), group_size=4, sampling=sampling)
@@ -255,7 +255,8 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
 
 
 def test_counterfactual_baseline_brute_force_and_independent_of_own_answer():
-    from reward import DEFAULT_REWARD, counterfactual_baselines
+    from harness.math_grading import DEFAULT_REWARD
+    from reward import counterfactual_baselines
     from team import Problem
 
     gold = Problem(id="p", problem="1+4", answer="5")

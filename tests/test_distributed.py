@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from harness.loading import load_agent
+from harness.math_grading import math_team_config
 from harness.processes import ONE_PROCESS
 from harness.tasks import arithmetic_problems
 from rollout import SamplingConfig, concat_batches, rollout
 from scale.torchrun import Torchrun, check_config, rollout_in_blocks
-from team import Team, TeamConfig
+from team import Team
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISABLE": "1"}
@@ -70,7 +71,7 @@ def test_torchrun_refusals_match_docs_errors():
 def test_rollout_blocks_are_seeded_blocks_concatenated():
     """The block rollout equals rolling out each block under its own seed and
     padding the blocks together: rows unchanged, groups distinct and whole."""
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     problems, sampling = arithmetic_problems(5, seed=1), SamplingConfig(temperature=1.0, max_new_tokens=5)
     batch = rollout_in_blocks(team, problems, 3, sampling, seed=7, n_blocks=3)  # blocks of 2, 2, 1 problems
     parts = []

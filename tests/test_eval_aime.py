@@ -25,8 +25,8 @@ from eval_aime import (
 from harness.eval_folder import read_predictions
 from harness.eval_setting import team_identity
 from harness.loading import load_agent, save_team
-from reward import answers_match, extract_answer
-from team import Problem, Team, TeamConfig
+from harness.math_grading import answers_match, extract_answer, math_team_config
+from team import Problem, Team
 
 REPO = Path(__file__).resolve().parents[1]
 AIME24 = Path(__file__).resolve().parents[1] / "data" / "aime24.jsonl"
@@ -159,7 +159,7 @@ def test_resume_after_interruption_gives_the_same_summary(tmp_path):
 
 @needs_aime
 def test_checkpoint_team_keeps_its_protocol(tmp_path):
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain", instruction=" Sum?"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain", instruction=" Sum?"))
     stage = tmp_path / "run" / "checkpoints" / "stage_0003"
     save_team(team, stage / "team")
     (tmp_path / "run" / "latest.json").write_text(json.dumps({"stage": 3, "path": "stage_0003"}))

@@ -17,11 +17,12 @@ import logprobs
 import sat
 import update
 from harness.loading import load_agent
+from harness.math_grading import math_team_config
 from harness.processes import OneProcess
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
 from rollout import SamplingConfig, Turn, _sampler, check_sampler, generate_hf, rollout, sampler_config
-from team import Agent, Team, TeamConfig
+from team import Agent, Team
 from trust_region import QuantileController
 
 
@@ -61,7 +62,7 @@ def sixteen_steps(agent: Agent, cfg) -> dict:
     adv = torch.tensor([1.0, -1.0] * 16)  # [32] fixed advantages: a consistent gradient
     zeros = torch.zeros(32)
     inputs = advantage.UpdateInputs(turn, adv, adv, zeros, zeros)
-    team = Team([agent])
+    team = Team([agent], math_team_config())
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
     return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)})[0]
 
@@ -198,7 +199,7 @@ def test_sampler_config_gives_transformers_nothing_to_warn_about(monkeypatch):
 
 # -- 3. top_p < 1 is for evaluation only ------------------------------------------------------
 def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
-    team = Team([load_agent("tiny")], TeamConfig())
+    team = Team([load_agent("tiny")], math_team_config())
     problems = arithmetic_problems(2, seed=0)
     nucleus = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=3)
     with pytest.raises(ValueError, match="--top-p 0.9 < 1 cannot be used for training") as err:
@@ -222,7 +223,7 @@ def test_dtype_option_defaults_and_errors():
 # -- 4. one log-prob path in bf16 ----------------------------------------------------------------
 def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_zero(tmp_path):
     torch.manual_seed(0)
-    team = Team([load_agent("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], TeamConfig())
+    team = Team([load_agent("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], math_team_config())
     cfg = sat.Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
                      token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
@@ -255,8 +256,9 @@ def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
     zeros = torch.zeros(48)
     cfg = train_cfg(epochs=1, minibatch_size=16, lr=1e-3)
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
-    stats = update.train_agents(Team([agent]), [0], {0: advantage.UpdateInputs(turn, adv, adv, zeros, zeros)}, cfg,
-                                controllers, {}, {0: copy.deepcopy(agent.model)})[0]
+    inputs = {0: advantage.UpdateInputs(turn, adv, adv, zeros, zeros)}
+    stats = update.train_agents(Team([agent], math_team_config()), [0], inputs, cfg, controllers, {},
+                                {0: copy.deepcopy(agent.model)})[0]
     assert stats.inner_steps == 3 and stats.step0_log_ratio_max < 1e-3
 
 
@@ -344,7 +346,7 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     log-probs in shuffled micro-batches (12 rows, another chunking than the rollout's) of the agent
     whose weights now require grad: log r = 0 exactly at every agent's first step."""
     torch.manual_seed(0)
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol=protocol))
     cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)

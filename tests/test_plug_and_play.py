@@ -10,11 +10,12 @@ import harness.run
 import plug_and_play
 import sat
 from harness.loading import load_agent, load_saved_team
+from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
-from team import Team, TeamConfig, check_same_vocabulary
+from team import Team, check_same_vocabulary
 from trust_region import quantile
 
 QUIET = dict(log=lambda *_: None)
@@ -31,7 +32,7 @@ def small_config(tmp_path, **overrides) -> sat.Config:
 def test_stage0_brings_replacement_inside_delta0(tmp_path):
     torch.manual_seed(0)
     cfg = small_config(tmp_path, stage0_delta=0.05, stage0_fit_tol=0.3)
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     replacement = load_agent("tiny-3L", seed=9)  # another architecture, same vocabulary
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
@@ -58,7 +59,7 @@ def test_vocabulary_mismatch_is_refused():
         check_same_vocabulary(incumbent, other)
     msg = str(err.value)
     assert "vocabularies differ" in msg and "102 tokens" in msg and "103 tokens" in msg and "\n" not in msg
-    team = Team([incumbent, load_agent("tiny", seed=2)])
+    team = Team([incumbent, load_agent("tiny", seed=2)], math_team_config())
     with pytest.raises(ValueError, match="vocabularies differ"):
         team.swap(0, other)
     assert team.agents[0] is incumbent
@@ -243,7 +244,7 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
 
 
 def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs():
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     problems = arithmetic_problems(4, seed=0)
     batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2))
     same = load_agent("tiny-3L", seed=9)

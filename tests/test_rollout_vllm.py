@@ -451,10 +451,11 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
     """A turn carries its engine's log-probabilities, block by block through ``rollout_in_blocks`` (so
     every row is compared, whichever rank generated it), and ``health`` compares them per agent with
     the training model's behaviour log-probabilities; the HF backend has none to compare."""
+    from harness.math_grading import math_team_config
     from harness.tasks import arithmetic_problems
     from rollout import HF, HFBackend
     from scale.torchrun import rollout_in_blocks
-    from team import Team, TeamConfig
+    from team import Team
 
     class ZeroEngine(HFBackend):  # HF samples; its "engine log-probs" are 0 (probability 1) for every token
         def generate(self, agent, contexts, sampling, seeds):
@@ -464,7 +465,7 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
         def last_logprobs(self, agent):
             return [[0.0] * len(r) for r in self.last]
 
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
     torch.manual_seed(0)
     batch = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3,

@@ -11,18 +11,19 @@ from test_sat import small_config
 import harness.cli
 import sat
 from harness.loading import load_agent, warm_start
+from harness.math_grading import math_team_config
 from harness.run import configure_threads
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig
-from team import Agent, Team, TeamConfig
+from team import Agent, Team
 from trust_region import QuantileController, kl_quantile
 
 
 def warm_team(protocol: str, steps: int) -> Team:
     """Two tiny agents warm-started for ``steps`` steps: untrained ones score 0,
     so a stage's update would have no signal and never near delta."""
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol=protocol))
     warm_start(team, arithmetic_problems(64, seed=9), steps, 0.5, seed=3, batch=8)
     return team
 
@@ -94,7 +95,8 @@ def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_warm_start_trains_each_agent_on_its_own_stream(protocol):
     problems = arithmetic_problems(40, seed=1)
-    teams = [Team([load_agent("tiny", seed=k) for k in range(3)], TeamConfig(protocol=protocol)) for _ in range(2)]
+    teams = [Team([load_agent("tiny", seed=k) for k in range(3)], math_team_config(protocol=protocol))
+             for _ in range(2)]
     serial_warm_start(teams[0], problems, 4, 0.5, seed=3)
     warm_start(teams[1], problems, 4, 0.5, seed=3, batch=8)
     start = load_agent("tiny", seed=1).model.state_dict()

@@ -14,11 +14,12 @@ import harness.run
 import sat
 import update
 from harness.loading import load_agent
+from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
-from team import Agent, Team, TeamConfig
+from team import Agent, Team
 from trust_region import QuantileController, quantile
 
 TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds", "eval_seconds"}
@@ -35,7 +36,7 @@ def small_config(tmp_path, **overrides) -> sat.Config:
 def tiny_team_and_batch(protocol: str):
     """Two tiny agents (seeds 0, 1) and one seeded rollout of 6 problems x G = 4."""
     torch.manual_seed(0)
-    team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol=protocol))
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol=protocol))
     batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
     return team, batch
 

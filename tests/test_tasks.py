@@ -1,4 +1,4 @@
-"""Tests for tasks.py and reward.py: synthetic task, loaders, answer extraction and reward."""
+"""Tests for harness/tasks.py and harness/math_grading.py: synthetic task, loaders, answer extraction and reward."""
 
 import random
 import sys
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import reward  # noqa: E402
+from harness import math_grading  # noqa: E402
+from harness.math_grading import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
 from harness.tasks import (  # noqa: E402
     DATASETS,
     DIFFICULTY_RANGES,
@@ -26,7 +27,6 @@ from harness.tasks import (  # noqa: E402
     row_to_problem,
     rows_to_problems,
 )
-from reward import answers_match, extract_answer, grade, majority_vote, normalize_answer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -147,7 +147,7 @@ def test_table_builtin(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="builtin") is expected
 
 
-@pytest.mark.skipif(not reward.math_verify_available(), reason="math-verify not installed")
+@pytest.mark.skipif(not math_grading.math_verify_available(), reason="math-verify not installed")
 @pytest.mark.parametrize("pred,gold,expected", _table_params("math_verify"))
 def test_table_math_verify(pred, gold, expected):
     assert answers_match(_as_answer(pred), gold, backend="math_verify") is expected
@@ -156,7 +156,7 @@ def test_table_math_verify(pred, gold, expected):
 @pytest.mark.parametrize("pred,gold,expected", _table_params("auto"))
 def test_table_auto(pred, gold, expected):
     """The default combines both and gets the whole table right."""
-    if not reward.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
+    if not math_grading.math_verify_available() and any(k[1:] == (pred, gold) for k in KNOWN_DIFFERENCES
                                                  if k[0] == "builtin"):
         pytest.skip("needs math-verify for symbolic equivalence")
     assert answers_match(_as_answer(pred), gold) is expected
@@ -175,7 +175,7 @@ def test_none_never_matches():
 def test_math_verify_off_main_thread():
     """math-verify's signal-based timeout must not crash grading in a worker thread."""
     import threading
-    if not reward.math_verify_available():
+    if not math_grading.math_verify_available():
         pytest.skip("math-verify not installed")
     out = {}
     t = threading.Thread(target=lambda: out.update(
@@ -243,11 +243,12 @@ def test_extract_final_only_and_truncation(text, lenient, final):
 
 
 def test_team_extract_uses_the_final_answer_rule_for_boxed_instructions():
+    from harness.math_grading import math_team_config
     from harness.tasks import BOXED_INSTRUCTION
-    from team import Team, TeamConfig
+    from team import Team
 
-    boxed = Team([object()], TeamConfig(instruction=BOXED_INSTRUCTION))
-    bare = Team([object()], TeamConfig(instruction=""))
+    boxed = Team([object()], math_team_config(instruction=BOXED_INSTRUCTION))
+    bare = Team([object()], math_team_config(instruction=""))
     assert boxed.extract("so 17") is None and bare.extract("so 17") == "17"
     assert boxed.extract("\\boxed{17") is None and bare.extract("\\boxed{17") is None
 
@@ -553,8 +554,9 @@ def test_chat_arithmetic_train_and_heldout_do_not_overlap():
 
 def test_load_task_arithmetic_chat_asks_for_a_boxed_answer():
     from harness.config import Config
+    from harness.math_grading import math_team_config
     from harness.tasks import CHAT_MIX, is_heldout_fact, load_task
-    from team import Team, TeamConfig
+    from team import Team
 
     cfg = Config(agents="tiny x3", task="arithmetic-chat", eval_size=64, device="cpu").apply_preset()
     train, held, instruction = load_task(cfg)
@@ -563,7 +565,7 @@ def test_load_task_arithmetic_chat_asks_for_a_boxed_answer():
     assert not any(is_heldout_fact(*_chat_fact(p)) for p in train) and all(is_heldout_fact(*_chat_fact(p))
                                                                            for p in held)
     assert load_task(cfg) == (train, held, instruction)
-    team = Team([object()], TeamConfig(instruction=instruction))
+    team = Team([object()], math_team_config(instruction=instruction))
     assert team.user_message(train[0], []) == train[0].problem + instruction
     # graded as the run grades: the last complete box (or "answer is X"); a bare equation does not count
     right = {"7 * 8 = 56\n\nThe answer is \\boxed{56}.": True, "\\boxed{56}": True, "The answer is 56.": True,

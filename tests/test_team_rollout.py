@@ -6,12 +6,12 @@ import torch
 
 from harness.config import parse_agents, resolve_agent_spec
 from harness.loading import build_char_tokenizer, load_agent, load_saved_agent, save_agent
+from harness.math_grading import answers_match, majority_vote, math_team_config, vote_reward
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
-from reward import answers_match, majority_vote, vote_reward
 from rollout import HF, SamplingConfig, rollout
 from scale.rollout_vllm import make_backend
-from team import Agent, Problem, Team, TeamConfig
+from team import Agent, Problem, Team
 
 
 @pytest.fixture(scope="module")
@@ -157,29 +157,29 @@ def test_freeze_and_optimizer_only_when_training(tiny_agents):
 
 # -- protocols -------------------------------------------------------------------------------
 def test_team_answer_rules(tiny_agents):
-    indep = Team(tiny_agents, TeamConfig(protocol="independent"))
-    chain = Team(tiny_agents, TeamConfig(protocol="chain"))
+    indep = Team(tiny_agents, math_team_config(protocol="independent"))
+    chain = Team(tiny_agents, math_team_config(protocol="chain"))
     assert indep.team_answer(["5", "7", "05"]) == "5"  # majority after normalisation
     assert indep.team_answer(["5", "7", None]) == "5"  # tie -> earliest agent
     assert indep.team_answer(["5", "7", None]) == majority_vote(["5", "7", None])
     assert chain.team_answer(["5", "5", "7"]) == "7"  # the last agent speaks for the team
     with pytest.raises(ValueError, match="unknown protocol"):
-        Team(tiny_agents, TeamConfig(protocol="debate"))
+        Team(tiny_agents, math_team_config(protocol="debate"))
 
 
 def test_chain_prompt_contains_earlier_answers(tiny_agents):
-    chain = Team(tiny_agents, TeamConfig(protocol="chain"))
+    chain = Team(tiny_agents, math_team_config(protocol="chain"))
     p = Problem("x", "12+13", "25")
     assert chain.user_message(p, []) == "12+13"
     assert chain.user_message(p, ["25", None]) == "12+13\nAgent 1: 25\nAgent 2: ?\n"
-    indep = Team(tiny_agents, TeamConfig(protocol="independent"))
+    indep = Team(tiny_agents, math_team_config(protocol="independent"))
     assert indep.user_message(p, ["25"]) == "12+13"
 
 
 @pytest.mark.parametrize("protocol", ["independent", "chain"])
 def test_rollout_both_protocols(tiny_agents, protocol):
     torch.manual_seed(0)
-    team = Team(tiny_agents, TeamConfig(protocol=protocol))
+    team = Team(tiny_agents, math_team_config(protocol=protocol))
     ps = problems(3)
     batch = rollout(team, ps, group_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
     n = 12
@@ -211,7 +211,7 @@ def test_rollout_both_protocols(tiny_agents, protocol):
 # -- log-probabilities -----------------------------------------------------------------------
 def test_behaviour_logprobs_equal_fresh_unpadded_forward(tiny_agents):
     torch.manual_seed(1)
-    team = Team(tiny_agents, TeamConfig(protocol="chain"))
+    team = Team(tiny_agents, math_team_config(protocol="chain"))
     batch = rollout(team, problems(4), group_size=2, sampling=SamplingConfig(temperature=0.8, max_new_tokens=8))
     for turn in batch.turns:
         model = team.agents[turn.agent].model
@@ -251,7 +251,7 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
 
 def test_logprob_chunking_is_exact(tiny_agents):
     torch.manual_seed(3)
-    team = Team(tiny_agents, TeamConfig())
+    team = Team(tiny_agents, math_team_config())
     batch = rollout(team, problems(5), group_size=3, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
     t = batch.turns[0]
     small = batched_response_logprobs(team.agents[0].model, t.tensors, 1.0, token_budget=20)  # 1 row per chunk
@@ -259,7 +259,7 @@ def test_logprob_chunking_is_exact(tiny_agents):
 
 
 def test_turn_tensors_name_a_turns_tensors_and_select_rows(tiny_agents):
-    team = Team(tiny_agents, TeamConfig())
+    team = Team(tiny_agents, math_team_config())
     batch = rollout(team, problems(3), group_size=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=4))
     t = batch.turns[1]
     ctx, cmask, resp, rmask = t.tensors  # still a tuple, in this order

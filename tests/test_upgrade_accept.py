@@ -18,6 +18,7 @@ import plug_and_play
 import sat
 from bounds import paired_change_bound
 from harness.loading import load_agent, load_saved_team, warm_start
+from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint, read_metrics
 from harness.tasks import arithmetic_problems, load_task
 from plug_and_play import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
@@ -112,7 +113,7 @@ def tiny_agents():
     """A tiny agent warm-started 200 steps (held-out accuracy about 0.15) and an untrained one (0)."""
     train = arithmetic_problems(512, seed=0)
     good = load_agent("tiny", seed=0)
-    warm_start(Team([good]), train, 200, 0.5, seed=0)
+    warm_start(Team([good], math_team_config()), train, 200, 0.5, seed=0)
     return train, good, load_agent("tiny", seed=1)
 
 
@@ -125,7 +126,7 @@ def one_agent_upgrade(incumbent, replacement, train, rows=512, max_passes=3):
     one = replace(cfg, eval_samples=1)
     draws = AcceptanceDraws(acceptance_splits(train, heldout, 0, rows),
                             lambda team, r, label: sat.evaluate(team, r, sampling, one, label=label)["eval_rewards"])
-    team = Team([incumbent])
+    team = Team([incumbent], math_team_config())
     return team, certified_upgrade(team, 0, replacement, train[:8], cfg, sampling, draws, 1, lambda *_: None)
 
 

@@ -16,24 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness import datafiles, reasoning_gym_task, roles  # noqa: E402
-from harness.user_reward import load_reward, probe  # noqa: E402
-from reward import (  # noqa: E402
+from harness.math_grading import (  # noqa: E402
     DEFAULT_REWARD,
-    Reward,
-    RewardError,
     answers_match,
-    call_reward,
-    columns_of,
-    counterfactual_baselines,
-    score,
+    math_team_config,
     vote_reward,
     vote_score,
 )
+from harness.user_reward import CheckedReward, RewardError, call_reward, load_reward, probe  # noqa: E402
+from reward import Reward, columns_of, counterfactual_baselines, score  # noqa: E402
 from rollout import Turn, score_team  # noqa: E402
 from team import (  # noqa: E402
     Problem,  # noqa: E402
     Team,
-    TeamConfig,
 )
 
 
@@ -220,7 +215,7 @@ def turns_of(answers: list[list]) -> list[Turn]:
 def test_default_reward_equals_the_rollouts_team_reward(rows, protocol):
     answers = [a for a, _ in rows]
     problems = [Problem(f"p{i}", "q", gold) for i, (_, gold) in enumerate(rows)]
-    team = Team([object()] * len(answers[0]), TeamConfig(protocol=protocol))
+    team = Team([object()] * len(answers[0]), math_team_config(protocol=protocol))
     group_ids = torch.arange(len(rows))
     expected = score_team(team, problems, turns_of(answers), group_ids)[1]
     completions = [[str(a) for a in row] for row in answers]
@@ -444,7 +439,7 @@ def test_a_small_question_space_gives_what_it_has():
 def test_reasoning_gym_reward_is_the_datasets_own_score_with_the_vote():
     problems = reasoning_gym_task.reasoning_gym_problems("knights_knaves", {}, 2, 0, "train")
     fn = reasoning_gym_task.ReasoningGymReward("knights_knaves", {})
-    reward = Reward(fn, fn.__name__, fn.reward_range)
+    reward = CheckedReward(fn, fn.__name__, fn.reward_range)
     gold = problems[0].columns["answer"]
     names = [part.split(" is ")[0].strip(" ,.") for part in gold.replace(", and", ",").split(",")]
     half = f"{names[0]} is a {'villain' if 'hero' in gold.split(',')[0] else 'hero'}, and {gold.split(', and ')[1]}"

@@ -233,12 +233,13 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
     the trained agent (gap < BOUND); before the push it was far off."""
     from test_distributed import run_worker
 
+    from harness.math_grading import math_team_config
     from harness.tasks import arithmetic_problems
     from scale.torchrun import rollout_in_blocks
-    from team import Team, TeamConfig
+    from team import Team
 
     agents, reg = team2
-    team = Team([agents[1]], TeamConfig(protocol="chain"))
+    team = Team([agents[1]], math_team_config(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)  # as in the worker
     batch = rollout_in_blocks(team, arithmetic_problems(4, seed=1), 4, sampling, seed=7, n_blocks=4, backend=reg)
     reg.sleep()

@@ -22,7 +22,8 @@ from rollout import SamplingConfig, regenerate
 from scale import distributed
 from scale.torchrun import Torchrun, rollout_in_blocks
 from harness.tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from harness.math_grading import math_team_config
+from team import Agent, Team
 from trust_region import interpolate_parameters
 from harness.loading import load_agent
 
@@ -33,7 +34,7 @@ sampling = SamplingConfig(temperature=1.0, max_new_tokens=5, token_budget=60)
 
 
 def make_team() -> Team:
-    return Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+    return Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
 
 
 def step_of(model) -> list[torch.Tensor]:

@@ -19,7 +19,8 @@ from scale import distributed
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from harness.math_grading import math_team_config
+from team import Agent, Team
 from trust_region import QuantileController
 from update import train_agents
 from advantage import build_inputs
@@ -28,7 +29,7 @@ from harness.loading import load_agent
 torch.set_num_threads(1)
 torch.manual_seed(0)
 base = load_agent("tiny", seed=0, dtype=torch.bfloat16)
-batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4,
+batch = rollout(Team([base], math_team_config()), arithmetic_problems(8, seed=0), 4,
                 SamplingConfig(temperature=1.0, max_new_tokens=4))
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
@@ -63,7 +64,7 @@ def adam_steps(agent: Agent) -> set[float]:
 
 
 def fresh() -> Team:
-    return Team([Agent(base.spec, copy.deepcopy(base.model), base.tokenizer)], TeamConfig())
+    return Team([Agent(base.spec, copy.deepcopy(base.model), base.tokenizer)], math_team_config())
 
 
 def max_diff(xs, ys) -> float:

@@ -25,7 +25,8 @@ from rollout import SamplingConfig
 from scale import distributed
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from harness.math_grading import math_team_config
+from team import Agent, Team
 from harness.loading import load_agent
 
 torch.set_num_threads(1)
@@ -33,7 +34,7 @@ cfg = sat.Config(agents="tiny x2", batch_size=32, group_size=4, minibatch_size=2
                  stage0_fit_tol=50.0, stage0_max_passes=30, rollout_blocks=4, shard_rollouts=True).apply_preset()
 sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
 torch.manual_seed(0)
-team = Team([load_agent("tiny", seed=k) for k in range(2)], TeamConfig(protocol="chain"))
+team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
 raw = load_agent("tiny-3L", seed=9)  # another architecture, same vocabulary: outside delta_0 at the start
 problems = arithmetic_problems(8, seed=0)  # 6 fit problems (24 rows), 2 held out
 

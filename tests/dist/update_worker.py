@@ -15,7 +15,8 @@ from scale import distributed
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from harness.math_grading import math_team_config
+from team import Agent, Team
 from trust_region import QuantileController
 from update import TrainStats, train_agents
 from advantage import build_inputs
@@ -23,7 +24,7 @@ from harness.loading import load_agent
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-team = Team([load_agent("tiny", seed=0)], TeamConfig())
+team = Team([load_agent("tiny", seed=0)], math_team_config())
 batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()
@@ -39,10 +40,10 @@ def one_update(t: Team) -> TrainStats:
 
 
 def main() -> None:
-    plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+    plain = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)], math_team_config())
     stats_plain = one_update(plain)  # before setup(): one process, no FSDP
     distributed.setup("cpu")
-    sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)])
+    sharded = Team([Agent(team.agents[0].spec, copy.deepcopy(team.agents[0].model), team.agents[0].tokenizer)], math_team_config())
     Torchrun.current().adopt(sharded.agents)
     stats_sharded = one_update(sharded)
     diff = max(float((a - b).abs().max())

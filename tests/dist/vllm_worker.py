@@ -30,7 +30,8 @@ from scale import distributed
 from scale import rollout_vllm as rv
 from scale.torchrun import Torchrun, rollout_in_blocks
 from harness.tasks import arithmetic_problems
-from team import Agent, Team, TeamConfig
+from harness.math_grading import math_team_config
+from team import Agent, Team
 from harness.loading import load_agent
 
 
@@ -51,7 +52,7 @@ def rows_of(batch) -> list:
 def main(out_path: str) -> None:
     torch.set_num_threads(1)
     distributed.setup("cpu")
-    team = Team([load_agent("tiny", dtype=torch.float32, seed=1)], TeamConfig(protocol="chain"))
+    team = Team([load_agent("tiny", dtype=torch.float32, seed=1)], math_team_config(protocol="chain"))
     Torchrun.current().adopt(team.agents)
     reg = rv.VLLMBackend(n_engines=1, seed=0, max_model_len=256, health_logprobs=True)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
