@@ -47,9 +47,9 @@ import torch
 from advantage import UpdateInputs, build_inputs, step_estimates
 from bounds import paired_change_bound
 from harness.config import Config
-from harness.records import AgentStep, StageRecord, rollout_record
 from logprobs import measure_kl
 from rollout import HF, SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from stage_record import AgentStep, StageRecord, rollout_record
 from team import Problem, Team
 from trust_region import (
     QuantileController,
