@@ -1,10 +1,13 @@
 """What one stage of Algorithm 1 returns (paper, Section 5): an ``AgentStep`` per agent and the ``StageRecord``
-of the stage.
+of the stage, and ``StageClock``, the bookkeeping that runs beside the algorithm's lines (the stage's wall time,
+the responses it generated and their seconds, the progress bar) so that ``sat.sat_stage`` shows the lines alone.
 
 ``harness.records.stage_row`` turns a record into a metrics row: the held-out evaluation and the certificates.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -81,3 +84,42 @@ def rollout_record(batch: TeamBatch, rollout_seconds: float, health=None) -> dic
     if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
         record["vllm_logprob_abs_diff"] = health
     return record
+
+
+class StageClock:
+    """The bookkeeping of one stage beside Algorithm 1's lines: it starts with the stage, times and counts every
+    generation (the rollout B, then each redraw), shows the agent being stepped on a progress bar (tqdm's
+    ``set_postfix_str``, or None) and closes the stage into its ``StageRecord``."""
+
+    def __init__(self, progress=None) -> None:
+        self.start = time.time()
+        self.progress = progress
+        self.generations, self.generation_seconds = 0, 0.0  # responses generated in the stage, their seconds
+        self.rollout_fields: dict = {}  # rollout_record of B
+        self.n_agents = 0
+
+    def rolled_out(self, batch: TeamBatch, health: list | None) -> None:
+        """B is drawn: its record fields, timed from the stage's start, and its N x n responses."""
+        self.rollout_fields = rollout_record(batch, time.time() - self.start, health=health)
+        self.n_agents = len(batch.turns)
+        self.generations, self.generation_seconds = len(batch) * self.n_agents, time.time() - self.start
+
+    def stepping(self, i: int, j: int) -> None:
+        """Step i (0-based) of the stage updates agent j (0-based): shown on the progress bar."""
+        if self.progress is not None:
+            self.progress.set_postfix_str(f"agent {j + 1} ({i + 1}/{self.n_agents})")
+
+    def generate(self, draw: Callable[..., tuple[TeamBatch, int]], *args) -> TeamBatch:
+        """``draw(*args)``, which returns (a batch, the responses it generated), timed and counted; the batch."""
+        t = time.time()
+        batch, generated = draw(*args)
+        self.generations += generated
+        self.generation_seconds += time.time() - t
+        return batch
+
+    def record(self, sigma: list[int], agents: list[AgentStep], step_bounds: str) -> StageRecord:
+        """The stage's record: B's fields, the order sigma (1-based), each agent's step, the generation
+        counts and the stage's wall time."""
+        return StageRecord(**self.rollout_fields, order=[k + 1 for k in sigma], agents=agents,
+                           generations=self.generations, generation_seconds=self.generation_seconds,
+                           step_bounds=step_bounds, seconds=time.time() - self.start)
