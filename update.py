@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from advantage import UpdateInputs, masked_mean, masked_sum
+from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
 from logprobs import measure_kl, turn_forward, turn_rows
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
@@ -58,17 +58,17 @@ def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: st
 def clipped_surrogate(log_ratio_tok, mask, adv, kind: str, eps: float):
     """Per-trajectory PPO surrogate min(r A, clip(r, 1-eps, 1+eps) A) and the
     clipped indicator. ``adv`` is [n] (sequence) or [n, L] (token-level GAE).
-    The log-ratio is capped at 20 before exp: beyond that the clipped branch
-    is active anyway for A > 0, and exp would overflow for A < 0."""
+    The log-ratio is capped at LOG_RATIO_CAP before exp: beyond that the clipped
+    branch is active anyway for A > 0, and exp would overflow for A < 0."""
     if kind == "token":
         a = adv if adv.dim() == 2 else adv[:, None].expand_as(log_ratio_tok)  # [n, L]
-        r = log_ratio_tok.clamp(max=20).exp()  # [n, L]
+        r = log_ratio_tok.clamp(max=LOG_RATIO_CAP).exp()  # [n, L]
         surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n, L]
         clipped = ((r - 1).abs() > eps) & (mask > 0)  # [n, L]
         return masked_mean(surr, mask, dim=1), masked_sum(clipped.float(), mask, dim=1), r
     a = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=1)  # [n]
     log_r = sequence_log_ratio(log_ratio_tok, mask, kind)  # [n]
-    r = log_r.clamp(max=20).exp()  # [n]
+    r = log_r.clamp(max=LOG_RATIO_CAP).exp()  # [n]
     surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n]
     clipped = ((r - 1).abs() > eps).float() * mask.sum(1)  # [n] counted per token for a token fraction
     return surr, clipped, r
@@ -90,7 +90,7 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
         -L_i = -mean_tau[ w(tau) min(r_j A, clip(r_j, 1-eps, 1+eps) A) ] + beta_j mean_t[ k_t ]
 
     r_j: agent j's ratio from its token log-ratios (``sequence_log_ratio``, ``--ratio``; capped at
-    log r = 20 before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
+    log r = LOG_RATIO_CAP before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
     promoted before j (``log_w``); k_t: the ``--kl-estimator`` estimate of KL(pi_j || pi_j,cur) at
     agent j's sampled tokens (``trust_region.kl_penalty``), averaged over its valid tokens. ``adv``
     is [b] or [b, Lr] (GAE)."""
