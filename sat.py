@@ -124,7 +124,7 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
         pair_seed = draw_seed()  # one seed per row for the step's before and after draws
         if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
             before = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
-        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.value_heads)
+        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.value_heads)  # lines 6-11
         backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
         if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
             batch = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
