@@ -150,7 +150,10 @@ def full_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
     return _summed_log_ratios(log_ratios, batch_size, truncate=False)
 
 
-LOG_WEIGHT_CAP = math.log(1e6)
+LOG_WEIGHT_CAP = math.log(1e6)  # the cap on log W and log w before exp in ``truncation_bias``
+# The cap on a log-ratio log r_j of agent j (a token's, or its response's) before exp: e^20 ~ 4.9e8, far beyond
+# any ratio the clip keeps (1 + eps), and far below float32's overflow at e^88.7.
+LOG_RATIO_CAP = 20.0
 
 
 def truncation_bias(log_w_full: torch.Tensor, log_w_trunc: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
@@ -267,7 +270,7 @@ def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor
     response lengths (``surrogate_ess``: the effective sample size of w r_j). Also the truncation bias
     zeta of the weights and their effective sample size."""
     mask = inputs.turn.response_mask  # [N, Lr]
-    log_r_seq = masked_sum(log_rho, mask, dim=1).clamp(-20, 20)  # [N] sequence ratio of the step kept
+    log_r_seq = masked_sum(log_rho, mask, dim=1).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [N] log r_j of the step kept
     w = inputs.log_w.exp()  # [N] truncated weights of the agents promoted before j
     surrogate = float((w * (log_r_seq.exp() - 1) * inputs.raw_adv).mean())  # E_new[A] - E_cur[A]
     zeta = truncation_bias(inputs.log_w_full, inputs.log_w, log_r_seq.exp(), inputs.raw_adv)

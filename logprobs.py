@@ -1,8 +1,8 @@
 """Teacher-forced log-probabilities: the one forward every ratio uses.
 
-Paper, Section 4 (Algorithm 1): the importance ratio r_j of Eq. (5), the truncated weights
-c_t = min(1, rho_t) and the trust region's exact per-state KL(pi_j(.|s) || pi_j,cur(.|s)) are all
-computed from the same teacher-forced forward of a Hugging Face causal LM:
+Paper, Section 5 (Algorithm 1): the importance ratio r_j of the surrogate (Section 3, Eq. (5)), the
+truncated weights c_t = min(1, rho_t) and the trust region's exact per-state KL(pi_j(.|s) || pi_j,cur(.|s))
+(Section 3) are all computed from the same teacher-forced forward of a Hugging Face causal LM:
 
 - padding helpers (left-padded contexts, right-padded responses) and the position ids that skip
   left padding, exactly as ``generate`` computes them;
@@ -29,7 +29,8 @@ from trust_region import per_state_kl
 # 4096 x 151936 x 4 B = 2.5 GB for Qwen3 (scale/memory.py sizes the peak from the same numbers).
 LOGITS_CHUNK_TOKENS = 4096
 # A chunk's fp32 logits above this are recomputed in the backward pass instead of kept (Qwen3: 2.5 GB
-# a chunk); a tiny agent's (0.2 MB) are kept: recomputing them cost 3-8 % of a training step, measured.
+# a chunk); a tiny agent's (0.2 MB) are kept: recomputing them costs time and saves no memory that matters
+# (docs/results.md, "LM-head checkpointing").
 HEAD_CHECKPOINT_BYTES = 64 << 20
 KL_CHUNK_POSITIONS = 1024  # positions of two [c, V] fp32 logits blocks in one exact-KL call
 
@@ -178,7 +179,7 @@ def turn_rows(tensors: TurnTensors, token_budget: int) -> int:
 def turn_forward(model, tensors: TurnTensors, idx, temperature: float):
     """(log pi(a_t|s_t) [b, Lr] fp32 at ``temperature``, 0 on padding; final hidden states
     [b, Lr, H]) of rows ``idx`` of a turn (``TurnTensors``). Algorithm 1's behaviour log-probs,
-    the sequence log-ratio of Eqs. (3)-(5), the per-state KL of Sec. 3."""
+    the sequence log-ratio of Eqs. (3)-(5), the per-state KL of Section 3."""
     part = TurnTensors(*tensors).rows(idx, next(model.parameters()).device)  # [b, Lc] and [b, Lr] tensors
     hidden = response_hidden_states(model, *part)  # [b, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, part.response_ids, temperature)  # [b, Lr]

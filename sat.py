@@ -11,8 +11,9 @@ improvement of every step and of the stage with exact quantities; a run logs
 lower bounds that hold with probability 1 - delta_conf from what it samples
 (bounds.py): per step with --reuse regenerate, per stage on the held-out set.
 
-Reading order: ``sat_stage`` (one stage: lines 4-14), ``agent_step`` (one agent:
-lines 6-9, advantage.build_inputs and update.train_agents), ``trust_region_step``
+Reading order: ``sat_stage`` (one stage: lines 4-14), ``sequential_update`` (the
+agents in turn: lines 5-13), ``agent_step`` (one agent: lines 6-9,
+advantage.build_inputs and update.train_agents), ``trust_region_step``
 (lines 10-11: the KL check with backtracking, beta), ``evaluate`` (the held-out
 draws the certificates pair), ``run_stages`` (the loop over stages).
 The command line, model loading, tasks, checkpoints and resume live in
@@ -47,9 +48,9 @@ import torch
 from advantage import UpdateInputs, build_inputs, step_estimates
 from bounds import paired_change_bound
 from harness.config import Config
-from harness.records import AgentStep, StageRecord, rollout_record
 from logprobs import measure_kl
 from rollout import HF, SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from stage_record import AgentStep, StageClock, StageRecord
 from team import Problem, Team
 from trust_region import (
     QuantileController,
@@ -93,47 +94,46 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
 
 def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
               pbar=None) -> tuple[StageRecord, TeamBatch]:
-    """One stage: roll out pi_cur, order the agents, then for each agent j =
-    sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
-    region and promote it; then either cache log rho on its tokens for the
-    later agents' weights (``--reuse weights``, the paper) or redraw the turns
-    the promotion changed (``--reuse regenerate``: the batch stays on-policy for
-    pi_hat^i). Returns the stage's metrics record and its rollout B (what the team said)."""
-    team, controllers, value_heads, backend = run.team, run.controllers, run.value_heads, run.backend
-    n_agents, t0 = len(team), time.time()
-    batch = rollout_b = team_rollout(team, problems, cfg.group_size, sampling, backend)  # line 4: B <- ROLLOUT
+    """One stage: roll out pi_cur, order the agents, then step each agent in turn (``sequential_update``; with
+    ``--update joint`` the baseline, ``joint_update``). Returns the stage's metrics record and its rollout B
+    (what the team said); ``clock`` keeps the record's timings and counts and the progress bar ``pbar``."""
+    team, backend, clock = run.team, run.backend, StageClock(pbar)
+    batch = team_rollout(team, problems, cfg.group_size, sampling, backend)  # line 4: B <- ROLLOUT(pi_cur)
     backend.sleep()
-    rollout_fields = rollout_record(batch, time.time() - t0, health=backend.health(team, batch))
-    sigma = order_agents(batch, n_agents, cfg.order, run.rng)  # line 4: sigma <- ORDERAGENTS(B)
-    generations, generation_seconds = len(batch) * n_agents, time.time() - t0
-    bounded = has_step_bounds(cfg)
+    clock.rolled_out(batch, backend.health(team, batch))
+    sigma = order_agents(batch, len(team), cfg.order, run.rng)  # line 4: sigma <- ORDERAGENTS(B)
     if cfg.update == "joint":
         agents = joint_update(run, sigma, batch, cfg)  # no step bounds: no sequence of steps
     else:
-        agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
-        for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
-            if pbar is not None:
-                pbar.set_postfix_str(f"agent {j + 1} ({i + 1}/{n_agents})")
-            t_gen, pair_seed = time.time(), draw_seed()  # one seed per row for the step's before and after draws
-            if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
-                before, generated = redraw(team, batch, j, sampling, backend, pair_seed)
-                generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
-            agents[j], log_rho = agent_step(team, j, batch, cached, cfg, controllers[j], value_heads)
-            backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
-            t_gen = time.time()
-            if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
-                batch, generated = redraw(team, batch, j, sampling, backend, pair_seed)
-                generations, generation_seconds = generations + generated, generation_seconds + time.time() - t_gen
-            elif i < n_agents - 1:
-                cached.append((log_rho, batch.turns[j].response_mask))
-            agents[j].step_bound = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
-                                                           team.config.reward.range, cfg.delta_conf / n_agents)
-                                       if bounded else None)
+        agents = sequential_update(run, sigma, batch, cfg, sampling, clock)  # lines 5-13
     # line 14: pi_cur <- the assembled team; the stage's certificate is harness.records.stage_row's held-out bound
-    record = StageRecord(**rollout_fields, order=[k + 1 for k in sigma], agents=agents, generations=generations,
-                         generation_seconds=generation_seconds, step_bounds=step_bounds_kind(cfg),
-                         seconds=time.time() - t0)
-    return record, rollout_b
+    return clock.record(sigma, agents, step_bounds_kind(cfg)), batch
+
+
+def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config, sampling: SamplingConfig,
+                      clock: StageClock) -> list[AgentStep]:
+    """Lines 5-13: for each agent j = sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
+    region and promote it; then either cache log rho on its tokens for the later agents' weights (``--reuse
+    weights``, the paper) or redraw the turns the promotion changed (``--reuse regenerate``: the batch stays
+    on-policy for pi_hat^i). With step bounds the turns step i changes are also drawn just before it, under the
+    same seed per row as the draw after it: the pair ``bounds.paired_change_bound`` compares."""
+    team, backend, n_agents, bounded = run.team, run.backend, len(run.team), has_step_bounds(cfg)
+    agents, cached = [None] * n_agents, []  # cached: log rho of the agents promoted this stage
+    for i, j in enumerate(sigma):  # line 5: for i = 1..n, j = sigma(i)
+        clock.stepping(i, j)
+        pair_seed = draw_seed()  # one seed per row for the step's before and after draws
+        if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
+            before = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
+        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.value_heads)  # lines 6-11
+        backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
+        if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
+            batch = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
+        elif i < n_agents - 1:  # log rho on agent j's tokens, for the later agents' weights
+            cached.append((log_rho, batch.turns[j].response_mask))
+        agents[j].step_bound = (paired_change_bound(before.rewards.tolist(), batch.rewards.tolist(),
+                                                    team.config.reward.range, cfg.delta_conf / n_agents)
+                                if bounded else None)
+    return agents
 
 
 def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,

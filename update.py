@@ -1,7 +1,8 @@
-"""The policy update of one agent: the objective L_i of Algorithm 1's inner step.
+"""The policy update of one agent: OPTIMIZE(L_i), Algorithm 1's inner step.
 
-Paper, Section 4 (Algorithm 1, the per-agent objective). At step i of a stage
-the agent j = sigma(i) maximises, over the joint trajectories tau of the batch,
+Paper, Section 3 (the surrogate L_i, Eq. (5)) and Section 5 (Algorithm 1, line 8:
+the optimiser that maximises it). At step i of a stage the agent j = sigma(i)
+maximises, over the joint trajectories tau of the batch,
 
     L_i(theta_j) = E_tau[ w(tau) * min( r_j(tau) A(tau), clip(r_j(tau), 1-eps, 1+eps) A(tau) ) ]
                    - beta_j * KL(pi_j || pi_j,cur)
@@ -10,20 +11,21 @@ the agent j = sigma(i) maximises, over the joint trajectories tau of the batch,
     w(tau)   = prod over the tokens of agents sigma(1..i-1) of min(1, rho_t)
 
 where A is the group-relative advantage (or token-level GAE with a value head)
-and the KL penalty is estimated on the sampled tokens (k3 by default). The
-paper's ratio is the sequence ratio (``--ratio seq``); this project also
-offers the length-normalised sequence ratio of GSPO (``seq-mean``, exp of the
-mean token log-ratio: the default, because the plain sequence ratio over
-hundreds of tokens is almost always clipped) and the per-token PPO ratio
-(``token``). The clip is applied to r, computed in log space and capped
-before ``exp`` so neither branch overflows.
+and the KL penalty is estimated on the sampled tokens (``--kl-estimator``,
+k3_new by default: unbiased for KL(pi_j || pi_j,cur), the trust region's
+direction). The paper's ratio is the sequence ratio (``--ratio seq``); this
+project also offers the length-normalised sequence ratio of GSPO (``seq-mean``,
+exp of the mean token log-ratio: the default, because the plain sequence ratio
+over hundreds of tokens is almost always clipped) and the per-token PPO ratio
+(``token``). The clip is applied to r, computed in log space and capped at
+``advantage.LOG_RATIO_CAP`` before ``exp`` so neither branch overflows.
 
 ``train_agents`` runs the optimiser over mini-batches, each accumulated over
 micro-batches sized by a token budget; only the agent being updated holds
 gradients and optimizer state (``--update joint`` passes every agent, which is
-the memory cost SAT avoids). ``build_inputs`` assembles what the update needs:
-advantages, the truncated weights of the agents already updated this stage,
-and (for GAE) value targets.
+the memory cost SAT avoids). What it trains on, ``advantage.UpdateInputs``
+(advantages, the truncated weights of the agents already updated this stage,
+and for GAE value targets), comes from ``advantage.build_inputs``.
 """
 from __future__ import annotations
 
@@ -34,17 +36,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from advantage import UpdateInputs, masked_mean, masked_sum
+from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
 from logprobs import measure_kl, turn_forward, turn_rows
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
-# ``cfg`` below is the run's ``config.Config`` (read for lr, epochs, minibatch_size,
+# ``cfg`` below is the run's ``harness.config.Config`` (read for lr, epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
 
 
 # ---------------------------------------------------------------------------
-# Eq. (5): the objective L_i (ratio, clip, weights, KL penalty)
+# Eq. (5), Section 3: the objective L_i (ratio, clip, weights, KL penalty)
 # ---------------------------------------------------------------------------
 def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
     """log r_j per trajectory: the sum (seq, the paper) or the mean (seq-mean,
@@ -58,17 +60,17 @@ def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: st
 def clipped_surrogate(log_ratio_tok, mask, adv, kind: str, eps: float):
     """Per-trajectory PPO surrogate min(r A, clip(r, 1-eps, 1+eps) A) and the
     clipped indicator. ``adv`` is [n] (sequence) or [n, L] (token-level GAE).
-    The log-ratio is capped at 20 before exp: beyond that the clipped branch
-    is active anyway for A > 0, and exp would overflow for A < 0."""
+    The log-ratio is capped at LOG_RATIO_CAP before exp: beyond that the clipped
+    branch is active anyway for A > 0, and exp would overflow for A < 0."""
     if kind == "token":
         a = adv if adv.dim() == 2 else adv[:, None].expand_as(log_ratio_tok)  # [n, L]
-        r = log_ratio_tok.clamp(max=20).exp()  # [n, L]
+        r = log_ratio_tok.clamp(max=LOG_RATIO_CAP).exp()  # [n, L]
         surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n, L]
         clipped = ((r - 1).abs() > eps) & (mask > 0)  # [n, L]
         return masked_mean(surr, mask, dim=1), masked_sum(clipped.float(), mask, dim=1), r
     a = adv if adv.dim() == 1 else masked_mean(adv, mask, dim=1)  # [n]
     log_r = sequence_log_ratio(log_ratio_tok, mask, kind)  # [n]
-    r = log_r.clamp(max=20).exp()  # [n]
+    r = log_r.clamp(max=LOG_RATIO_CAP).exp()  # [n]
     surr = torch.minimum(r * a, r.clamp(1 - eps, 1 + eps) * a)  # [n]
     clipped = ((r - 1).abs() > eps).float() * mask.sum(1)  # [n] counted per token for a token fraction
     return surr, clipped, r
@@ -85,12 +87,12 @@ class Objective(NamedTuple):
 
 def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
                        log_w: torch.Tensor, beta: float, cfg) -> Objective:
-    """-L_i(theta_j), the paper's Eq. (5), on b joint trajectories: what the optimiser minimises.
+    """-L_i(theta_j), the paper's Eq. (5) (Section 3), on b joint trajectories: what the optimiser minimises.
 
         -L_i = -mean_tau[ w(tau) min(r_j A, clip(r_j, 1-eps, 1+eps) A) ] + beta_j mean_t[ k_t ]
 
     r_j: agent j's ratio from its token log-ratios (``sequence_log_ratio``, ``--ratio``; capped at
-    log r = 20 before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
+    log r = LOG_RATIO_CAP before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
     promoted before j (``log_w``); k_t: the ``--kl-estimator`` estimate of KL(pi_j || pi_j,cur) at
     agent j's sampled tokens (``trust_region.kl_penalty``), averaged over its valid tokens. ``adv``
     is [b] or [b, Lr] (GAE)."""

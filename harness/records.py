@@ -1,75 +1,14 @@
-"""Run records: what one stage's metrics row holds (``AgentStep``, ``StageRecord``), the held-out
-certificates it carries, and the console's stage line. Files: ``harness.run_folder``.
+"""Run records: a stage's metrics row (``stage_row``: the ``stage_record.StageRecord`` that ``sat.sat_stage``
+returns, the held-out evaluation and the certificates it carries), the samples of what the agents said, and the
+console's stage line. Files: ``harness.run_folder``.
 
 Paper, Section 4 (the stage certificate) and Section 5 (the violation rate:
 the fraction of stages whose measured team reward fell beyond noise).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-import torch
-
 from bounds import heldout_change_bound, paired_change_bound
-from update import TrainStats
-
-
-@dataclass
-class AgentStep:
-    """One agent's step in a stage (Algorithm 1, lines 6-12; ``sat.trust_region_step``), an entry of
-    ``StageRecord.agents``. In metrics.jsonl ``train``'s fields sit beside the others."""
-
-    agent: int  # the agent's slot, 1-based
-    kl_mean: float  # mean exact per-state KL(pi_new || pi_cur) over the agent's response positions, weights kept
-    kl_quantile: float  # its (1 - alpha) quantile: the trust-region statistic, <= delta when accepted
-    kl_max: float  # the largest per-state KL
-    kl_quantile_dkw: float  # a DKW upper confidence bound on the population quantile (trust_region)
-    delta: float  # the trust region's radius
-    beta: float  # the KL penalty coefficient the step trained with
-    beta_next: float  # beta after the controller's update
-    backtracks: int  # halvings of the step by the line search
-    accepted: bool  # a step (or the in-loop anchor) kept; a rejected step leaves pi_j,cur exactly
-    step_fraction: float  # the share of the proposed step kept
-    surrogate_estimate: float  # L_i (Eq. (5)) at the step kept: an estimate of the step's change, not a bound
-    surrogate_ess: float  # the effective sample size of that estimate's weights w r_j
-    zeta: float  # the truncation bias of the sequence-aware weights (Section 5)
-    zeta_capped_rows: int  # rows whose log-weight reached advantage.LOG_WEIGHT_CAP
-    N: int  # joint trajectories in the batch
-    ess: float  # the effective sample size of the truncated weights w of the agents promoted before it
-    ess_ratio: float  # ess / N
-    seq_kl_max: float  # the largest whole-response KL (the sum over its tokens)
-    credit_correlation: float  # correlation of the agent's advantages with its own correctness
-    train: TrainStats  # the optimiser's figures: loss, clip fraction, ratio statistics, gradient norm, tokens/s
-    step_bound: dict | None = None  # the step's paired bound (bounds.paired_change_bound), see step_bounds
-
-    def row(self) -> dict:
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}, **self.train.logged()}
-
-
-@dataclass
-class StageRecord:
-    """What a trained stage logs before its evaluation (``sat.sat_stage``); ``stage_row`` adds the stage
-    number, the held-out evaluation (``sat.evaluate``) and the certificates."""
-
-    team_reward: float  # mean team reward R on the stage's rollout B
-    agent_reward: list[float]  # each agent's own correctness on B
-    rollout_tokens_per_s: float  # generated tokens per second of B's rollout
-    truncated_fraction: float  # the share of B's responses cut at --max-new-tokens
-    mean_response_tokens: float
-    order: list[int]  # sigma, 1-based
-    agents: list[AgentStep]  # by slot
-    generations: int  # responses generated in the stage: B and every redraw
-    generation_seconds: float
-    step_bounds: str  # what each AgentStep.step_bound is, or why it is None
-    seconds: float  # the stage's wall time, its evaluation apart
-    vllm_logprob_abs_diff: list[float] | None = None  # --backend vllm: mean |log pi_vllm - log pi_train| per agent
-
-    def row(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["agents"] = [a.row() for a in self.agents]
-        if self.vllm_logprob_abs_diff is None:
-            del out["vllm_logprob_abs_diff"]
-        return out
+from stage_record import StageRecord
 
 
 def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: list[dict], prev: dict,
@@ -166,18 +105,6 @@ def sample_text(sample: dict, width: int = 160) -> str:
 
 def fmt_list(xs) -> str:
     return "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
-
-
-def rollout_record(batch, rollout_seconds: float, health=None) -> dict:
-    """``StageRecord``'s rollout fields: rewards, throughput, lengths."""
-    n_agents = len(batch.turns)
-    record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_correct.mean(1).tolist(),
-              "rollout_tokens_per_s": batch.num_tokens / max(rollout_seconds, 1e-9),
-              "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
-              "mean_response_tokens": batch.num_tokens / (len(batch) * n_agents)}
-    if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
-        record["vllm_logprob_abs_diff"] = health
-    return record
 
 
 STAGE_HEADER = (f"{'stage':>5} {'reward':>7} {'eval':>6} {'change':>7} "

@@ -37,6 +37,7 @@ from scale import memory  # the entry point picks the processes (scale.torchrun)
 from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
+from stage_record import StageRecord
 from team import Agent, Problem, Team
 from trust_region import QuantileController
 
@@ -316,7 +317,7 @@ class RunRecorder:
     def stage_zero(self, evaluation: dict) -> None:
         self.close({"stage": 0, "seconds": 0.0, **evaluation, **self.how})
 
-    def stage(self, stage: int, record: records.StageRecord, evaluation: dict, batch) -> None:
+    def stage(self, stage: int, record: StageRecord, evaluation: dict, batch) -> None:
         cfg, out = self.cfg, Path(self.cfg.out)
         samples = records.stage_samples(batch, stage, cfg.samples, cfg.group_size)
         if self.run.team.procs.main:

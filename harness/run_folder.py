@@ -12,11 +12,13 @@ A run folder holds
                            and the vLLM engines load) + sharded/agent_K (the agents'
                            fp32 training state, torch.distributed.checkpoint: each
                            rank writes its shards) + state.pt (controllers, value
-                           heads, RNGs) + checksums.json (size and sha256 of every file)
+                           heads, RNGs: plain data, read as data only) +
+                           checksums.json (size and sha256 of every file)
 
 Every write goes through a temporary file or folder and a rename, so a crash
 leaves the previous checkpoint intact and resumable; a damaged file is caught
-by its checksum when the folder is read. Resuming from a stage folder keeps
+by its checksum when the folder is read, and a state.pt that would run code
+when unpickled is refused (``read_state``). Resuming from a stage folder keeps
 the run's metrics of stages 0..k and continues from there; a run folder that
 holds a run is never overwritten without --overwrite.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -45,7 +48,9 @@ def write_stage_folder(folder: Path, stage: int, team: Team, controllers, value_
                        extra: dict) -> None:
     """Every file of one checkpoint. Every process writes its part of the fp32 training state
     (``training_state``); the main process writes the agents' Hugging Face folders (whole models, one at a time),
-    state.pt and checksums.json (the size and sha256 of every file, verified by ``load_checkpoint``)."""
+    state.pt and checksums.json (the size and sha256 of every file, verified by ``load_checkpoint``). state.pt
+    holds plain data only (numbers, strings, lists, tuples, dicts, tensors), so ``read_state`` loads it with
+    ``torch.load(weights_only=True)``."""
     procs = team.procs
     procs.save_state(folder / "sharded", team)  # every process
     for k, agent in enumerate(team.agents):
@@ -61,12 +66,25 @@ def write_stage_folder(folder: Path, stage: int, team: Team, controllers, value_
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             "numpy_rng": np.random.get_state(),
+             "numpy_rng": numpy_rng_state(),
              "optimizers": {k: optimizer_skeleton(a) for k, a in enumerate(team.agents)
                             if a.saved_optimizer_state is not None},
              **extra}
     torch.save(state, folder / "state.pt")
     (folder / CHECKSUMS).write_text(json.dumps(folder_digests(folder), indent=1))
+
+
+def numpy_rng_state() -> tuple:
+    """NumPy's global RNG state in plain types (its name, the 624 keys as a list of ints, the position, the
+    Gaussian flag and cached value), the form state.pt keeps."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return name, keys.tolist(), int(pos), int(has_gauss), float(cached)
+
+
+def set_numpy_rng_state(state) -> None:
+    """Restore NumPy's global RNG from ``numpy_rng_state``'s tuple."""
+    name, keys, pos, has_gauss, cached = state
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def unwritten_checkpoint(out: Path, final: Path, err: Exception) -> str:
@@ -245,14 +263,34 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     return target
 
 
+def read_state(folder: Path) -> dict:
+    """A stage folder's state.pt, read as data: ``torch.load(weights_only=True)`` rebuilds tensors and plain
+    containers only and refuses a pickle that would call anything else before any of it runs. Its checksum
+    proves the file intact, not trustworthy: a run folder from elsewhere may carry a pickled callable, which a
+    full unpickler would run on ``--resume``. One line names the file either way."""
+    try:
+        return torch.load(folder / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as err:  # a global or an instruction beyond plain data
+        named = re.search(r"GLOBAL (\S+)", str(err))
+        what = f"it calls {named.group(1)}" if named else "a pickle instruction beyond plain data"
+        raise RuntimeError(f"checkpoint {folder} refused: state.pt holds more than data ({what}), and a checkpoint "
+                           "is only ever read as data; resume from a stage folder that this version of sat.py "
+                           "wrote, or start a new run with a new --out") from None
+    except Exception as err:  # a torn or garbled file
+        raise RuntimeError(f"checkpoint {folder} is damaged: state.pt does not load ({type(err).__name__}); "
+                           f"{previous_stage_hint(folder)}") from None
+
+
 def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
                     procs: OneProcess = ONE_PROCESS) -> tuple[Team, dict, random.Random, dict]:
     """Team, saved state, the Python RNG and the controllers of a stage folder;
     restores the torch / numpy / CUDA RNGs so a resumed run continues the
     same random stream as a straight one. The folder is checked against its
-    checksums first; a file that still fails to load is named in one line.
+    checksums first and state.pt read as data (``read_state``) before any model
+    loads; a file that still fails to load is named in one line.
     Each agent is loaded as ``procs`` hold it (torchrun --shard-frozen: straight into shards)."""
     verify_checkpoint(folder)
+    state = read_state(folder)
     try:
         folders, team_config = read_team(folder / "team")
         team = Team([procs.load_agent(load_saved_agent, f, device, dtype) for f in folders], team_config)
@@ -261,15 +299,10 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
     except Exception as err:  # safetensors / json / tokenizer errors of a damaged file
         raise RuntimeError(f"checkpoint {folder} is damaged: its team/ folder does not load ({type(err).__name__}: "
                            f"{(str(err).splitlines() or [''])[0][:120]}); {previous_stage_hint(folder)}") from None
-    try:
-        state = torch.load(folder / "state.pt", weights_only=False)
-    except Exception as err:  # a torn or garbled pickle
-        raise RuntimeError(f"checkpoint {folder} is damaged: state.pt does not load ({type(err).__name__}); "
-                           f"{previous_stage_hint(folder)}") from None
     rng = random.Random()
     rng.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
-    np.random.set_state(state["numpy_rng"])
+    set_numpy_rng_state(state["numpy_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     for k, opt_state in state.get("optimizers", {}).items():

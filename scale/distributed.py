@@ -439,7 +439,7 @@ def whole_copy_on_main(model: torch.nn.Module):
     return plain
 
 
-# -- shards of whole tensors (records.py's sharded checkpoints) --------------------------------------------------
+# -- shards of whole tensors (the sharded checkpoints of harness/training_state.py) ------------------------------------
 def device_mesh():
     """The 1-D mesh of all ranks (FSDP2's default layout: Shard(0)), built from the current process group."""
     from torch.distributed.device_mesh import init_device_mesh

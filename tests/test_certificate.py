@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import bounds
+from advantage import LOG_RATIO_CAP
 from harness.math_grading import vote_reward
 from rollout import SeededSampler, draw_seed, response_seeds
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
@@ -152,7 +153,8 @@ def sat_step(team: Team, j: int, turns: list, rewards: torch.Tensor, g: torch.Ge
     search = backtracking_line_search(lambda f: interpolate_parameters(params, [cur], [proposal], f), measure, DELTA,
                                       max_backtracks=8, quantile_of=lambda kl: kl_quantile(kl, QUANTILE))
     new = params[0]
-    log_r = (new.log_softmax(-1)[states[:, None], torch.arange(L), resp] - logp_cur).sum(1).clamp(-20, 20)  # [N]
+    log_r = (new.log_softmax(-1)[states[:, None], torch.arange(L), resp] - logp_cur).sum(1)  # [N]
+    log_r = log_r.clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [N] as advantage.step_estimates caps it
     estimate = float(((log_r.exp() - 1) * adv_raw).mean())
     return new, estimate, search.accepted
 

@@ -209,7 +209,7 @@ def test_regenerate_and_gae_under_two_processes_match_one(runs):
     # the batch, then each agent's turn drawn before its step (the step bound's "before") and after it
     assert one[1]["generations"] == two[1]["generations"] == 16 * 2 + 16 * 2 * 2
     assert_same_run(one[1], two[1])
-    heads = [torch.load(runs / name / "checkpoints" / "stage_0001" / "state.pt", weights_only=False)["value_heads"]
+    heads = [torch.load(runs / name / "checkpoints" / "stage_0001" / "state.pt", weights_only=True)["value_heads"]
              for name in ("small_one", "small_two")]
     for k in heads[0]:
         one_w, two_w = heads[0][k]["weight"], heads[1][k]["weight"]

@@ -15,7 +15,9 @@ below replaced by real paths:
 
 The setup column runs before the command: `truncate FILE`, `garble FILE`
 (bytes in the middle overwritten, size kept), `delete PATH`, `write FILE TEXT`,
-or `eval ARGS` (an eval_aime.py run that must succeed)."""
+`eval ARGS` (an eval_aime.py run that must succeed), or `plant FILE` (a pickled
+callable added to a state.pt, which would create FILE.ran if it ran; the stage
+folder's checksums.json rewritten to match). No row's command may leave a .ran file."""
 import json
 import re
 import shlex
@@ -29,6 +31,7 @@ import eval_aime
 import harness.cli
 import harness.run
 import sat
+from harness import run_folder
 from harness.loading import load_agent
 from scale import memory
 
@@ -82,6 +85,24 @@ def run_tool(command: str, capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+class Planted:
+    """Unpickled by a full unpickler, it would call open(path, "w")."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def plant(path: Path) -> None:
+    """A pickled callable added to the state.pt at ``path``, and its stage folder's checksums rewritten to
+    match: an intact file that would run code if it were unpickled in full."""
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "planted": Planted(path.with_name(path.name + ".ran"))}, path)
+    (path.parent / run_folder.CHECKSUMS).write_text(json.dumps(run_folder.folder_digests(path.parent)))
+
+
 def damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     if how == "truncate":
@@ -119,6 +140,8 @@ def test_row(command, setup, expected, finished_run, tmp_path, monkeypatch, caps
             Path(fill(name)).write_text(text)
         elif verb == "eval":
             assert run_tool(fill("eval_aime.py " + rest), capsys)[0] == 0
+        elif verb == "plant":
+            plant(Path(fill(rest)))
         else:
             raise AssertionError(f"unknown setup verb {verb!r}")
     before = snapshot(tmp_path / "run")
@@ -132,6 +155,7 @@ def test_row(command, setup, expected, finished_run, tmp_path, monkeypatch, caps
         assert len(lines) == 1, err  # the tool's own errors are one line (argparse adds its usage line)
     if not setup:
         assert snapshot(tmp_path / "run") == before  # a refused command leaves the run folder as it was
+    assert not list(tmp_path.rglob("*.ran"))  # nothing a checkpoint carried ran
 
 
 def snapshot(folder: Path) -> dict:

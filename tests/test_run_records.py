@@ -139,6 +139,56 @@ def test_a_damaged_file_is_named_and_the_previous_stage_offered(straight, tmp_pa
     assert verify_checkpoint(copy / "checkpoints" / "stage_0002") is not None
 
 
+# -- a checkpoint is data, never code ----------------------------------------------------------------
+class Planted:
+    """Unpickled by a full unpickler, it would call open(path, "w"): what a shared state.pt could run instead."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_state_pt_carrying_a_callable_is_refused_in_one_line_and_nothing_runs(straight, tmp_path):
+    """The checksums prove a file intact, not trustworthy: a state.pt with a pickled callable and checksums
+    rewritten to match is refused before anything in it runs, and before any model loads."""
+    _, run = straight
+    import shutil
+
+    import torch
+
+    from harness import run_folder
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    folder, marker = latest_checkpoint(copy), tmp_path / "ran"
+    state = torch.load(folder / "state.pt", weights_only=True)  # what a run writes is plain data
+    torch.save({**state, "extra": Planted(marker)}, folder / "state.pt")
+    (folder / run_folder.CHECKSUMS).write_text(json.dumps(run_folder.folder_digests(folder)))
+    with pytest.raises(RuntimeError) as err:
+        run_folder.load_checkpoint(folder, "cpu", torch.float32)
+    message = str(err.value)
+    assert "\n" not in message and f"checkpoint {folder} refused: state.pt" in message and "io.open" in message
+    assert "start a new run" in message
+    assert not marker.exists()
+
+
+def test_numpy_rng_state_round_trips_through_plain_types():
+    import numpy as np
+
+    from harness.run_folder import numpy_rng_state, set_numpy_rng_state
+
+    np.random.seed(7)
+    np.random.normal()  # a cached Gaussian in the state too
+    saved = numpy_rng_state()
+    assert isinstance(saved[1], list) and all(isinstance(k, int) for k in saved[1][:3])
+    expected = np.random.random(5), np.random.normal(size=3)
+    set_numpy_rng_state(saved)
+    again = np.random.random(5), np.random.normal(size=3)
+    assert all((a == b).all() for a, b in zip(expected, again))
+
+
 # -- kill -9 at three points of a stage, then resume -----------------------------------------------
 class Watched:
     """sat.py in a subprocess; stdout and stderr collected into files we can poll."""

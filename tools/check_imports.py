@@ -15,7 +15,7 @@ product wing in ``harness/`` (command line, configuration, loading, tasks, recor
 ``scale/``. Fails on
 - any cycle of top-level or lazy edges;
 - a paper module importing the product wing beyond the plain types it is handed (``PAPER_MAY_IMPORT``: the
-  frozen ``Config``, the record dataclasses, the processes seam), or importing ``scale/``; ``eval_aime.py``,
+  frozen ``Config``, the processes seam), or importing ``scale/``; ``eval_aime.py``,
   a program, is exempt;
 - any import of ``sat`` by a paper module, or of ``eval_aime`` by any project module (only tests,
   benchmarks, tools and experiments may import it).
@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ("eval_aime",)  # paper-side programs: they load models, so they may import the harness
-# the plain types a paper module is handed: the frozen Config, the record dataclasses, the processes seam
-PAPER_MAY_IMPORT = ("harness.config", "harness.records", "harness.processes")
+# the plain types a paper module is handed: the frozen Config, the processes seam
+PAPER_MAY_IMPORT = ("harness.config", "harness.processes")
 PACKAGES = ("harness", "scale")
 EXTRA_DIRS = ("tests", "bench", "tools", "experiments")  # importers only (with --tests)
 
