@@ -35,8 +35,15 @@ from harness.processes import ONE_PROCESS, OneProcess
 from logprobs import TurnTensors, left_pad, response_hidden_states
 from reward import DEFAULT_RANGE
 from rollout import HF, SamplingConfig, rng_devices, rollout
-from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
-from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
+from team import ADAMW_BETAS, Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
+from trust_region import (
+    QuantileController,
+    beyond,
+    geometric_mixture_at,
+    geometric_mixture_projection,
+    kl_from_logprobs,
+    kl_quantile,
+)
 
 # ``cfg`` below is the run's ``config.Config``.
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
@@ -155,15 +162,15 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
             logp_cur = _logp(head_cur, h_cur[c : c + step], temperature)  # [c, V]
             if t is None:  # lambda(s) = 0 (t = 1) where pi_pre is inside; bisection only where it is not
                 t_c = torch.ones(logp_pre.shape[0], dtype=logp_pre.dtype, device=logp_pre.device)  # [c]
-                out = (logp_pre.exp() * (logp_pre - logp_cur)).sum(-1) > delta0  # [c]
+                out = kl_from_logprobs(logp_pre, logp_cur) > delta0  # [c] pi_pre outside the ball
                 if bool(out.any()):
                     _, lam = geometric_mixture_projection(logp_pre[out], logp_cur[out], delta0)  # [c_out]
                     t_c[out] = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1.0 / (1.0 + lam)).to(t_c.dtype)
             else:
                 t_c = t[offset + c : offset + c + logp_new.shape[0]].to(logp_new.device)  # [c]
             target = geometric_mixture_at(logp_pre, logp_cur, t_c)  # [c, V] Eq. (7)
-            kls.append((logp_new.exp() * (logp_new - logp_cur)).sum(-1).cpu())  # [c] KL(new || cur)
-            fits.append((target.exp() * (target - logp_new)).sum(-1).cpu())  # [c] KL(target || new)
+            kls.append(kl_from_logprobs(logp_new, logp_cur).cpu())  # [c] KL(new || cur)
+            fits.append(kl_from_logprobs(target, logp_new).cpu())  # [c] KL(target || new)
             ts.append(t_c.cpu())
         offset += h_new.shape[0]
     kl, fit = (torch.cat(xs) if xs else torch.zeros(0) for xs in (kls, fits))
@@ -197,7 +204,7 @@ def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature
     with torch.no_grad():
         target = geometric_mixture_at(_logp(head_pre, h_pre, temperature), _logp(head_cur, h_cur, temperature), t)
     logp_new = _logp(head_new, h_new, temperature)  # [c, V]
-    return (target.exp() * (target - logp_new)).sum()
+    return kl_from_logprobs(target, logp_new).sum()
 
 
 def _my_rows(states: Stage0States, sl: slice, procs: OneProcess) -> tuple[slice, float]:
@@ -254,7 +261,7 @@ def _trainable(new_model, lr: float, procs: OneProcess):
     trained.requires_grad_(True).train()
     if next(new_model.parameters()).dtype != torch.float32 and trained is new_model:
         return trained, MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
-    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=ADAMW_BETAS)
 
 
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, settings: Stage0Settings, log=None,

@@ -15,7 +15,7 @@ from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
 from team import Team, TeamConfig, check_same_vocabulary
-from trust_region import quantile
+from trust_region import geometric_mixture_at, kl_from_logprobs, quantile
 
 QUIET = dict(log=lambda *_: None)
 
@@ -142,13 +142,45 @@ def kl_rows(p, q):
     return (p.exp() * (p - q)).sum(-1)  # [M]
 
 
+def test_stage0_kl_is_the_trust_regions_exact_kl_bit_for_bit():
+    """Stage-0's KLs are ``trust_region.kl_from_logprobs`` (its 0 log 0 guard): on finite log-probs the plain
+    sum_v p (log p - log q), bit for bit per state, and the fit loss's gradient bit for bit; the fit loss's value
+    (row sums, then their sum) only up to float summation order (measured: 1.5e-7 relative, 3e-5 absolute)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.log_softmax(30 * torch.randn(7, 1000, generator=g), -1) for _ in range(2))  # [7, 1000]
+    assert bool((a.exp() == 0).any())  # tokens of probability 0 in fp32: where the guard acts
+    assert torch.equal(kl_from_logprobs(a, b), (a.exp() * (a - b)).sum(-1))
+    heads = [torch.nn.Linear(8, 1000, bias=False) for _ in range(3)]  # new, pre, cur
+    h = [torch.randn(7, 8, generator=g) for _ in range(3)]  # [7, H]
+    t = torch.rand(7, generator=g)  # [7]
+    grads, values = [], []
+    for piece in (plug_and_play._fit_piece, inline_fit_piece):
+        h_new = h[0].clone().requires_grad_(True)
+        loss = piece(*heads, h_new, h[1], h[2], t, 0.7)
+        loss.backward()
+        grads.append(h_new.grad)
+        values.append(float(loss.detach()))
+    assert torch.equal(grads[0], grads[1])
+    assert abs(values[0] - values[1]) <= 1e-6 * abs(values[1])
+
+
+def inline_fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature):
+    """Stage-0's fit loss on a block with the KL written out: the reference for the test above."""
+    with torch.no_grad():
+        lp_pre, lp_cur = (torch.log_softmax(hd(x).float() / temperature, -1) for hd, x in ((head_pre, h_pre),
+                                                                                          (head_cur, h_cur)))
+        target = geometric_mixture_at(lp_pre, lp_cur, t)  # [c, V]
+    logp_new = torch.log_softmax(head_new(h_new).float() / temperature, -1)  # [c, V]
+    return (target.exp() * (target - logp_new)).sum()
+
+
 def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states():
     """pi_pre and pi_cur share a trunk and differ in the LM head, so Eq. (7)'s
     targets are (nearly) representable; after Stage-0 the per-state
     distributions must match the exact targets within the stated tolerance, stay
     inside delta_0 on states the fit never saw, and keep what pi_pre knows
     (closer to pi_pre than the incumbent is)."""
-    from trust_region import geometric_mixture_at, geometric_mixture_projection
+    from trust_region import geometric_mixture_projection
 
     cur = random_lm(seed=1)
     pre = copy.deepcopy(cur)
