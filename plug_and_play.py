@@ -55,7 +55,12 @@ STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 
 
 
 class Stage0Unreachable(RuntimeError):
-    """Stage-0 ran out of passes with the KL quantile still above delta_0 (``fit_stage0``)."""
+    """Stage-0 ran out of passes with the KL quantile still above delta_0 (``fit_stage0``); ``fit`` holds what
+    it reached (record, exponents, masters)."""
+
+    def __init__(self, message: str, fit: Stage0Fit | None = None):
+        super().__init__(message)
+        self.fit = fit
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,20 @@ class Stage0States:
     @property
     def num_states(self) -> int:
         return int(self.rmask.sum())
+
+
+@dataclass
+class Stage0Fit:
+    """What Stage-0 returns (``fit_stage0``, ``stage0_align``): its record, the fit states with their Eq. (7)
+    exponents t(s) = 1/(1+lambda(s)), and a bf16 replacement's fp32 master weights, which its first SAT turn
+    continues (``master_shards``: this rank's shards of them under torchrun; both None for an fp32 model)."""
+
+    record: dict  # what upgrades.json keeps: KL quantiles and fit before and after, passes, states, ...
+    states: Stage0States  # the fit states
+    t: torch.Tensor  # [M] the exponents fitted: t_exact, shrunk where a state was retargeted
+    t_exact: torch.Tensor  # [M] the argmin's exponents
+    master_weights: list[torch.Tensor] | None = None
+    master_shards: list[torch.Tensor] | None = None
 
 
 def _trim(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,40 +284,68 @@ def _trainable(new_model, lr: float, procs: OneProcess):
 
 
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, settings: Stage0Settings, log=None,
-               label: str = "agent", trace: dict | None = None, procs: OneProcess = ONE_PROCESS) -> dict:
+               label: str = "agent", procs: OneProcess = ONE_PROCESS) -> Stage0Fit:
     """Stage-0 (Eqs. (6)-(7)) on given states: ``new_model`` enters as pi_pre and leaves aligned (a frozen
     copy keeps pi_pre). Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit states is
     <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value KL(target || pi_pre)
-    (the absolute tolerance is reported as ``fit_tol``).
-
-    The exact targets t(s) = 1/(1+lambda(s)) are solved once per state. Those of violating states lie *on*
-    the boundary, so fit error leaves about half of them outside while the quantile asks for all but alpha
-    inside: once the fit is within tolerance (checked every STAGE0_EVERY passes) or stalls with the quantile
-    above delta0, every state with KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s), still an
-    Eq. (7) mixture at a smaller radius of its own (t -> 0 is pi_cur, always feasible, so no floor). Inside
-    the ball the lr halves after STAGE0_PATIENCE passes without a 1% gain in fit or quantile. Raises if
-    still outside after ``max_passes``; a missed fit tolerance keeps the feasible model (``fit_ok`` False).
-    ``trace`` receives t, t_exact and the fp32 masters (``master_weights``; ``master_shards`` under torchrun).
+    (the absolute tolerance is reported as ``fit_tol``); the passes are ``_fit_passes``. Raises
+    ``Stage0Unreachable`` if still outside after ``max_passes``; a missed fit tolerance keeps the feasible
+    model (``fit_ok`` False). Returns the record, the exponents t and t_exact, and the fp32 masters.
 
     Each process (``procs``) fits and measures its share: every decision is the one-process one up to float
     summation order."""
     log = log or (lambda *_: None)
-    delta0, q_level, lr, max_passes = settings.delta0, settings.q_level, settings.lr, settings.max_passes
+    delta0, q_level = settings.delta0, settings.q_level
     pre_model = procs.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre
     models = (new_model, pre_model, cur_model)
-    kl, fit_kl, t = measure_all(*models, fit, None, settings, procs)
+    kl, fit_kl, t = measure_all(*models, fit, None, settings, procs)  # [M] each
     t_exact = t.clone()  # [M] the argmin's exponents
-    kl_held = measure_all(*models, held, None, settings, procs)[0] if len(held) else torch.zeros(0)
+    kl_held = measure_all(*models, held, None, settings, procs)[0] if len(held) else torch.zeros(0)  # [M_held]
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs rounding when pi_pre is inside
     fit_tol = max(settings.fit_tol * _mean(fit_kl), 1e-6)
     before = {"fit_mean_before": _mean(fit_kl), "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": _mean((t < 1).float())}
     low = next(new_model.parameters()).dtype != torch.float32
-    trained, opt = _trainable(new_model, lr, procs)
+    trained, opt = _trainable(new_model, settings.lr, procs)
+    passes, q, fit_mean, kl, fit_kl = _fit_passes(models, trained, opt, fit, t, t_exact, kl, fit_kl, fit_tol,
+                                                  settings, procs, log)
+    masters, shards = _stop_fitting(new_model, trained, opt, low, procs)
+    del opt, trained
+    record = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
+              "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
+              "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
+              "retargeted": _mean((t < t_exact).float()),
+              "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
+    result = Stage0Fit(record, fit, t, t_exact, masters, shards)
+    if beyond(q, delta0):  # a NaN quantile too
+        del pre_model
+        raise Stage0Unreachable(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} "
+                                f"after {passes} passes; raise --stage0-delta or --stage0-max-passes", result)
+    if len(held):
+        record.update(_heldout_report(models, held, settings, procs, q, log))
+    del pre_model
+    return result
+
+
+def _fit_passes(models: tuple, trained, opt, fit: Stage0States, t: torch.Tensor, t_exact: torch.Tensor,
+                kl: torch.Tensor, fit_kl: torch.Tensor, fit_tol: float, settings: Stage0Settings, procs: OneProcess,
+                log) -> tuple[int, float, float, torch.Tensor, torch.Tensor]:
+    """Stage-0's passes (``fit_pass``, then a measurement), from the per-state KL(pi_new || pi_cur) ``kl`` [M]
+    and fit KL(target || pi_new) ``fit_kl`` [M] of the start; returns (passes, KL quantile, mean fit, kl, fit_kl)
+    at the end.
+
+    The exact targets t(s) = 1/(1+lambda(s)) are solved once per state. Those of violating states lie *on*
+    the boundary, so fit error leaves about half of them outside while the quantile asks for all but alpha
+    inside: once the fit is within tolerance (checked every STAGE0_EVERY passes) or stalls with the quantile
+    above delta0, every state with KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s) (in ``t``, in
+    place), still an Eq. (7) mixture at a smaller radius of its own (t -> 0 is pi_cur, always feasible, so no
+    floor). Inside the ball the lr halves after STAGE0_PATIENCE passes without a 1% gain in fit or quantile."""
+    new_model, pre_model, cur_model = models
+    delta0, lr, max_passes = settings.delta0, settings.lr, settings.max_passes
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
-        q = kl_quantile(kl, q_level)
+        q = kl_quantile(kl, settings.q_level)
         fit_mean = _mean(fit_kl)
         lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
@@ -325,34 +372,20 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, sett
         new_model.eval()
         kl, fit_kl, _ = measure_all(*models, fit, t, settings, procs)
         trained.train()
-    _stop_fitting(new_model, trained, opt, trace, t, t_exact, low, procs)
-    del opt, trained
-    if beyond(q, delta0):  # a NaN quantile too
-        del pre_model
-        raise Stage0Unreachable(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} "
-                                f"after {passes} passes; raise --stage0-delta or --stage0-max-passes")
-    out = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
-           "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
-           "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
-           "retargeted": _mean((t < t_exact).float()),
-           "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
-    if len(held):
-        out.update(_heldout_report(models, held, settings, procs, q, log))
-    del pre_model
-    return out
+    return passes, q, fit_mean, kl, fit_kl
 
 
-def _stop_fitting(new_model, trained, opt, trace: dict | None, t: torch.Tensor, t_exact: torch.Tensor, low: bool,
-                  procs: OneProcess) -> None:
-    """Stage-0's model frozen again, its optimizer's hooks off the bf16 weights, and ``trace`` filled."""
+def _stop_fitting(new_model, trained, opt, low: bool,
+                  procs: OneProcess) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Stage-0's model frozen again and its optimizer's hooks off the bf16 weights; returns (master_weights,
+    master_shards): a bf16 model's fp32 masters, whole or (under torchrun) this rank's shards of them."""
     trained.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
     masters = opt.release() if isinstance(opt, MasterWeightAdamW) else None  # hooks off the bf16 weights
-    if trace is not None:
-        trace.update(t=t.clone(), t_exact=t_exact)
-        if low:  # the replacement's first SAT turn continues these fp32 masters
-            shards = procs.kept_masters(trained)
-            trace.update(master_weights=masters) if shards is None else trace.update(master_shards=shards)
+    if not low:
+        return None, None
+    shards = procs.kept_masters(trained)
+    return (masters, None) if shards is None else (None, shards)
 
 
 def _heldout_report(models: tuple, held: Stage0States, settings: Stage0Settings, procs: OneProcess, q: float,
@@ -390,12 +423,12 @@ def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[li
 
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
-                 lr: float, log, trace: dict | None = None, backend=HF) -> dict:
+                 lr: float, log, backend=HF) -> Stage0Fit:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of ``slot``
     (``fit_stage0``). States: every position of the incumbent's responses in fresh rollouts of the trained
     team; a quarter of the distinct problems is held out of the fit and only measured. With --shard-rollouts
     (always under torchrun) the rollouts are seeded blocks: the same states for any number of processes.
-    ``trace`` receives the fit states besides ``fit_stage0``'s entries."""
+    Returns ``fit_stage0``'s result, its record also counting the contexts; the replacement keeps its masters."""
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
     problems = fit_problems + held_problems
@@ -410,19 +443,17 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     new_agent.freeze()
     if cfg.gradient_checkpointing:  # as in the update: trunk activations recomputed in the backward pass
         new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trace = {} if trace is None else trace
-    trace["fit"] = fit
     settings = Stage0Settings(cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes, fit_tol, cfg.temperature,
                               max(1, cfg.minibatch_size), cfg.token_budget)
-    info = fit_stage0(new_agent.model, incumbent.model, fit, held, settings, log=log,
-                      label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace, procs=team.procs)
-    new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
-    new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
+    fitted = fit_stage0(new_agent.model, incumbent.model, fit, held, settings, log=log,
+                        label=f"agent {slot + 1} ('{new_agent.spec.name}')", procs=team.procs)
+    new_agent.master_weights = fitted.master_weights  # bf16: its next turn continues these fp32 masters
+    new_agent.master_shards = fitted.master_shards  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:
         new_agent.model.gradient_checkpointing_disable()
     new_agent.freeze()
-    info.update(template_differs=differ, contexts=len(batch))
-    return info
+    fitted.record.update(template_differs=differ, contexts=len(batch))
+    return fitted
 
 
 # ---------------------------------------------------------------------------
@@ -520,8 +551,8 @@ def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], 
     agent = Agent(raw.spec, raw.procs.frozen_copy(raw.model), raw.tokenizer, raw.procs)
     with torch.random.fork_rng(devices=rng_devices(cfg.device)):
         torch.manual_seed(random.Random(f"stage-0 states {cfg.seed}").getrandbits(63))
-        info = stage0_align(team, slot, agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
-    return agent, info
+        fitted = stage0_align(team, slot, agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
+    return agent, fitted.record
 
 
 def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig,
@@ -603,7 +634,7 @@ def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingC
     if rule == "stage0":
         chosen = new_agent
         found = {"stage0": stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log,
-                                        backend=backend)}
+                                        backend=backend).record}
     elif rule == "raw":
         chosen, found = new_agent, {"accept": {"rule": "raw", "swapped": True}}
     else:

@@ -36,7 +36,7 @@ def test_stage0_brings_replacement_inside_delta0(tmp_path):
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     before = [copy.deepcopy(a.model.state_dict()) for a in team.agents]
-    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET)
+    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET).record
     assert info["kl_quantile_before"] > cfg.stage0_delta  # it really had to move
     assert info["kl_quantile"] <= cfg.stage0_delta and info["passes"] >= 1
     assert info["heldout_states"] > 0 and info["template_differs"] == 0 and info["fit_mean"] < info["fit_mean_before"]
@@ -190,21 +190,20 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     kl_pre = kl_rows(full_logp(pre, fit), full_logp(cur, fit))
     delta0 = float(kl_pre.median())  # about half the states violate
     new = copy.deepcopy(pre)
-    trace = {}
-    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(delta0, lr=1e-2, max_passes=300, fit_tol=0.1),
-                                    trace=trace)
+    fitted = plug_and_play.fit_stage0(new, cur, fit, held, settings(delta0, lr=1e-2, max_passes=300, fit_tol=0.1))
+    info = fitted.record
     assert info["share_outside_before"] > 0.3 and info["kl_quantile_before"] > delta0
     assert info["fit_ok"] and info["passes"] >= 1
     # the exact targets at delta_0, computed independently: Stage-0 solved the same lambda(s)
     lp_new, lp_pre, lp_cur = full_logp(new, fit), full_logp(pre, fit), full_logp(cur, fit)
     exact, lam = geometric_mixture_projection(lp_pre, lp_cur, delta0)
     t_exact = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1 / (1 + lam))  # [M]
-    assert torch.allclose(trace["t_exact"].double(), t_exact, atol=1e-4)
+    assert torch.allclose(fitted.t_exact.double(), t_exact, atol=1e-4)
     # a state keeps its exact target unless the fit left it outside; then its t only shrank (deeper inside)
-    moved = trace["t"] < trace["t_exact"]  # [M]
+    moved = fitted.t < fitted.t_exact  # [M]
     assert abs(float(moved.double().mean()) - info["retargeted"]) < 1e-6
-    assert bool((trace["t"] <= trace["t_exact"]).all())
-    target = geometric_mixture_at(lp_pre, lp_cur, trace["t"].double())  # [M, V] what was fitted
+    assert bool((fitted.t <= fitted.t_exact).all())
+    target = geometric_mixture_at(lp_pre, lp_cur, fitted.t.double())  # [M, V] what was fitted
     assert bool((kl_rows(target, lp_cur) <= delta0 + 1e-6).all())  # every target is feasible
     fit_kl = kl_rows(target, lp_new)
     start_kl = kl_rows(exact, lp_pre)
@@ -230,7 +229,7 @@ def test_stage0_is_the_identity_when_pi_pre_is_already_inside():
     pre.lm_head.weight.data += 0.05 * torch.randn_like(pre.lm_head.weight)
     fit, held = random_states(8, 3, 6, 6, seed=3), random_states(4, 3, 6, 6, seed=4)
     new = copy.deepcopy(pre)
-    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(10.0, lr=1e-2, max_passes=5, fit_tol=0.05))
+    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(10.0, lr=1e-2, max_passes=5, fit_tol=0.05)).record
     assert info["passes"] == 0 and info["share_outside_before"] == 0.0 and info["fit_mean"] <= 1e-6
     for a, b in zip(new.parameters(), pre.parameters()):
         assert torch.equal(a, b)
@@ -252,17 +251,17 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
     """A bf16 replacement (GPU runs) trains through fp32 masters, as the SAT
     update does (team.MasterWeightAdamW): at a small lr most steps are below a
     bf16 rounding step, so only the master holds them; they come back in
-    ``trace`` for the agent's first turn, every bf16 weight is round(master),
+    the result (here: the error's ``fit``) for the agent's first turn, every bf16 weight is round(master),
     and no gradient hook is left on the weights."""
     cur = random_lm(seed=1).to(torch.bfloat16)
     pre = copy.deepcopy(cur)
     pre.lm_head.weight.data += 2.0 * torch.randn_like(pre.lm_head.weight)
     fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
-    new, trace = copy.deepcopy(pre), {}
-    with pytest.raises(RuntimeError, match="could not bring agent inside"):  # 3 passes: too few, the trace is kept
+    new = copy.deepcopy(pre)
+    with pytest.raises(plug_and_play.Stage0Unreachable, match="could not bring agent inside") as err:  # 3 passes
         plug_and_play.fit_stage0(new, cur, fit, held,
-                                 settings(1e-3, lr=1e-5, max_passes=3, fit_tol=0.1, rows_per_step=4), trace=trace)
-    masters, params, start = trace["master_weights"], list(new.parameters()), list(pre.parameters())
+                                 settings(1e-3, lr=1e-5, max_passes=3, fit_tol=0.1, rows_per_step=4))
+    masters, params, start = err.value.fit.master_weights, list(new.parameters()), list(pre.parameters())
     assert [m.shape for m in masters] == [p.shape for p in params] and all(m.dtype == torch.float32 for m in masters)
     assert all(torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, params))  # bf16 weight = round(master)
     moved = torch.cat([(m != s.float()).flatten() for m, s in zip(masters, start)])  # the masters stepped
