@@ -9,6 +9,7 @@ import harness.cli
 import harness.run
 import plug_and_play
 import sat
+import stage0_states
 from harness.loading import load_agent, load_saved_team
 from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
@@ -121,7 +122,7 @@ def random_states(rows, lc, lr, tokens, seed):
     ctx = torch.randint(0, tokens, (rows, lc), generator=g)
     resp = torch.randint(0, tokens, (rows, lr), generator=g)
     ones_c, ones_r = torch.ones_like(ctx), torch.ones_like(resp)
-    return plug_and_play.Stage0States(ctx, ones_c, ctx, ones_c, resp, ones_r)
+    return stage0_states.Stage0States(ctx, ones_c, ctx, ones_c, resp, ones_r)
 
 
 @torch.no_grad()
@@ -278,11 +279,11 @@ def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs()
     problems = arithmetic_problems(4, seed=0)
     batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2))
     same = load_agent("tiny-3L", seed=9)
-    states, differ = plug_and_play.slot_states(team, 1, same, batch)
+    states, differ = stage0_states.slot_states(team, 1, same, batch)
     assert differ == 0 and torch.equal(states.ctx_new, states.ctx_cur)
     other = load_agent("tiny", seed=9)
     other.tokenizer.chat_template = "<|system|>Be brief." + other.tokenizer.chat_template
-    states, differ = plug_and_play.slot_states(team, 1, other, batch)
+    states, differ = stage0_states.slot_states(team, 1, other, batch)
     assert differ == len(batch)
     prefix = other.tokenizer("<|system|>Be brief.", add_special_tokens=False)["input_ids"]
     for row in range(len(batch)):
@@ -297,6 +298,7 @@ import sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 import plug_and_play as pp
+import stage0_states
 
 def status_kb(field):
     for line in open("/proc/self/status"):
@@ -311,7 +313,7 @@ new, cur, pre = Qwen3ForCausalLM(cfg).eval(), Qwen3ForCausalLM(cfg).eval(), Qwen
 new.requires_grad_(True)
 g = torch.Generator().manual_seed(0)
 ctx, resp = torch.randint(0, 151936, (2, 4), generator=g), torch.randint(0, 151936, (2, length), generator=g)
-st = pp.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
+st = stage0_states.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
 opt = torch.optim.SGD(new.parameters(), lr=1e-3)
 open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
 before = status_kb("VmRSS")
