@@ -14,31 +14,23 @@ trainable copy minimises E_s KL(target(.|s) || pi_new(.|s)), measured in sample 
 Memory is bounded by ``token_budget`` (rows per trunk micro-batch) and ``logits_budget`` (LM-head positions
 per block, recomputed in the backward pass), not by the response length (``memory.stage0_rank_bytes``).
 Each model reads a state through its own chat template; per-token mixing needs a shared vocabulary.
-
-    python sat.py --resume runs/sat --upgrade 2=tiny-6L --stages 12
+The states it fits, and how a model reads them, are ``stage0_states.py``; the certified acceptance rule (a rule
+beyond the paper) is ``certified_acceptance.py``; the command line's ``--upgrade SLOT=MODEL`` is ``harness.upgrades``.
 """
 from __future__ import annotations
 
-import math
-import random
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from advantage import make_value_head
-from bounds import paired_change_bound
 from harness.processes import ONE_PROCESS, OneProcess
-from logprobs import TurnTensors, left_pad, response_hidden_states
-from reward import DEFAULT_RANGE
-from rollout import HF, SamplingConfig, rng_devices, rollout
-from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
-from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
+from rollout import HF, SamplingConfig, rollout
+from stage0_states import Stage0States, final_hidden, row_slices, slot_states, split_problems
+from team import ADAMW_BETAS, Agent, MasterWeightAdamW, Problem, Team
+from trust_region import beyond, geometric_mixture_at, geometric_mixture_projection, kl_from_logprobs, kl_quantile
 
-# ``cfg`` below is the run's ``config.Config``.
+# ``cfg`` below is the run's ``harness.config.Config``.
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)
 STAGE0_HELDOUT_FRACTION = 0.25  # share of the Stage-0 problems whose states are held out of the fit
 STAGE0_SHRINK = 0.9  # a state past 0.9 delta_0 has its target exponent t(s) = 1/(1+lambda(s)) shrunk by this
@@ -48,7 +40,12 @@ STAGE0_FIT_TOL = 0.1  # default fit tolerance: mean KL(target || pi_new) <= 0.1 
 
 
 class Stage0Unreachable(RuntimeError):
-    """Stage-0 ran out of passes with the KL quantile still above delta_0 (``fit_stage0``)."""
+    """Stage-0 ran out of passes with the KL quantile still above delta_0 (``fit_stage0``); ``fit`` holds what
+    it reached (record, exponents, masters)."""
+
+    def __init__(self, message: str, fit: Stage0Fit | None = None):
+        super().__init__(message)
+        self.fit = fit
 
 
 @dataclass(frozen=True)
@@ -67,53 +64,17 @@ class Stage0Settings:
 
 
 @dataclass
-class Stage0States:
-    """The states s of one slot: shared response prefixes after each model's own rendering of the context."""
+class Stage0Fit:
+    """What Stage-0 returns (``fit_stage0``, ``stage0_align``): its record, the fit states with their Eq. (7)
+    exponents t(s) = 1/(1+lambda(s)), and a bf16 replacement's fp32 master weights, which its first SAT turn
+    continues (``master_shards``: this rank's shards of them under torchrun; both None for an fp32 model)."""
 
-    ctx_new: torch.Tensor  # [N, Lc'] the replacement's template
-    cmask_new: torch.Tensor  # [N, Lc']
-    ctx_cur: torch.Tensor  # [N, Lc] the incumbent's template
-    cmask_cur: torch.Tensor  # [N, Lc]
-    resp: torch.Tensor  # [N, Lr] right-padded
-    rmask: torch.Tensor  # [N, Lr]
-
-    def rows(self, sl: slice) -> "Stage0States":
-        parts = (self.ctx_new, self.cmask_new, self.ctx_cur, self.cmask_cur, self.resp, self.rmask)
-        return Stage0States(*(t[sl] for t in parts))
-
-    def __len__(self) -> int:
-        return self.resp.shape[0]
-
-    @property
-    def new_turn(self) -> TurnTensors:
-        """The states in the replacement's template: what pi_new and pi_pre read."""
-        return TurnTensors(self.ctx_new, self.cmask_new, self.resp, self.rmask)
-
-    @property
-    def cur_turn(self) -> TurnTensors:
-        """The states in the incumbent's template: what pi_cur reads."""
-        return TurnTensors(self.ctx_cur, self.cmask_cur, self.resp, self.rmask)
-
-    @property
-    def num_states(self) -> int:
-        return int(self.rmask.sum())
-
-
-def _trim(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop the left-padding columns all rows share (exact, cheaper)."""
-    keep = mask.any(0).nonzero()
-    c0 = int(keep[0]) if len(keep) else ids.shape[1] - 1
-    return ids[:, c0:], mask[:, c0:]
-
-
-def _hidden(model, tensors: TurnTensors) -> torch.Tensor:
-    """Final hidden states at the valid response positions. [M, H]"""
-    device = next(model.parameters()).device
-    ctx, cmask = _trim(tensors.context_ids, tensors.context_mask)  # [N, Lc_trimmed]
-    width = max(1, int(tensors.response_mask.sum(1).max()))
-    resp, rmask = tensors.response_ids[:, :width], tensors.response_mask[:, :width]  # [N, width]
-    part = TurnTensors(*(t.to(device) for t in (ctx, cmask, resp, rmask)))
-    return response_hidden_states(model, *part)[part.response_mask.bool()]  # [M, H]
+    record: dict  # what upgrades.json keeps: KL quantiles and fit before and after, passes, states, ...
+    states: Stage0States  # the fit states
+    t: torch.Tensor  # [M] the exponents fitted: t_exact, shrunk where a state was retargeted
+    t_exact: torch.Tensor  # [M] the argmin's exponents
+    master_weights: list[torch.Tensor] | None = None
+    master_shards: list[torch.Tensor] | None = None
 
 
 def _mean(x: torch.Tensor) -> float:
@@ -122,14 +83,6 @@ def _mean(x: torch.Tensor) -> float:
 
 def _logp(head, h: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.log_softmax(head(h).float() / temperature, dim=-1)  # [c, V] fp32
-
-
-def row_slices(states: Stage0States, rows_per_step: int, token_budget: int) -> list[slice]:
-    """Consecutive row slices of at most ``rows_per_step`` rows and about ``token_budget`` (context +
-    response) tokens: the trunks' activations do not grow with the response length."""
-    width = max(states.ctx_new.shape[1], states.ctx_cur.shape[1]) + states.resp.shape[1]
-    rows = max(1, min(rows_per_step, token_budget // width))
-    return [slice(s, s + rows) for s in range(0, len(states), rows)]
 
 
 @torch.no_grad()
@@ -146,24 +99,24 @@ def measure_stage0(new_model, pre_model, cur_model, states: Stage0States, t: tor
     offset = 0
     for sl in row_slices(states, len(states), settings.token_budget) if slices is None else slices:
         part = states.rows(sl)
-        h_new = _hidden(new_model, part.new_turn)  # [M_b, H]
-        h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
-        h_cur = _hidden(cur_model, part.cur_turn)  # [M_b, H]
+        h_new = final_hidden(new_model, part.new_turn)  # [M_b, H]
+        h_pre = final_hidden(pre_model, part.new_turn)  # [M_b, H]
+        h_cur = final_hidden(cur_model, part.cur_turn)  # [M_b, H]
         for c in range(0, h_new.shape[0], step):
             logp_new = _logp(head_new, h_new[c : c + step], temperature)  # [c, V]
             logp_pre = _logp(head_pre, h_pre[c : c + step], temperature)  # [c, V]
             logp_cur = _logp(head_cur, h_cur[c : c + step], temperature)  # [c, V]
             if t is None:  # lambda(s) = 0 (t = 1) where pi_pre is inside; bisection only where it is not
                 t_c = torch.ones(logp_pre.shape[0], dtype=logp_pre.dtype, device=logp_pre.device)  # [c]
-                out = (logp_pre.exp() * (logp_pre - logp_cur)).sum(-1) > delta0  # [c]
+                out = kl_from_logprobs(logp_pre, logp_cur) > delta0  # [c] pi_pre outside the ball
                 if bool(out.any()):
                     _, lam = geometric_mixture_projection(logp_pre[out], logp_cur[out], delta0)  # [c_out]
                     t_c[out] = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1.0 / (1.0 + lam)).to(t_c.dtype)
             else:
                 t_c = t[offset + c : offset + c + logp_new.shape[0]].to(logp_new.device)  # [c]
             target = geometric_mixture_at(logp_pre, logp_cur, t_c)  # [c, V] Eq. (7)
-            kls.append((logp_new.exp() * (logp_new - logp_cur)).sum(-1).cpu())  # [c] KL(new || cur)
-            fits.append((target.exp() * (target - logp_new)).sum(-1).cpu())  # [c] KL(target || new)
+            kls.append(kl_from_logprobs(logp_new, logp_cur).cpu())  # [c] KL(new || cur)
+            fits.append(kl_from_logprobs(target, logp_new).cpu())  # [c] KL(target || new)
             ts.append(t_c.cpu())
         offset += h_new.shape[0]
     kl, fit = (torch.cat(xs) if xs else torch.zeros(0) for xs in (kls, fits))
@@ -180,7 +133,7 @@ def measure_all(new_model, pre_model, cur_model, states: Stage0States, t: torch.
     slices = row_slices(share, hi - lo, settings.token_budget)  # this process's forwards
     models = (new_model, pre_model, cur_model)
     one_row = states.rows(slice(0, 1))
-    dummy = lambda: [_hidden(m, x) for m, x in zip(models, (one_row.new_turn, one_row.new_turn,  # noqa: E731
+    dummy = lambda: [final_hidden(m, x) for m, x in zip(models, (one_row.new_turn, one_row.new_turn,  # noqa: E731
                                                                one_row.cur_turn))]
     with torch.no_grad(), procs.lockstep(new_model, len(slices), dummy):
         mine = measure_stage0(new_model, pre_model, cur_model, share, None if t is None else t[first:last],
@@ -197,7 +150,7 @@ def _fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature
     with torch.no_grad():
         target = geometric_mixture_at(_logp(head_pre, h_pre, temperature), _logp(head_cur, h_cur, temperature), t)
     logp_new = _logp(head_new, h_new, temperature)  # [c, V]
-    return (target.exp() * (target - logp_new)).sum()
+    return kl_from_logprobs(target, logp_new).sum()
 
 
 def _my_rows(states: Stage0States, sl: slice, procs: OneProcess) -> tuple[slice, float]:
@@ -228,9 +181,9 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
         mine, weight = _my_rows(states, sl, procs)
         part = states.rows(mine)
         with torch.no_grad():
-            h_pre = _hidden(pre_model, part.new_turn)  # [M_b, H]
-            h_cur = _hidden(cur_model, part.cur_turn)  # [M_b, H]
-        h_new = _hidden(new_model, part.new_turn)  # [M_b, H] with grad
+            h_pre = final_hidden(pre_model, part.new_turn)  # [M_b, H]
+            h_cur = final_hidden(cur_model, part.cur_turn)  # [M_b, H]
+        h_new = final_hidden(new_model, part.new_turn)  # [M_b, H] with grad
         m = h_new.shape[0]
         first = int(starts[mine.start])
         t_b = t[first : first + m].to(h_new.device)  # [M_b]
@@ -254,44 +207,72 @@ def _trainable(new_model, lr: float, procs: OneProcess):
     trained.requires_grad_(True).train()
     if next(new_model.parameters()).dtype != torch.float32 and trained is new_model:
         return trained, MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
-    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=ADAMW_BETAS)
 
 
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, settings: Stage0Settings, log=None,
-               label: str = "agent", trace: dict | None = None, procs: OneProcess = ONE_PROCESS) -> dict:
+               label: str = "agent", procs: OneProcess = ONE_PROCESS) -> Stage0Fit:
     """Stage-0 (Eqs. (6)-(7)) on given states: ``new_model`` enters as pi_pre and leaves aligned (a frozen
     copy keeps pi_pre). Stops when the (1-alpha) quantile of KL(pi_new || pi_cur) over the fit states is
     <= delta0 and the mean fit KL(target || pi_new) is <= fit_tol x its start value KL(target || pi_pre)
-    (the absolute tolerance is reported as ``fit_tol``).
-
-    The exact targets t(s) = 1/(1+lambda(s)) are solved once per state. Those of violating states lie *on*
-    the boundary, so fit error leaves about half of them outside while the quantile asks for all but alpha
-    inside: once the fit is within tolerance (checked every STAGE0_EVERY passes) or stalls with the quantile
-    above delta0, every state with KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s), still an
-    Eq. (7) mixture at a smaller radius of its own (t -> 0 is pi_cur, always feasible, so no floor). Inside
-    the ball the lr halves after STAGE0_PATIENCE passes without a 1% gain in fit or quantile. Raises if
-    still outside after ``max_passes``; a missed fit tolerance keeps the feasible model (``fit_ok`` False).
-    ``trace`` receives t, t_exact and the fp32 masters (``master_weights``; ``master_shards`` under torchrun).
+    (the absolute tolerance is reported as ``fit_tol``); the passes are ``_fit_passes``. Raises
+    ``Stage0Unreachable`` if still outside after ``max_passes``; a missed fit tolerance keeps the feasible
+    model (``fit_ok`` False). Returns the record, the exponents t and t_exact, and the fp32 masters.
 
     Each process (``procs``) fits and measures its share: every decision is the one-process one up to float
     summation order."""
     log = log or (lambda *_: None)
-    delta0, q_level, lr, max_passes = settings.delta0, settings.q_level, settings.lr, settings.max_passes
+    delta0, q_level = settings.delta0, settings.q_level
     pre_model = procs.frozen_copy(new_model).requires_grad_(False).eval()  # pi_pre
     models = (new_model, pre_model, cur_model)
-    kl, fit_kl, t = measure_all(*models, fit, None, settings, procs)
+    kl, fit_kl, t = measure_all(*models, fit, None, settings, procs)  # [M] each
     t_exact = t.clone()  # [M] the argmin's exponents
-    kl_held = measure_all(*models, held, None, settings, procs)[0] if len(held) else torch.zeros(0)
+    kl_held = measure_all(*models, held, None, settings, procs)[0] if len(held) else torch.zeros(0)  # [M_held]
     # relative -> absolute: a share of KL(target || pi_pre); the floor absorbs rounding when pi_pre is inside
     fit_tol = max(settings.fit_tol * _mean(fit_kl), 1e-6)
     before = {"fit_mean_before": _mean(fit_kl), "kl_quantile_before": kl_quantile(kl, q_level),
               "heldout_kl_quantile_before": kl_quantile(kl_held, q_level),
               "share_outside_before": _mean((t < 1).float())}
     low = next(new_model.parameters()).dtype != torch.float32
-    trained, opt = _trainable(new_model, lr, procs)
+    trained, opt = _trainable(new_model, settings.lr, procs)
+    passes, q, fit_mean, kl, fit_kl = _fit_passes(models, trained, opt, fit, t, t_exact, kl, fit_kl, fit_tol,
+                                                  settings, procs, log)
+    masters, shards = _stop_fitting(new_model, trained, opt, low, procs)
+    del opt, trained
+    record = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
+              "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
+              "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
+              "retargeted": _mean((t < t_exact).float()),
+              "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
+    result = Stage0Fit(record, fit, t, t_exact, masters, shards)
+    if beyond(q, delta0):  # a NaN quantile too
+        del pre_model
+        raise Stage0Unreachable(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} "
+                                f"after {passes} passes; raise --stage0-delta or --stage0-max-passes", result)
+    if len(held):
+        record.update(_heldout_report(models, held, settings, procs, q, log))
+    del pre_model
+    return result
+
+
+def _fit_passes(models: tuple, trained, opt, fit: Stage0States, t: torch.Tensor, t_exact: torch.Tensor,
+                kl: torch.Tensor, fit_kl: torch.Tensor, fit_tol: float, settings: Stage0Settings, procs: OneProcess,
+                log) -> tuple[int, float, float, torch.Tensor, torch.Tensor]:
+    """Stage-0's passes (``fit_pass``, then a measurement), from the per-state KL(pi_new || pi_cur) ``kl`` [M]
+    and fit KL(target || pi_new) ``fit_kl`` [M] of the start; returns (passes, KL quantile, mean fit, kl, fit_kl)
+    at the end.
+
+    The exact targets t(s) = 1/(1+lambda(s)) are solved once per state. Those of violating states lie *on*
+    the boundary, so fit error leaves about half of them outside while the quantile asks for all but alpha
+    inside: once the fit is within tolerance (checked every STAGE0_EVERY passes) or stalls with the quantile
+    above delta0, every state with KL > STAGE0_SHRINK x delta0 gets t(s) <- STAGE0_SHRINK x t(s) (in ``t``, in
+    place), still an Eq. (7) mixture at a smaller radius of its own (t -> 0 is pi_cur, always feasible, so no
+    floor). Inside the ball the lr halves after STAGE0_PATIENCE passes without a 1% gain in fit or quantile."""
+    new_model, pre_model, cur_model = models
+    delta0, lr, max_passes = settings.delta0, settings.lr, settings.max_passes
     best_fit, best_q, stall, since = float("inf"), float("inf"), 0, 0
     for passes in range(max_passes + 1):
-        q = kl_quantile(kl, q_level)
+        q = kl_quantile(kl, settings.q_level)
         fit_mean = _mean(fit_kl)
         lr_now = opt.param_groups[0]["lr"]
         if passes % 10 == 0:
@@ -318,34 +299,20 @@ def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, sett
         new_model.eval()
         kl, fit_kl, _ = measure_all(*models, fit, t, settings, procs)
         trained.train()
-    _stop_fitting(new_model, trained, opt, trace, t, t_exact, low, procs)
-    del opt, trained
-    if beyond(q, delta0):  # a NaN quantile too
-        del pre_model
-        raise Stage0Unreachable(f"Stage-0 could not bring {label} inside delta_0={delta0}: KL quantile still {q:.4f} "
-                                f"after {passes} passes; raise --stage0-delta or --stage0-max-passes")
-    out = {**before, "kl_quantile": q, "kl_mean": _mean(kl), "fit_mean": fit_mean,
-           "fit_quantile": kl_quantile(fit_kl, q_level), "fit_tol": fit_tol,
-           "fit_ok": fit_mean <= fit_tol, "passes": passes, "states": fit.num_states, "delta0": delta0,
-           "retargeted": _mean((t < t_exact).float()),
-           "mean_lambda_finite": float(((1 - t[t > 0]) / t[t > 0]).mean()) if bool((t > 0).any()) else 0.0}
-    if len(held):
-        out.update(_heldout_report(models, held, settings, procs, q, log))
-    del pre_model
-    return out
+    return passes, q, fit_mean, kl, fit_kl
 
 
-def _stop_fitting(new_model, trained, opt, trace: dict | None, t: torch.Tensor, t_exact: torch.Tensor, low: bool,
-                  procs: OneProcess) -> None:
-    """Stage-0's model frozen again, its optimizer's hooks off the bf16 weights, and ``trace`` filled."""
+def _stop_fitting(new_model, trained, opt, low: bool,
+                  procs: OneProcess) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Stage-0's model frozen again and its optimizer's hooks off the bf16 weights; returns (master_weights,
+    master_shards): a bf16 model's fp32 masters, whole or (under torchrun) this rank's shards of them."""
     trained.zero_grad(set_to_none=True)
     new_model.requires_grad_(False).eval()
     masters = opt.release() if isinstance(opt, MasterWeightAdamW) else None  # hooks off the bf16 weights
-    if trace is not None:
-        trace.update(t=t.clone(), t_exact=t_exact)
-        if low:  # the replacement's first SAT turn continues these fp32 masters
-            shards = procs.kept_masters(trained)
-            trace.update(master_weights=masters) if shards is None else trace.update(master_shards=shards)
+    if not low:
+        return None, None
+    shards = procs.kept_masters(trained)
+    return (masters, None) if shards is None else (None, shards)
 
 
 def _heldout_report(models: tuple, held: Stage0States, settings: Stage0Settings, procs: OneProcess, q: float,
@@ -361,34 +328,13 @@ def _heldout_report(models: tuple, held: Stage0States, settings: Stage0Settings,
     return out
 
 
-def slot_states(team: Team, slot: int, new_agent: Agent, batch) -> tuple[Stage0States, int]:
-    """The slot's states: the incumbent's rollout contexts and the same messages in the replacement's own
-    chat template (chain: the same earlier answers); and how many rows the two templates tokenise differently."""
-    turn = batch.turns[slot]
-    holder = Team(team.agents[:slot] + [new_agent] + team.agents[slot + 1 :], team.config)
-    chain = team.protocol == "chain"
-    previous = [[t.answers[i] for t in batch.turns[:slot]] if chain else [] for i in range(len(batch))]
-    contexts = [holder.prompt_ids(slot, p, prev) for p, prev in zip(batch.problems, previous)]
-    ctx_new, cmask_new = left_pad(contexts, new_agent.tokenizer.pad_token_id)  # [N, Lc']
-    differ = sum(ctx != turn.context_ids[i][turn.context_mask[i].bool()].tolist() for i, ctx in enumerate(contexts))
-    return Stage0States(ctx_new, cmask_new, *turn.tensors), differ
-
-
-def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[list[Problem], list[Problem]]:
-    """Distinct problems, split into fit and held-out (no problem in both)."""
-    unique = list({p.id: p for p in problems}.values())
-    n_held = int(round(heldout_fraction * len(unique))) if len(unique) > 1 else 0
-    n_held = min(max(n_held, 1 if len(unique) > 1 and heldout_fraction > 0 else 0), len(unique) - 1)
-    return unique[: len(unique) - n_held], unique[len(unique) - n_held :]
-
-
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
-                 lr: float, log, trace: dict | None = None, backend=HF) -> dict:
+                 lr: float, log, backend=HF) -> Stage0Fit:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of ``slot``
     (``fit_stage0``). States: every position of the incumbent's responses in fresh rollouts of the trained
     team; a quarter of the distinct problems is held out of the fit and only measured. With --shard-rollouts
     (always under torchrun) the rollouts are seeded blocks: the same states for any number of processes.
-    ``trace`` receives the fit states besides ``fit_stage0``'s entries."""
+    Returns ``fit_stage0``'s result, its record also counting the contexts; the replacement keeps its masters."""
     incumbent = team.agents[slot]
     fit_problems, held_problems = split_problems(problems, STAGE0_HELDOUT_FRACTION)
     problems = fit_problems + held_problems
@@ -403,224 +349,14 @@ def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem
     new_agent.freeze()
     if cfg.gradient_checkpointing:  # as in the update: trunk activations recomputed in the backward pass
         new_agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    trace = {} if trace is None else trace
-    trace["fit"] = fit
     settings = Stage0Settings(cfg.stage0_delta, cfg.quantile, lr, cfg.stage0_max_passes, fit_tol, cfg.temperature,
                               max(1, cfg.minibatch_size), cfg.token_budget)
-    info = fit_stage0(new_agent.model, incumbent.model, fit, held, settings, log=log,
-                      label=f"agent {slot + 1} ('{new_agent.spec.name}')", trace=trace, procs=team.procs)
-    new_agent.master_weights = trace.get("master_weights")  # bf16: its next turn continues these fp32 masters
-    new_agent.master_shards = trace.get("master_shards")  # (this rank's shards of them under torchrun)
+    fitted = fit_stage0(new_agent.model, incumbent.model, fit, held, settings, log=log,
+                        label=f"agent {slot + 1} ('{new_agent.spec.name}')", procs=team.procs)
+    new_agent.master_weights = fitted.master_weights  # bf16: its next turn continues these fp32 masters
+    new_agent.master_shards = fitted.master_shards  # (this rank's shards of them under torchrun)
     if cfg.gradient_checkpointing:
         new_agent.model.gradient_checkpointing_disable()
     new_agent.freeze()
-    info.update(template_differs=differ, contexts=len(batch))
-    return info
-
-
-# ---------------------------------------------------------------------------
-# How a replacement enters the team: --upgrade-accept stage0 | raw | certified
-# ---------------------------------------------------------------------------
-CERTIFIED_RADII = (0.01, 0.03, 0.1, 0.3, 1.0)  # the Stage-0 radii delta_0 that `certified` tries beside the raw swap
-ACCEPTANCE_SPLITS = ("selection", "certification")
-
-
-@dataclass(frozen=True)
-class AcceptanceDraws:
-    """What ``--upgrade-accept certified`` draws on (``harness.run.upgrade`` builds it): its two splits of rows
-    (``acceptance_splits``) and ``draw(team, rows, label)``, the team's reward on each row under seeds fixed by
-    ``label`` (``sat.evaluate``), so two teams drawn under one label pair row by row (common random numbers)."""
-
-    splits: dict[str, list[Problem]]  # "selection", "certification": one row per entry (problems repeat)
-    draw: Callable[[Team, list[Problem], str], list[float]]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way the replacement may enter the team: its name and ``build() -> (agent, Stage-0 record or None)``."""
-
-    name: str
-    build: Callable[[], tuple[Agent, dict | None]]
-
-
-def acceptance_splits(train: list[Problem], heldout: list[Problem], seed: int, rows: int) -> dict[str, list[Problem]]:
-    """The selection and certification rows of ``--upgrade-accept certified``, carved from the training problems:
-    their distinct texts less every text a held-out problem asks (the held-out rows feed the stage and run
-    certificates and are never tuned on), shuffled under ``seed``, the first half for selection and the second
-    for certification (no text in both). Each split is ``rows`` rows cycling through its first min(rows, half)
-    problems; every row is drawn under a seed of its own."""
-    held = {p.problem for p in heldout}
-    unique = list({p.problem: p for p in train if p.problem not in held}.values())
-    if len(unique) < 2:
-        raise ValueError(f"--upgrade-accept certified splits the training problems outside the held-out set in two, "
-                         f"but only {len(unique)} remain: pass more problems (--data), or use --upgrade-accept stage0")
-    random.Random(f"upgrade acceptance splits {seed}").shuffle(unique)
-    half = len(unique) // 2
-    parts = {"selection": unique[:half], "certification": unique[half : 2 * half]}
-    return {name: [part[k % min(rows, half)] for k in range(rows)] for name, part in parts.items()}
-
-
-def certify(candidates: list[Candidate], rewards: Callable[[Agent | None, str], list[float]], delta_conf: float,
-            log, reward_range: tuple[float, float] = DEFAULT_RANGE) -> tuple[Agent | None, dict]:
-    """The certified acceptance rule for one slot (Sec. 4.3: the team's change when one factor of the product
-    policy is replaced, bounded from paired draws by ``bounds.paired_change_bound``). ``rewards(agent, split)``:
-    the team with ``agent`` in the slot (None: the incumbent) on that split's rows, every team under the split's
-    seeds. (1) Select: each candidate's paired lower bound at ``delta_conf`` on its gain over the incumbent on
-    the selection split; the largest wins (on a tie the earlier: the smaller radius); a candidate whose Stage-0
-    cannot reach its radius is recorded and skipped. (2) Certify: the winner's paired lower bound on the
-    certification split, whose problems and seeds the choice never saw, so given everything before those draws it
-    is a valid (1 - delta_conf) lower bound on the change on those rows however the winner was chosen. Returns
-    (the winner if that bound is > 0, else None: the incumbent stays; the record)."""
-    incumbent = {split: rewards(None, split) for split in ACCEPTANCE_SPLITS}
-    best, best_bound, best_name, tried = None, -math.inf, None, []
-    for candidate in candidates:
-        try:
-            agent, stage0 = candidate.build()
-        except Stage0Unreachable as err:
-            tried.append({"candidate": candidate.name, "error": " ".join(str(err).split())})
-            log(f"  certified: {candidate.name} dropped: {err}")
-            continue
-        bound = paired_change_bound(incumbent["selection"], rewards(agent, "selection"), reward_range, delta_conf)
-        tried.append({"candidate": candidate.name, "selection": bound, **({"stage0": stage0} if stage0 else {})})
-        log(f"  certified: {candidate.name}: gain on the selection split {bound['mean_change']:+.4f}, "
-            f"lower bound {bound['lower_bound']:+.4f}")
-        if bound["lower_bound"] > best_bound:
-            best, best_bound, best_name = agent, bound["lower_bound"], candidate.name
-    cert = paired_change_bound(incumbent["certification"], rewards(best, "certification"), reward_range,
-                                delta_conf)
-    swapped = cert["lower_bound"] > 0
-    log(f"  certified: {best_name} on the certification split: gain {cert['mean_change']:+.4f}, lower bound "
-        f"{cert['lower_bound']:+.4f} -> {'swapped in' if swapped else 'not > 0: the incumbent stays'}")
-    record = {"rule": "certified", "chosen": best_name, "swapped": swapped, "certification": cert,
-              "candidates": tried,
-              "kind": "certification: a lower bound, with probability >= 1 - delta_conf, on the change in expected "
-                      "team reward from swapping the chosen candidate in, on the certification split's rows (training "
-                      "problems outside the held-out set), paired under common random numbers; selection: the "
-                      "same bound on the selection split, used only to rank the candidates"}
-    return (best if swapped else None), record
-
-
-def with_agent(team: Team, slot: int, agent: Agent) -> Team:
-    """The team with ``agent`` in ``slot`` (the team itself unchanged)."""
-    return Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)
-
-
-def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig, log,
-                     backend=HF) -> tuple[Agent, dict]:
-    """A copy of the raw replacement after Stage-0 (Eqs. (6)-(7)) at ``cfg.stage0_delta``, on the states of a
-    rollout seeded by the run seed alone: every radius fits the same states, and the run's RNG streams are left
-    as they were."""
-    agent = Agent(raw.spec, raw.procs.frozen_copy(raw.model), raw.tokenizer, raw.procs)
-    with torch.random.fork_rng(devices=rng_devices(cfg.device)):
-        torch.manual_seed(random.Random(f"stage-0 states {cfg.seed}").getrandbits(63))
-        info = stage0_align(team, slot, agent, prompts, cfg, sampling, lr=cfg.lr, log=log, backend=backend)
-    return agent, info
-
-
-def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig,
-                      acceptance: AcceptanceDraws, stage: int, log, backend=HF) -> tuple[Agent | None, dict]:
-    """``--upgrade-accept certified`` for one slot (``certify``). The candidates: Stage-0 of the replacement at
-    each radius of CERTIFIED_RADII (all fitted on the same states of ``prompts``), then the raw swap; Stage-0
-    only where the replacement shares the incumbent's vocabulary (Eq. (7) mixes per-token distributions, so
-    across vocabularies it is undefined and the raw swap is the one candidate, as the record says). Each split's
-    seeds depend on the stage and slot, so a later upgrade in the same run draws afresh."""
-    try:
-        check_same_vocabulary(team.agents[slot], new_agent)
-        radii, why = CERTIFIED_RADII, f"delta_0 in {list(CERTIFIED_RADII)}"
-    except ValueError as err:
-        radii, why = (), f"none: Stage-0 is undefined across vocabularies, so raw is the one candidate ({err})"
-    candidates = [Candidate(f"stage0 delta0={d:g}", partial(stage0_candidate, team, slot, new_agent, prompts,
-                                                            replace(cfg, stage0_delta=d), sampling, log, backend))
-                  for d in radii] + [Candidate("raw", lambda: (new_agent, None))]
-    labels = {split: f"upgrade {split} at stage {stage} slot {slot + 1}" for split in ACCEPTANCE_SPLITS}
-
-    def rewards(agent: Agent | None, split: str) -> list[float]:
-        holder = team if agent is None else with_agent(team, slot, agent)
-        return acceptance.draw(holder, acceptance.splits[split], labels[split])
-
-    chosen, record = certify(candidates, rewards, cfg.delta_conf, log, team.config.reward.range)
-    record["stage0_candidates"] = why
-    record["splits"] = {split: {"rows": len(rows), "problems": len({p.problem for p in rows})}
-                        for split, rows in acceptance.splits.items()}
-    return chosen, record
-
-
-def parse_upgrade(item: str, n_agents: int) -> tuple[int, str]:
-    """--upgrade SLOT=MODEL -> (0-based slot, model spec)."""
-    slot_text, _, spec = item.partition("=")
-    if not slot_text.strip().isdigit() or not spec.strip():
-        raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
-    slot = int(slot_text) - 1
-    if not 0 <= slot < n_agents:
-        raise ValueError(f"--upgrade slot {slot + 1} is out of range: the team has agents 1..{n_agents}")
-    return slot, spec.strip()
-
-
-def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig,
-                   load_replacement: Callable[[str, int], Agent], evaluate=None,
-                   acceptance: AcceptanceDraws | None = None) -> list[dict]:
-    """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, controllers,
-    value heads, RNG, backend and log), each entering as --upgrade-accept says (``upgrade_slot``).
-    ``load_replacement(spec, slot)`` builds the new agent (``harness.run``: loading, and a tiny agent's warm
-    start); ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given; ``acceptance``:
-    the splits of ``--upgrade-accept certified``."""
-    events = []
-    for item in cfg.upgrade:
-        slot, spec = parse_upgrade(item, len(run.team))
-        new_agent = load_replacement(spec, slot)
-        run.team.procs.adopt([new_agent])  # torchrun: rank 0's weights on every rank (and as shards with them)
-        events.append(upgrade_slot(cfg, run, train, stage, sampling, slot, new_agent, evaluate, acceptance))
-    return events
-
-
-def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig, slot: int, new_agent: Agent,
-                 evaluate, acceptance: AcceptanceDraws | None) -> dict:
-    """One slot's upgrade. stage0 (the paper, Sec. 5): Stage-0 at --stage0-delta, then the swap. raw: the swap
-    as loaded. certified (``certified_upgrade``): the swap only with a certified gain. A swapped slot gets a
-    fresh controller (and value head with --adv gae). Returns the event upgrades.json records."""
-    team, log, backend, rule = run.team, run.log, run.backend, cfg.upgrade_accept
-    old_name = team.agents[slot].spec.name
-    if rule == "stage0":
-        check_same_vocabulary(team.agents[slot], new_agent)
-    before = None
-    if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
-        before = evaluate(with_agent(team, slot, new_agent))
-        log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
-            f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
-    n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
-    prompts = [] if rule == "raw" else [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
-    log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', " + {
-        "stage0": f"Stage-0 alignment (delta_0 = {cfg.stage0_delta})", "raw": "swapped in raw (no Stage-0)",
-        "certified": "certified acceptance (Stage-0 candidates and the raw swap)"}[rule])
-    t0 = time.time()
-    if rule == "stage0":
-        chosen = new_agent
-        found = {"stage0": stage0_align(team, slot, new_agent, prompts, cfg, sampling, lr=cfg.lr, log=log,
-                                        backend=backend)}
-    elif rule == "raw":
-        chosen, found = new_agent, {"accept": {"rule": "raw", "swapped": True}}
-    else:
-        chosen, accept = certified_upgrade(team, slot, new_agent, prompts, cfg, sampling, acceptance, stage, log,
-                                           backend)
-        found = {"accept": accept}
-    if chosen is not None:
-        backend.release(team.swap(slot, chosen, projected=rule == "stage0"))  # the incumbent's engine, if kept
-        run.controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
-        if cfg.adv == "gae":
-            run.value_heads[slot] = make_value_head(chosen)
-    event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,
-             "seconds": time.time() - t0, **found}
-    if before is not None:
-        event["before_stage0"] = before
-    if rule == "stage0":
-        log_stage0(found["stage0"], log)
-    return event
-
-
-def log_stage0(stage0: dict, log) -> None:
-    """Stage-0's outcome on one console line."""
-    held_q = stage0.get("heldout_kl_quantile", float("nan"))
-    log(f"  stage-0 done in {stage0['passes']} passes over {stage0['states']} states: KL quantile "
-        f"{stage0['kl_quantile_before']:.4f} -> {stage0['kl_quantile']:.4f} (held-out {held_q:.4f}), fit mean "
-        f"{stage0['fit_mean']:.5f} (tol {stage0['fit_tol']:.5f}{'' if stage0['fit_ok'] else ', NOT reached'}), "
-        f"{stage0['retargeted']:.0%} of the states aimed deeper inside")
+    fitted.record.update(template_differs=differ, contexts=len(batch))
+    return fitted

@@ -46,6 +46,14 @@ class Problem:
     columns: dict = field(default_factory=dict, hash=False)
 
 ENCODE_CACHE_SIZE = 1 << 16  # entries per agent and cache
+ADAMW_BETAS = (0.9, 0.99)  # AdamW's (beta1, beta2): every agent's update and Stage-0's fit
+VALUE_HEAD_LR_SCALE = 10  # the value head's (--adv gae) learning rate, as a multiple of its agent's
+
+
+def param_groups(params: list, extra: list, lr: float) -> list[dict]:
+    """AdamW's parameter groups: the agent's weights at ``lr``; ``extra`` (a value head, --adv gae), if any, at
+    VALUE_HEAD_LR_SCALE x ``lr``."""
+    return [{"params": params, "lr": lr}] + ([{"params": extra, "lr": VALUE_HEAD_LR_SCALE * lr}] if extra else [])
 
 
 class Agent:
@@ -92,14 +100,14 @@ class Agent:
 
     def start_training(self, lr: float, weight_decay: float = 0.0, extra_params=None) -> torch.optim.Optimizer:
         """Give this agent gradients and an AdamW (its offloaded moments if it has them); the others
-        stay frozen. ``extra_params`` (e.g. a value head) form a second group at 10x the learning rate."""
+        stay frozen. ``extra_params`` (e.g. a value head) form a second group (``param_groups``)."""
         self.model.requires_grad_(True)
         self.model.train()
         params = list(self.model.parameters())
         extra = list(extra_params) if extra_params is not None else []
         if params[0].dtype == torch.float32:
-            groups = [{"params": params, "lr": lr}] + ([{"params": extra, "lr": 10 * lr}] if extra else [])
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+            self.optimizer = torch.optim.AdamW(param_groups(params, extra, lr), lr=lr, weight_decay=weight_decay,
+                                               betas=ADAMW_BETAS)
         else:  # bf16 / fp16 weights: fp32 master weights, fp32 gradients and fp32 moments
             self.optimizer = MasterWeightAdamW(params, self.master_weights, extra, lr=lr, weight_decay=weight_decay)
             self.master_weights = None
@@ -164,8 +172,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 master = [torch.where(m.to(p.device, p.dtype) == p, m.to(p.device), p.float())
                           for m, p in zip(master, params)]
         self.master = [m.detach().clone().requires_grad_(True) for m in master]
-        groups = [{"params": self.master, "lr": lr}] + ([{"params": extra, "lr": 10 * lr}] if extra else [])
-        super().__init__(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        super().__init__(param_groups(self.master, extra, lr), lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS)
         self._hooks = [p.register_post_accumulate_grad_hook(self._to_master(m)) for p, m in zip(params, self.master)]
 
     @staticmethod

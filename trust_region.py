@@ -18,8 +18,9 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _kl_rows(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Tensor:
-    """sum_v p_new (log p_new - log p_cur) per row, for normalised log-probs [N, V]."""
+def kl_from_logprobs(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p_new || p_cur) = sum_v p_new (log p_new - log p_cur) per row, for normalised log-probs [N, V]
+    (``per_state_kl`` from logits; Stage-0's KLs, whose log-probs are already tempered). -> [N]"""
     p_new = logp_new.exp()  # [N, V]
     # 0 * log 0 = 0: a token the new policy never emits contributes nothing (not -inf - -inf = nan).
     terms = torch.where(p_new > 0, p_new * (logp_new - logp_cur), torch.zeros_like(p_new))  # [N, V]
@@ -48,7 +49,7 @@ def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature
     for start in range(0, new_logits.shape[0], chunk_size):
         logp_new = torch.log_softmax(new_logits[start : start + chunk_size].to(dtype) / temperature, dim=-1)  # [n, V]
         logp_cur = torch.log_softmax(cur_logits[start : start + chunk_size].to(dtype) / temperature, dim=-1)  # [n, V]
-        out.append(_kl_rows(logp_new, logp_cur))  # [n]
+        out.append(kl_from_logprobs(logp_new, logp_cur))  # [n]
     if not out:
         return torch.zeros(0, dtype=dtype, device=new_logits.device)  # [0]
     # Rounding can make an (exactly zero) KL come out as -1e-9; KL is >= 0 by Gibbs.
@@ -327,7 +328,7 @@ def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor,
         return cur, torch.full((n,), math.inf, dtype=dtype, device=pre.device)
 
     def kl_at(t: torch.Tensor) -> torch.Tensor:  # t [N, 1] -> [N]
-        return _kl_rows(_geometric_mixture(pre, cur, t), cur).clamp_min(0.0)
+        return kl_from_logprobs(_geometric_mixture(pre, cur, t), cur).clamp_min(0.0)
 
     hi = torch.ones(n, 1, dtype=dtype, device=pre.device)  # [N, 1]
     inside = kl_at(hi) <= delta  # [N] pi_pre already in the ball: lam = 0
@@ -373,7 +374,7 @@ def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delt
     # The eta -> inf limit: pi_cur restricted to its best supported actions.
     top = torch.where(support, adv, neg_inf).amax(dim=-1, keepdim=True)  # [S, 1]
     limit = torch.log_softmax(torch.where(support & (adv == top), cur, neg_inf), dim=-1)  # [S, A]
-    saturated = _kl_rows(limit, cur) <= delta  # [S] the constraint never binds
+    saturated = kl_from_logprobs(limit, cur) <= delta  # [S] the constraint never binds
 
     # Centre and scale so eta brackets start at a sensible size for every row.
     centred = adv - adv.mean(dim=-1, keepdim=True)  # [S, A]
@@ -384,7 +385,7 @@ def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delt
         return torch.log_softmax(cur + eta * centred / spread, dim=-1)
 
     def kl_at(eta: torch.Tensor) -> torch.Tensor:  # [S, 1] -> [S]
-        return _kl_rows(tilt(eta), cur).clamp_min(0.0)
+        return kl_from_logprobs(tilt(eta), cur).clamp_min(0.0)
 
     # Bracket: double hi until it violates (finite for every non-saturated row: the KL tends to the limit's > delta).
     lo = torch.zeros_like(spread)  # [S, 1]

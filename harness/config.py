@@ -30,7 +30,7 @@ REUSES = ("weights", "regenerate")
 BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
-ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (plug_and_play.py)
+ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (harness/upgrades.py)
 TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
                         "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
                         "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from advantage import make_value_head
+from certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness import reasoning_gym_task, records, run_folder
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.loading import check_hub_available, load_agent, warm_start
@@ -28,8 +29,8 @@ from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
+from harness.upgrades import apply_upgrades
 from harness.user_reward import check_reward, load_reward
-from plug_and_play import AcceptanceDraws, acceptance_splits, apply_upgrades
 from reward import Reward
 from rollout import SamplingConfig, check_sampler
 from sat import RunState, evaluate, run_stages

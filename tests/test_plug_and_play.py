@@ -9,6 +9,7 @@ import harness.cli
 import harness.run
 import plug_and_play
 import sat
+import stage0_states
 from harness.loading import load_agent, load_saved_team
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
@@ -16,7 +17,7 @@ from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
 from team import Team, check_same_vocabulary
-from trust_region import quantile
+from trust_region import geometric_mixture_at, kl_from_logprobs, quantile
 
 QUIET = dict(log=lambda *_: None)
 
@@ -37,7 +38,7 @@ def test_stage0_brings_replacement_inside_delta0(tmp_path):
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     before = [copy.deepcopy(a.model.state_dict()) for a in team.agents]
-    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET)
+    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET).record
     assert info["kl_quantile_before"] > cfg.stage0_delta  # it really had to move
     assert info["kl_quantile"] <= cfg.stage0_delta and info["passes"] >= 1
     assert info["heldout_states"] > 0 and info["template_differs"] == 0 and info["fit_mean"] < info["fit_mean_before"]
@@ -122,7 +123,7 @@ def random_states(rows, lc, lr, tokens, seed):
     ctx = torch.randint(0, tokens, (rows, lc), generator=g)
     resp = torch.randint(0, tokens, (rows, lr), generator=g)
     ones_c, ones_r = torch.ones_like(ctx), torch.ones_like(resp)
-    return plug_and_play.Stage0States(ctx, ones_c, ctx, ones_c, resp, ones_r)
+    return stage0_states.Stage0States(ctx, ones_c, ctx, ones_c, resp, ones_r)
 
 
 @torch.no_grad()
@@ -143,13 +144,45 @@ def kl_rows(p, q):
     return (p.exp() * (p - q)).sum(-1)  # [M]
 
 
+def test_stage0_kl_is_the_trust_regions_exact_kl_bit_for_bit():
+    """Stage-0's KLs are ``trust_region.kl_from_logprobs`` (its 0 log 0 guard): on finite log-probs the plain
+    sum_v p (log p - log q), bit for bit per state, and the fit loss's gradient bit for bit; the fit loss's value
+    (row sums, then their sum) only up to float summation order (measured: 1.5e-7 relative, 3e-5 absolute)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.log_softmax(30 * torch.randn(7, 1000, generator=g), -1) for _ in range(2))  # [7, 1000]
+    assert bool((a.exp() == 0).any())  # tokens of probability 0 in fp32: where the guard acts
+    assert torch.equal(kl_from_logprobs(a, b), (a.exp() * (a - b)).sum(-1))
+    heads = [torch.nn.Linear(8, 1000, bias=False) for _ in range(3)]  # new, pre, cur
+    h = [torch.randn(7, 8, generator=g) for _ in range(3)]  # [7, H]
+    t = torch.rand(7, generator=g)  # [7]
+    grads, values = [], []
+    for piece in (plug_and_play._fit_piece, inline_fit_piece):
+        h_new = h[0].clone().requires_grad_(True)
+        loss = piece(*heads, h_new, h[1], h[2], t, 0.7)
+        loss.backward()
+        grads.append(h_new.grad)
+        values.append(float(loss.detach()))
+    assert torch.equal(grads[0], grads[1])
+    assert abs(values[0] - values[1]) <= 1e-6 * abs(values[1])
+
+
+def inline_fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, temperature):
+    """Stage-0's fit loss on a block with the KL written out: the reference for the test above."""
+    with torch.no_grad():
+        lp_pre, lp_cur = (torch.log_softmax(hd(x).float() / temperature, -1) for hd, x in ((head_pre, h_pre),
+                                                                                          (head_cur, h_cur)))
+        target = geometric_mixture_at(lp_pre, lp_cur, t)  # [c, V]
+    logp_new = torch.log_softmax(head_new(h_new).float() / temperature, -1)  # [c, V]
+    return (target.exp() * (target - logp_new)).sum()
+
+
 def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states():
     """pi_pre and pi_cur share a trunk and differ in the LM head, so Eq. (7)'s
     targets are (nearly) representable; after Stage-0 the per-state
     distributions must match the exact targets within the stated tolerance, stay
     inside delta_0 on states the fit never saw, and keep what pi_pre knows
     (closer to pi_pre than the incumbent is)."""
-    from trust_region import geometric_mixture_at, geometric_mixture_projection
+    from trust_region import geometric_mixture_projection
 
     cur = random_lm(seed=1)
     pre = copy.deepcopy(cur)
@@ -159,21 +192,20 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     kl_pre = kl_rows(full_logp(pre, fit), full_logp(cur, fit))
     delta0 = float(kl_pre.median())  # about half the states violate
     new = copy.deepcopy(pre)
-    trace = {}
-    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(delta0, lr=1e-2, max_passes=300, fit_tol=0.1),
-                                    trace=trace)
+    fitted = plug_and_play.fit_stage0(new, cur, fit, held, settings(delta0, lr=1e-2, max_passes=300, fit_tol=0.1))
+    info = fitted.record
     assert info["share_outside_before"] > 0.3 and info["kl_quantile_before"] > delta0
     assert info["fit_ok"] and info["passes"] >= 1
     # the exact targets at delta_0, computed independently: Stage-0 solved the same lambda(s)
     lp_new, lp_pre, lp_cur = full_logp(new, fit), full_logp(pre, fit), full_logp(cur, fit)
     exact, lam = geometric_mixture_projection(lp_pre, lp_cur, delta0)
     t_exact = torch.where(torch.isinf(lam), torch.zeros_like(lam), 1 / (1 + lam))  # [M]
-    assert torch.allclose(trace["t_exact"].double(), t_exact, atol=1e-4)
+    assert torch.allclose(fitted.t_exact.double(), t_exact, atol=1e-4)
     # a state keeps its exact target unless the fit left it outside; then its t only shrank (deeper inside)
-    moved = trace["t"] < trace["t_exact"]  # [M]
+    moved = fitted.t < fitted.t_exact  # [M]
     assert abs(float(moved.double().mean()) - info["retargeted"]) < 1e-6
-    assert bool((trace["t"] <= trace["t_exact"]).all())
-    target = geometric_mixture_at(lp_pre, lp_cur, trace["t"].double())  # [M, V] what was fitted
+    assert bool((fitted.t <= fitted.t_exact).all())
+    target = geometric_mixture_at(lp_pre, lp_cur, fitted.t.double())  # [M, V] what was fitted
     assert bool((kl_rows(target, lp_cur) <= delta0 + 1e-6).all())  # every target is feasible
     fit_kl = kl_rows(target, lp_new)
     start_kl = kl_rows(exact, lp_pre)
@@ -199,7 +231,7 @@ def test_stage0_is_the_identity_when_pi_pre_is_already_inside():
     pre.lm_head.weight.data += 0.05 * torch.randn_like(pre.lm_head.weight)
     fit, held = random_states(8, 3, 6, 6, seed=3), random_states(4, 3, 6, 6, seed=4)
     new = copy.deepcopy(pre)
-    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(10.0, lr=1e-2, max_passes=5, fit_tol=0.05))
+    info = plug_and_play.fit_stage0(new, cur, fit, held, settings(10.0, lr=1e-2, max_passes=5, fit_tol=0.05)).record
     assert info["passes"] == 0 and info["share_outside_before"] == 0.0 and info["fit_mean"] <= 1e-6
     for a, b in zip(new.parameters(), pre.parameters()):
         assert torch.equal(a, b)
@@ -221,17 +253,17 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
     """A bf16 replacement (GPU runs) trains through fp32 masters, as the SAT
     update does (team.MasterWeightAdamW): at a small lr most steps are below a
     bf16 rounding step, so only the master holds them; they come back in
-    ``trace`` for the agent's first turn, every bf16 weight is round(master),
+    the result (here: the error's ``fit``) for the agent's first turn, every bf16 weight is round(master),
     and no gradient hook is left on the weights."""
     cur = random_lm(seed=1).to(torch.bfloat16)
     pre = copy.deepcopy(cur)
     pre.lm_head.weight.data += 2.0 * torch.randn_like(pre.lm_head.weight)
     fit, held = random_states(8, 3, 4, 6, seed=3), random_states(4, 3, 4, 6, seed=4)
-    new, trace = copy.deepcopy(pre), {}
-    with pytest.raises(RuntimeError, match="could not bring agent inside"):  # 3 passes: too few, the trace is kept
+    new = copy.deepcopy(pre)
+    with pytest.raises(plug_and_play.Stage0Unreachable, match="could not bring agent inside") as err:  # 3 passes
         plug_and_play.fit_stage0(new, cur, fit, held,
-                                 settings(1e-3, lr=1e-5, max_passes=3, fit_tol=0.1, rows_per_step=4), trace=trace)
-    masters, params, start = trace["master_weights"], list(new.parameters()), list(pre.parameters())
+                                 settings(1e-3, lr=1e-5, max_passes=3, fit_tol=0.1, rows_per_step=4))
+    masters, params, start = err.value.fit.master_weights, list(new.parameters()), list(pre.parameters())
     assert [m.shape for m in masters] == [p.shape for p in params] and all(m.dtype == torch.float32 for m in masters)
     assert all(torch.equal(m.to(torch.bfloat16), p) for m, p in zip(masters, params))  # bf16 weight = round(master)
     moved = torch.cat([(m != s.float()).flatten() for m, s in zip(masters, start)])  # the masters stepped
@@ -248,11 +280,11 @@ def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs()
     problems = arithmetic_problems(4, seed=0)
     batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2))
     same = load_agent("tiny-3L", seed=9)
-    states, differ = plug_and_play.slot_states(team, 1, same, batch)
+    states, differ = stage0_states.slot_states(team, 1, same, batch)
     assert differ == 0 and torch.equal(states.ctx_new, states.ctx_cur)
     other = load_agent("tiny", seed=9)
     other.tokenizer.chat_template = "<|system|>Be brief." + other.tokenizer.chat_template
-    states, differ = plug_and_play.slot_states(team, 1, other, batch)
+    states, differ = stage0_states.slot_states(team, 1, other, batch)
     assert differ == len(batch)
     prefix = other.tokenizer("<|system|>Be brief.", add_special_tokens=False)["input_ids"]
     for row in range(len(batch)):
@@ -267,6 +299,7 @@ import sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 import plug_and_play as pp
+import stage0_states
 
 def status_kb(field):
     for line in open("/proc/self/status"):
@@ -281,7 +314,7 @@ new, cur, pre = Qwen3ForCausalLM(cfg).eval(), Qwen3ForCausalLM(cfg).eval(), Qwen
 new.requires_grad_(True)
 g = torch.Generator().manual_seed(0)
 ctx, resp = torch.randint(0, 151936, (2, 4), generator=g), torch.randint(0, 151936, (2, length), generator=g)
-st = pp.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
+st = stage0_states.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
 opt = torch.optim.SGD(new.parameters(), lr=1e-3)
 open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
 before = status_kb("VmRSS")

@@ -1,4 +1,5 @@
-"""--upgrade-accept: how a replacement enters the team (plug_and_play.py; paper Sec. 4.3 and 5, Eq. (7)).
+"""--upgrade-accept: how a replacement enters the team (certified_acceptance.py, harness/upgrades.py; paper Sec. 4.3
+and 5, Eq. (7)).
 
 certified: Stage-0 candidates and the raw swap ranked by a paired lower bound on a selection split, the pick
 swapped in only with a paired lower bound > 0 on a second, disjoint split; neither split shares a problem with
@@ -12,16 +13,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import certified_acceptance
 import harness.cli
 import harness.run
-import plug_and_play
 import sat
 from bounds import paired_change_bound
+from certified_acceptance import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
 from harness.loading import load_agent, load_saved_team, warm_start
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint, read_metrics
 from harness.tasks import arithmetic_problems, load_task
-from plug_and_play import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
 from rollout import SamplingConfig
 from team import Problem, Team
 
@@ -49,7 +50,7 @@ def test_splits_are_disjoint_from_each_other_and_from_the_heldout_rows(train_ids
     splits = acceptance_splits(train, heldout, seed, rows)
     sel, cert = texts(splits["selection"]), texts(splits["certification"])
     assert not sel & cert and not (sel | cert) & texts(heldout) and sel | cert <= texts(train)
-    assert [len(splits[s]) for s in plug_and_play.ACCEPTANCE_SPLITS] == [rows, rows]
+    assert [len(splits[s]) for s in certified_acceptance.ACCEPTANCE_SPLITS] == [rows, rows]
     assert len(sel) == len(cert) == min(rows, len(left) // 2)  # as many problems as rows allow, the same in both
     assert splits == acceptance_splits(train, heldout, seed, rows)  # fixed by the seed
 
@@ -73,7 +74,7 @@ def bernoulli_rewards(p: dict, rows: int, seed: int, common: bool = True):
         key = f"{seed} {split}" if common else f"{seed} {split} {agent}"
         return [random.Random(f"{key} {r}").random() for r in range(rows)]
 
-    draws = {(split, k): uniforms(split, k) for split in plug_and_play.ACCEPTANCE_SPLITS for k in p}
+    draws = {(split, k): uniforms(split, k) for split in certified_acceptance.ACCEPTANCE_SPLITS for k in p}
     return lambda agent, split: [float(u < p[agent]) for u in draws[split, agent]]
 
 
@@ -137,7 +138,7 @@ def test_certified_keeps_the_incumbent_against_a_weaker_replacement_and_swaps_a_
     assert chosen is None and not record["swapped"] and record["certification"]["lower_bound"] <= 0
     assert record["certification"]["mean_change"] < 0  # the untrained agent answers nothing right
     names = [c["candidate"] for c in record["candidates"]]
-    assert names == [f"stage0 delta0={d:g}" for d in plug_and_play.CERTIFIED_RADII] + ["raw"]
+    assert names == [f"stage0 delta0={d:g}" for d in certified_acceptance.CERTIFIED_RADII] + ["raw"]
     assert all(("selection" in c) != ("error" in c) for c in record["candidates"])  # bounded, or Stage-0 failed
     assert record["splits"]["selection"]["rows"] == record["certification"]["n"] == 512
     _, (chosen, record) = one_agent_upgrade(untrained, good, train)

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import sat
-from plug_and_play import stage0_align
+from plug_and_play import Stage0Fit, stage0_align
 from rollout import SamplingConfig
 from scale import distributed
 from scale.torchrun import Torchrun
@@ -48,15 +48,14 @@ def same_fit(a, b) -> bool:
     return all(torch.equal(getattr(a, k), getattr(b, k)) for k in fields)
 
 
-def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
+def upgrade(shard: bool = False) -> tuple[dict, Stage0Fit, Agent]:
     torch.manual_seed(1)  # the rollout seed drawn from the global RNG: the same on every rank and for any N
     new = Agent(raw.spec, copy.deepcopy(raw.model), raw.tokenizer)
     distributed.broadcast_module(new.model)
     if shard:
         new.model = distributed.shard_in_place(new.model)
-    trace = {}
-    info = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, trace=trace)
-    return info, trace, new
+    fitted = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None)
+    return fitted.record, fitted, new
 
 
 def main() -> None:
@@ -75,20 +74,20 @@ def main() -> None:
     if distributed.is_main():
         (i3, t3, _), t1 = three, one[1]
         flat3 = torch.cat([p.detach().flatten() for p in whole3.parameters()])
-        sharded = {"held_as_shards": held_as_shards, "same_states": same_fit(t1["fit"], t3["fit"]),
+        sharded = {"held_as_shards": held_as_shards, "same_states": same_fit(t1.states, t3.states),
                    "passes": i3["passes"], "retargeted": i3["retargeted"],
-                   "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t3["t"] < t3["t_exact"])),
+                   "same_retargeted_states": bool(torch.equal(t1.t < t1.t_exact, t3.t < t3.t_exact)),
                    **{k: i3[k] for k in KEYS},
                    "max_param_diff": float((flat[1] - flat3).abs().max()),
                    "mean_param_diff": float((flat[1] - flat3).abs().mean())}
         (i1, t1, _), (i2, t2, _) = one, two
-        fit1, fit2 = t1["fit"], t2["fit"]
+        fit1, fit2 = t1.states, t2.states
         json.dump({"world": distributed.world(), "same_states": same_fit(fit1, fit2), "rows": len(fit1),
                    "states": [i1["states"], i2["states"]],
                    "passes": [i1["passes"], i2["passes"]], "retargeted": [i1["retargeted"], i2["retargeted"]],
-                   "same_retargeted_states": bool(torch.equal(t1["t"] < t1["t_exact"], t2["t"] < t2["t_exact"])),
-                   "t_max_diff": float((t1["t"] - t2["t"]).abs().max()),
-                   "t_exact_max_diff": float((t1["t_exact"] - t2["t_exact"]).abs().max()),
+                   "same_retargeted_states": bool(torch.equal(t1.t < t1.t_exact, t2.t < t2.t_exact)),
+                   "t_max_diff": float((t1.t - t2.t).abs().max()),
+                   "t_exact_max_diff": float((t1.t_exact - t2.t_exact).abs().max()),
                    **{k: [i1[k], i2[k]] for k in KEYS},
                    "ranks_equal": all(torch.equal(w, on_ranks[0]) for w in on_ranks),
                    "max_step": float((flat[1] - flat[0]).abs().max()),
