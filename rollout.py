@@ -88,7 +88,7 @@ class TeamBatch:
     group_ids: torch.Tensor  # [N] index of the problem in the rollout call
     turns: list[Turn]  # one per agent, turns[k].agent == k
     team_answers: list[str | None]
-    rewards: torch.Tensor  # [N] team reward in [0, 1]
+    rewards: torch.Tensor  # [N] team reward R, in the reward's own range (team.config.reward.range)
     agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own score (reward.agent_scores): its answer right?
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
 
