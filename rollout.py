@@ -497,30 +497,3 @@ def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, b
     new = TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids))
     return new, len(redo) * len(batch)
 
-
-def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
-    """One TeamBatch from consecutive blocks: contexts re-padded on the left, responses on the right,
-    group ids offset so groups stay distinct."""
-    def pad_to(x, width, value, left):
-        fill = x.new_full((x.shape[0], width - x.shape[1]), value)  # [n, width - L]
-        return torch.cat([fill, x] if left else [x, fill], dim=1)  # [n, width]
-
-    turns = []
-    for k, pad in enumerate(pad_ids):
-        ts = [p.turns[k] for p in parts]
-        lc, lr = max(t.context_ids.shape[1] for t in ts), max(t.response_ids.shape[1] for t in ts)
-        sampler = None if any(t.sampler_logprobs is None for t in ts) else [r for t in ts for r in t.sampler_logprobs]
-        turns.append(Turn(k, torch.cat([pad_to(t.context_ids, lc, pad, True) for t in ts]),
-                          torch.cat([pad_to(t.context_mask, lc, 0, True) for t in ts]),
-                          torch.cat([pad_to(t.response_ids, lr, pad, False) for t in ts]),
-                          torch.cat([pad_to(t.response_mask, lr, 0, False) for t in ts]),
-                          torch.cat([pad_to(t.behaviour_logprobs, lr, 0.0, False) for t in ts]),
-                          [x for t in ts for x in t.texts], [x for t in ts for x in t.answers],
-                          torch.cat([t.truncated for t in ts]), sampler))
-    offsets = torch.tensor([0] + [len(set(p.group_ids.tolist())) for p in parts]).cumsum(0)  # [n_parts + 1]
-    counterfactual = (None if any(p.counterfactual is None for p in parts)  # per group; blocks hold whole groups
-                      else torch.cat([p.counterfactual for p in parts], dim=1))
-    return TeamBatch([x for p in parts for x in p.problems],
-                     torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]), turns,
-                     [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
-                     torch.cat([p.agent_correct for p in parts], dim=1), counterfactual)

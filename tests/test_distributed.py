@@ -19,8 +19,8 @@ import torch
 from harness.loading import load_agent
 from harness.processes import ONE_PROCESS
 from harness.tasks import arithmetic_problems
-from rollout import SamplingConfig, concat_batches, rollout
-from scale.torchrun import Torchrun, check_config, rollout_in_blocks
+from rollout import SamplingConfig, rollout
+from scale.torchrun import Torchrun, check_config, concat_batches, rollout_in_blocks
 from team import Team, TeamConfig
 
 ROOT = Path(__file__).resolve().parent.parent
