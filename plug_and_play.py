@@ -34,7 +34,7 @@ from bounds import paired_change_bound
 from harness.processes import ONE_PROCESS, OneProcess
 from logprobs import TurnTensors, left_pad, response_hidden_states
 from reward import DEFAULT_RANGE
-from rollout import HF, SamplingConfig, rng_devices, rollout
+from rollout import SamplingConfig, rng_devices, rollout
 from team import Agent, MasterWeightAdamW, Problem, Team, check_same_vocabulary
 from trust_region import QuantileController, beyond, geometric_mixture_at, geometric_mixture_projection, kl_quantile
 
@@ -383,7 +383,7 @@ def split_problems(problems: list[Problem], heldout_fraction: float) -> tuple[li
 
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
-                 lr: float, log, trace: dict | None = None, backend=HF) -> dict:
+                 lr: float, log, backend, trace: dict | None = None) -> dict:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of ``slot``
     (``fit_stage0``). States: every position of the incumbent's responses in fresh rollouts of the trained
     team; a quarter of the distinct problems is held out of the fit and only measured. With --shard-rollouts
@@ -506,7 +506,7 @@ def with_agent(team: Team, slot: int, agent: Agent) -> Team:
 
 
 def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig, log,
-                     backend=HF) -> tuple[Agent, dict]:
+                     backend) -> tuple[Agent, dict]:
     """A copy of the raw replacement after Stage-0 (Eqs. (6)-(7)) at ``cfg.stage0_delta``, on the states of a
     rollout seeded by the run seed alone: every radius fits the same states, and the run's RNG streams are left
     as they were."""
@@ -518,7 +518,7 @@ def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], 
 
 
 def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig,
-                      acceptance: AcceptanceDraws, stage: int, log, backend=HF) -> tuple[Agent | None, dict]:
+                      acceptance: AcceptanceDraws, stage: int, log, backend) -> tuple[Agent | None, dict]:
     """``--upgrade-accept certified`` for one slot (``certify``). The candidates: Stage-0 of the replacement at
     each radius of CERTIFIED_RADII (all fitted on the same states of ``prompts``), then the raw swap; Stage-0
     only where the replacement shares the incumbent's vocabulary (Eq. (7) mixes per-token distributions, so

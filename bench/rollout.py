@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.loading import load_agent
 from harness.tasks import arithmetic_problems  # noqa: E402
 from logprobs import TurnTensors, turn_forward  # noqa: E402
-from rollout import HF, SamplingConfig, draw_seed, rollout  # noqa: E402
+from rollout import SamplingConfig, draw_seed, rollout  # noqa: E402
+from scale.rollout_hf import HF  # noqa: E402
 from team import Team, TeamConfig  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def main() -> None:
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         t0 = time.perf_counter()
-        batch = rollout(team, problems, 4, sampling)
+        batch = rollout(team, problems, 4, sampling, HF)
         t_batched = time.perf_counter() - t0
         torch.manual_seed(rep)
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from harness.processes import OneProcess
-from rollout import HF, TeamBatch, Turn, rng_devices, rollout
+from rollout import TeamBatch, Turn, rng_devices, rollout
 from scale import distributed
 from scale.checkpoint_state import load_sharded, save_sharded
 from scale.shard_load import load_agent_sharded
@@ -185,7 +185,7 @@ def check_config(cfg, world: int):
     return cfg
 
 
-def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int, n_blocks: int, backend=HF,
+def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int, n_blocks: int, backend,
                       score: bool = True, procs: Torchrun | None = None, draw=rollout):
     """``draw`` (``rollout.rollout``) in ``n_blocks`` blocks of whole groups, block b sampled under the seed
     ``seed + b``; each rank draws its blocks (``Torchrun.blocks``) and every rank receives the union, so the

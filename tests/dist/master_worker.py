@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 base = load_agent("tiny", seed=0, dtype=torch.bfloat16)
 batch = rollout(Team([base], TeamConfig()), arithmetic_problems(8, seed=0), 4,
-                SamplingConfig(temperature=1.0, max_new_tokens=4))
+                SamplingConfig(temperature=1.0, max_new_tokens=4), HF)
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
                  keep_optimizer_state=True).apply_preset()

@@ -23,6 +23,7 @@ import sat
 from plug_and_play import stage0_align
 from rollout import SamplingConfig
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
 from team import Agent, Team, TeamConfig
@@ -54,7 +55,7 @@ def upgrade(shard: bool = False) -> tuple[dict, dict, Agent]:
     if shard:
         new.model = distributed.shard_in_place(new.model)
     trace = {}
-    info = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, trace=trace)
+    info = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, backend=HF, trace=trace)
     return info, trace, new
 
 
