@@ -78,10 +78,10 @@ class SeededSampler:
     sampled under one seed emit the same token wherever u falls in the same token's interval of both
     cumulative distributions (probability at least 1 - sum_v |F_1(v) - F_2(v)|), and identical policies
     give identical responses. One uniform per position, where Gumbel-max needs one per vocabulary entry:
-    for 256 rows x SmolLM2's 49,152 tokens that noise took 0.9-3.5 s a step on a loaded 2-core CPU, this
-    sampler 0.7 s (HF's multinomial sampling 3.3 s) on the same machine at the same time. The search runs
-    in two levels (blocks of ``BLOCK`` tokens, then within the block), so the cumulative sums in float64
-    touch one block per row rather than the whole vocabulary."""
+    that noise, drawn over the whole vocabulary at every step, costs more than this whole draw
+    (docs/results.md, "The HF sampler's costs"). The search runs in two levels (blocks of ``BLOCK`` tokens,
+    then within the block), so the cumulative sums in float64 touch one block per row rather than the
+    whole vocabulary."""
 
     BLOCK = 256
 
@@ -204,8 +204,9 @@ def check_sampler(agent, sampling: SamplingConfig) -> None:
 def decode(model, ids: torch.Tensor, mask: torch.Tensor, sampler: SeededSampler, max_new_tokens: int,
            eos_id: int, pad_id: int) -> torch.Tensor:  # ids, mask [n, Lc] left-padded -> [n, <= max_new_tokens]
     """Sampling with a KV cache, each step forwarding only the rows not yet ended, where HF ``generate``
-    forwards every row until the batch's last ends (in a SmolLM2 stage 68% of its row-steps were on ended
-    rows; ``bench/backends.py --backends hf-generate,hf`` times the two). A row's draws are its own
+    forwards every row until the batch's last ends, so most of its late row-steps are spent on ended rows
+    (docs/results.md, "The HF sampler's costs"; ``bench/backends.py --backends hf-generate,hf`` times the
+    two). A row's draws are its own
     (``SeededSampler``: the row's seed and the position), so dropping ended rows changes what is computed,
     not the distribution sampled (the tokens too, up to float rounding that depends on the batch's shape).
     For models whose cache is attention alone (``drops_rows``)."""
