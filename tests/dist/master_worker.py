@@ -16,6 +16,7 @@ import sat
 from harness.run_folder import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
