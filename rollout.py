@@ -177,8 +177,8 @@ def score_team(team: Team, flat: list[Problem], turns: list[Turn], group_ids: to
 def rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend,
             score: bool = True, seed: int | None = None) -> TeamBatch:
     """G joint trajectories for each of the B problems (paper, Section 3); row b * G + g is sample g of
-    problem b, agent k's response in it drawn under ``response_seeds(seed, N, k)`` (None: a seed drawn
-    from torch's global generator). ``score=False`` leaves the behaviour log-probabilities at zero
+    problem b, agent k's response in it drawn by ``backend`` under ``response_seeds(seed, N, k)`` (None: a
+    seed drawn from torch's global generator). ``score=False`` leaves the behaviour log-probabilities at zero
     (evaluation)."""
     if group_size < 1:
         raise ValueError(f"--group-size must be >= 1 (got {group_size})")
