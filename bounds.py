@@ -137,7 +137,7 @@ def paired_change_bound(before: list[float], after: list[float], reward_range: t
     that never sees the two draws (training's own), and row k's draws use only row k's random numbers,
     so given H the D_k are independent, each in [-(R_max - R_min), R_max - R_min], with
         E[D_k | H] = E_after[R | c_k] - E_before[R | c_k]
-    whether or not the two draws of a row share their random numbers (``rollout.SeededSampler``: a
+    whether or not the two draws of a row share their random numbers (``scale.rollout_hf.SeededSampler``: a
     coupling leaves each draw's distribution exactly as it was and only makes D_k = 0 more often). The
     target T is the mean of these over the rows: the change on the contexts drawn, not on the problem
     population. Rows of one problem (several samples, or a group) are independent given H too, since

@@ -20,7 +20,7 @@ import torch
 from bounds import paired_change_bound
 from plug_and_play import Stage0Unreachable, stage0_align
 from reward import DEFAULT_RANGE
-from rollout import HF, SamplingConfig, rng_devices
+from rollout import SamplingConfig, rng_devices
 from stage0_states import with_agent
 from team import Agent, Problem, Team, check_same_vocabulary
 
@@ -104,7 +104,7 @@ def certify(candidates: list[Candidate], rewards: Callable[[Agent | None, str], 
 
 
 def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig, log,
-                     backend=HF) -> tuple[Agent, dict]:
+                     backend) -> tuple[Agent, dict]:
     """A copy of the raw replacement after Stage-0 (Eqs. (6)-(7)) at ``cfg.stage0_delta``, on the states of a
     rollout seeded by the run seed alone: every radius fits the same states, and the run's RNG streams are left
     as they were."""
@@ -116,7 +116,7 @@ def stage0_candidate(team: Team, slot: int, raw: Agent, prompts: list[Problem], 
 
 
 def certified_upgrade(team: Team, slot: int, new_agent: Agent, prompts: list[Problem], cfg, sampling: SamplingConfig,
-                      acceptance: AcceptanceDraws, stage: int, log, backend=HF) -> tuple[Agent | None, dict]:
+                      acceptance: AcceptanceDraws, stage: int, log, backend) -> tuple[Agent | None, dict]:
     """``--upgrade-accept certified`` for one slot (``certify``). The candidates: Stage-0 of the replacement at
     each radius of CERTIFIED_RADII (all fitted on the same states of ``prompts``), then the raw swap; Stage-0
     only where the replacement shares the incumbent's vocabulary (Eq. (7) mixes per-token distributions, so

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.processes import ONE_PROCESS, OneProcess
-from rollout import HF, SamplingConfig, rollout
+from rollout import SamplingConfig, rollout
 from stage0_states import Stage0States, final_hidden, row_slices, slot_states, split_problems
 from team import ADAMW_BETAS, Agent, MasterWeightAdamW, Problem, Team
 from trust_region import beyond, geometric_mixture_at, geometric_mixture_projection, kl_from_logprobs, kl_quantile
@@ -329,7 +329,7 @@ def _heldout_report(models: tuple, held: Stage0States, settings: Stage0Settings,
 
 
 def stage0_align(team: Team, slot: int, new_agent: Agent, problems: list[Problem], cfg, sampling: SamplingConfig,
-                 lr: float, log, backend=HF) -> Stage0Fit:
+                 lr: float, log, backend) -> Stage0Fit:
     """Bring ``new_agent`` inside the per-state KL ball of radius delta_0 around the incumbent of ``slot``
     (``fit_stage0``). States: every position of the incumbent's responses in fresh rollouts of the trained
     team; a quarter of the distinct problems is held out of the fit and only measured. With --shard-rollouts

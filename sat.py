@@ -49,7 +49,7 @@ from advantage import UpdateInputs, build_inputs, step_estimates
 from bounds import paired_change_bound
 from harness.config import Config
 from logprobs import measure_kl
-from rollout import HF, SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from rollout import SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
 from stage_record import AgentStep, StageClock, StageRecord
 from team import Problem, Team
 from trust_region import (
@@ -71,7 +71,7 @@ class RunState:
     controllers: dict[int, QuantileController]  # each agent's beta and trust-region statistic
     value_heads: dict[int, torch.nn.Linear]  # --adv gae: each agent's value head
     rng: random.Random  # the run's Python RNG: prompts, the agents' order, Stage-0 prompts
-    backend: object = HF  # the sampler: rollout.HFBackend, or vLLM engines (scale.rollout_vllm)
+    backend: object  # the sampler the entry point hands in (scale.rollout_vllm.make_backend: HF or vLLM engines)
     log: Callable[[str], None] = print
 
 
@@ -222,7 +222,7 @@ def step_bounds_kind(cfg: Config) -> str:
     return "none: --no-step-bounds"
 
 
-def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend=HF,
+def team_rollout(team: Team, problems: list[Problem], group_size: int, sampling: SamplingConfig, backend,
                  score: bool = True) -> TeamBatch:
     """ROLLOUT(pi_cur): ``rollout.rollout`` of the problems, as the team's processes share it out
     (``processes.py``; torchrun: seeded blocks, the same batch for any number of processes)."""
@@ -238,7 +238,7 @@ def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backe
 
 
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend=HF,
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend,
              label: str = "held-out evaluation") -> dict:
     """Held-out team accuracy (``cfg.eval_samples`` joint samples per problem at the training temperature:
     the policy being trained) and each agent's own accuracy. Every evaluation of a run draws its rows

@@ -1,6 +1,6 @@
-"""The rollout backends side by side on one team: Hugging Face (``rollout.decode``) against CPU (or GPU) vLLM,
+"""The rollout backends side by side on one team: Hugging Face (``scale.rollout_hf.decode``) against CPU (or GPU) vLLM,
 and against HF ``generate``, which forwards every row of a batch until its last row ends (``hf-generate``: the
-path of a model whose forwards are collectives, ``rollout.generate_hf``).
+path of a model whose forwards are collectives, ``scale.rollout_hf.generate_hf``).
 
 The same agents, the same problems, the same sampler (the tempered softmax, nothing else); each backend draws
 the agents' turns of one joint rollout (``rollout.rollout`` with ``score=False``: generation only), repeated,
@@ -32,7 +32,8 @@ import harness.run
 import sat  # noqa: E402
 from harness.processes import OneProcess  # noqa: E402
 from harness.tasks import load_task  # noqa: E402
-from rollout import HFBackend, SamplingConfig, rollout  # noqa: E402
+from rollout import SamplingConfig, rollout  # noqa: E402
+from scale.rollout_hf import HFBackend  # noqa: E402
 from scale.rollout_vllm import make_backend  # noqa: E402
 
 

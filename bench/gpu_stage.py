@@ -48,6 +48,7 @@ from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
+from scale.rollout_hf import HF, HFBackend  # noqa: E402
 from team import Agent, AgentSpec, Team  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
@@ -130,7 +131,7 @@ def instrumented(meter: PhaseMeter, counters: dict, synthetic: bool):
 
     patches = [
         (sat, "team_rollout", lambda fn: timed(meter, fn, lambda *a, **k: "rollout (generate + scoring)")),
-        (rollout_mod.HFBackend, "generate", lambda fn: timed(meter, fn, lambda *a, **k: "  generate", count_tokens)),
+        (HFBackend, "generate", lambda fn: timed(meter, fn, lambda *a, **k: "  generate", count_tokens)),
         (rollout_mod, "batched_response_logprobs",
          lambda fn: timed(meter, fn, lambda *a, **k: "  scoring (behaviour log-probs)")),
         (sat, "build_inputs", lambda fn: timed(meter, fn, lambda *a, **k: "advantages + weights")),
@@ -215,7 +216,7 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
-        run = sat.RunState(team, controllers, {}, random.Random(args.seed))
+        run = sat.RunState(team, controllers, {}, random.Random(args.seed), HF)
         record = sat.sat_stage(run, problems, cfg, sampling)[0].row()
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}

@@ -43,6 +43,7 @@ from harness.loading import load_agent
 from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
+from scale.rollout_hf import HF  # noqa: E402
 from team import Agent, Team  # noqa: E402
 from trust_region import QuantileController  # noqa: E402
 
@@ -93,12 +94,12 @@ def one_stage(length: int, reuse: str, args) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.time()
-            run = sat.RunState(team, controllers, {}, random.Random(args.seed))
+            run = sat.RunState(team, controllers, {}, random.Random(args.seed), HF)
             rec = sat.sat_stage(run, problems, cfg, sampling)[0].row()
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
             # after (a fresh rollout of the final team on the same problems, 2N trajectories)
-            rollout_mod.rollout(team, problems, 2 * cfg.group_size, sampling, score=False)
+            rollout_mod.rollout(team, problems, 2 * cfg.group_size, sampling, HF, score=False)
     finally:
         rollout_mod.score_team = score_team
     rec["gain"] = (seen[-1].mean(1) - seen[0].mean(1)).tolist()  # [n_agents]

@@ -31,6 +31,7 @@ import harness.run
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 from harness import run_folder  # noqa: E402
+from scale.rollout_hf import HFBackend  # noqa: E402
 from scale.rollout_vllm import VLLMBackend  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def phases(meter: PhaseMeter, counters: dict):
     patches = [
         (sat, "team_rollout", named("team rollouts (the stage's and the evaluations')")),
         (sat, "redraw", named("redraw (regenerate, step bounds)")),
-        (rollout_mod.HFBackend, "generate", named("  generation", count)),
+        (HFBackend, "generate", named("  generation", count)),
         (VLLMBackend, "generate", named("  generation", count)),
         (VLLMBackend, "sync", named("weight push to the engine")),
         (rollout_mod, "behaviour_logprobs", named("  behaviour log-probs")),

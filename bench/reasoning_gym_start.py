@@ -8,7 +8,7 @@ A task earns its team nothing to learn from when every response scores 0, so the
 where the start reward is above 0. The measurement goes through the run's own code: the agent loaded as
 ``--agents SmolLM2-135M`` loads it (team.load_agent), prompts rendered by harness.roles through the agent's chat
 template (reasoning-gym's default system prompt, which asks for <answer> tags, and the question as the user
-turn), responses sampled by rollout.HF.generate (the tempered full softmax, as in training), scored by the
+turn), responses sampled by scale.rollout_hf.HF.generate (the tempered full softmax, as in training), scored by the
 dataset's own score_answer through harness.user_reward's checked call (harness.reasoning_gym_task.ReasoningGymReward).
 Problems come from the training split (harness.reasoning_gym_task.reasoning_gym_problems).
 
@@ -41,7 +41,8 @@ from harness.reasoning_gym_task import (  # noqa: E402
 from harness.roles import Role, Roles  # noqa: E402
 from harness.user_reward import CheckedReward  # noqa: E402
 from reward import score  # noqa: E402
-from rollout import HF, SamplingConfig, response_seeds  # noqa: E402
+from rollout import SamplingConfig, response_seeds  # noqa: E402
+from scale.rollout_hf import HF  # noqa: E402
 from team import Agent  # noqa: E402
 
 TASKS = ("knights_knaves;propositional_logic;tower_of_hanoi;tower_of_hanoi:min_disks=1,max_disks=2,max_pegs=3;"

@@ -29,7 +29,8 @@ from harness.loading import load_agent
 from harness.math_grading import math_team_config  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from logprobs import TurnTensors, turn_forward  # noqa: E402
-from rollout import HF, SamplingConfig, draw_seed, rollout  # noqa: E402
+from rollout import SamplingConfig, draw_seed, rollout  # noqa: E402
+from scale.rollout_hf import HF  # noqa: E402
 from team import Team  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def main() -> None:
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         t0 = time.perf_counter()
-        batch = rollout(team, problems, 4, sampling)
+        batch = rollout(team, problems, 4, sampling, HF)
         t_batched = time.perf_counter() - t0
         torch.manual_seed(rep)
         t0 = time.perf_counter()

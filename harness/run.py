@@ -32,9 +32,10 @@ from harness.trackers import Trackers, check_report_to, parse_report_to
 from harness.upgrades import apply_upgrades
 from harness.user_reward import check_reward, load_reward
 from reward import Reward
-from rollout import SamplingConfig, check_sampler
+from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale.rollout_hf import HF, check_sampler
 from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
@@ -193,7 +194,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             value_heads[k] = make_value_head(agent)
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
-    return RunState(team, controllers, value_heads, rng, log=log), state, rows
+    return RunState(team, controllers, value_heads, rng, HF, log=log), state, rows
 
 
 def team_size(cfg: Config, resume_from: Path | None) -> int:

@@ -3,8 +3,8 @@
 SAT is unchanged when the work is shared over N ranks, provided every statistic that decides something is computed
 on the whole batch:
 
-- rollouts (Alg. 1 line 4) in seeded blocks (``rollout.rollout_in_blocks``): rank r generates blocks r, r + N, ...
-  and every rank receives the union, so the batch does not depend on N and groups are never split;
+- rollouts (Alg. 1 line 4) in seeded blocks (``scale.torchrun.rollout_in_blocks``): rank r generates blocks r,
+  r + N, ... and every rank receives the union, so the batch does not depend on N and groups are never split;
 - the trained agent is an fp32 FSDP2 copy (``shard_model``; a bf16 agent's fp32 shards are its master weights, kept
   on the host between turns); each rank computes the loss of its rows (``row_range``), so the step is the
   one-process step up to float summation order;

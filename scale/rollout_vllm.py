@@ -1,7 +1,7 @@
 """The vLLM rollout backend: one engine per agent, weights pushed from memory, on CUDA or CPU.
 
 Paper, Algorithm 1 (ROLLOUT under pi_cur; after the promotion of line 12 the promoted agent samples
-its new weights). ``VLLMBackend`` has the methods of ``rollout.HFBackend`` (generate, sync, sleep,
+its new weights). ``VLLMBackend`` has the methods of ``scale.rollout_hf.HFBackend`` (generate, sync, sleep,
 health, close) and holds the run's engines; ``make_backend("vllm", ...)`` (below) creates it. The
 behaviour log-probabilities still come from the training model (``rollout.agent_turn``), so vLLM's
 numerics never enter the importance ratios; ``health`` measures how far vLLM's own are from them.
@@ -34,9 +34,9 @@ import torch
 
 from harness.config import BACKENDS
 from logprobs import cut_at_eos
-from rollout import HF
 from scale import distributed
 from scale.memory import cpu_kv_cache_bytes
+from scale.rollout_hf import HF
 from scale.vllm_ranks import (
     TENSOR_PARALLEL_CPU_ERROR,
     engine_platform,
@@ -116,7 +116,7 @@ def engine_kwargs(model_path: str, memory_fraction: float, dtype: torch.dtype, s
 
 
 def sampling_kwargs(sampling, seed: int, eos_id: int, logprobs: bool = False) -> dict:
-    """Arguments of ``vllm.SamplingParams`` for one request: the distribution of ``rollout.generate_hf``
+    """Arguments of ``vllm.SamplingParams`` for one request: the distribution of ``scale.rollout_hf.generate_hf``
     (temperature, top_p, no top-k, no penalties), one sample per request (the G samples of a problem are
     G requests with their own seeds), stopping at the agent's eos."""
     return dict(n=1, temperature=float(sampling.temperature), top_p=float(sampling.top_p), top_k=-1, min_p=0.0,
@@ -278,7 +278,7 @@ def default_max_model_len(agent) -> int:
 
 
 class VLLMBackend:
-    """The engines of one run, keyed by agent object (``rollout.HFBackend``'s methods, plus ``score``)."""
+    """The engines of one run, keyed by agent object (``scale.rollout_hf.HFBackend``'s methods, plus ``score``)."""
 
     name = "vllm"
 

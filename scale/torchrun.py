@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from harness.processes import OneProcess
-from rollout import HF, concat_batches, rng_devices, rollout
+from rollout import TeamBatch, Turn, rng_devices, rollout
 from scale import distributed
 from scale.checkpoint_state import load_sharded, save_sharded
 from scale.shard_load import load_agent_sharded
@@ -185,7 +185,7 @@ def check_config(cfg, world: int):
     return cfg
 
 
-def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int, n_blocks: int, backend=HF,
+def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int, n_blocks: int, backend,
                       score: bool = True, procs: Torchrun | None = None, draw=rollout):
     """``draw`` (``rollout.rollout``) in ``n_blocks`` blocks of whole groups, block b sampled under the seed
     ``seed + b``; each rank draws its blocks (``Torchrun.blocks``) and every rank receives the union, so the
@@ -203,6 +203,34 @@ def rollout_in_blocks(team, problems: list, group_size: int, sampling, seed: int
             mine[b] = part
     parts = {b: part for gathered in procs.gather(mine) for b, part in gathered.items()}
     return concat_batches([parts[b] for b in range(len(starts))], [a.tokenizer.pad_token_id for a in team.agents])
+
+
+def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
+    """One TeamBatch from consecutive blocks: contexts re-padded on the left, responses on the right,
+    group ids offset so groups stay distinct."""
+    def pad_to(x, width, value, left):
+        fill = x.new_full((x.shape[0], width - x.shape[1]), value)  # [n, width - L]
+        return torch.cat([fill, x] if left else [x, fill], dim=1)  # [n, width]
+
+    turns = []
+    for k, pad in enumerate(pad_ids):
+        ts = [p.turns[k] for p in parts]
+        lc, lr = max(t.context_ids.shape[1] for t in ts), max(t.response_ids.shape[1] for t in ts)
+        sampler = None if any(t.sampler_logprobs is None for t in ts) else [r for t in ts for r in t.sampler_logprobs]
+        turns.append(Turn(k, torch.cat([pad_to(t.context_ids, lc, pad, True) for t in ts]),
+                          torch.cat([pad_to(t.context_mask, lc, 0, True) for t in ts]),
+                          torch.cat([pad_to(t.response_ids, lr, pad, False) for t in ts]),
+                          torch.cat([pad_to(t.response_mask, lr, 0, False) for t in ts]),
+                          torch.cat([pad_to(t.behaviour_logprobs, lr, 0.0, False) for t in ts]),
+                          [x for t in ts for x in t.texts], [x for t in ts for x in t.answers],
+                          torch.cat([t.truncated for t in ts]), sampler))
+    offsets = torch.tensor([0] + [len(set(p.group_ids.tolist())) for p in parts]).cumsum(0)  # [n_parts + 1]
+    counterfactual = (None if any(p.counterfactual is None for p in parts)  # per group; blocks hold whole groups
+                      else torch.cat([p.counterfactual for p in parts], dim=1))
+    return TeamBatch([x for p in parts for x in p.problems],
+                     torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]), turns,
+                     [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
+                     torch.cat([p.agent_correct for p in parts], dim=1), counterfactual)
 
 
 @contextmanager

@@ -27,7 +27,8 @@ import torch
 import bounds
 from advantage import LOG_RATIO_CAP
 from harness.math_grading import vote_reward
-from rollout import SeededSampler, draw_seed, response_seeds
+from rollout import draw_seed, response_seeds
+from scale.rollout_hf import SeededSampler
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
 from update import clipped_surrogate
 
@@ -166,7 +167,7 @@ def old_bound(estimate: float, n_agents: int, rows: int) -> float:
 
 def run_steps(protocol: str, n_agents: int, stages: int, seed: int, rows: int = N, coupled: bool = False) -> list:
     """Stages as sat.sat_stage runs them with --reuse regenerate; one dict per step. ``coupled``: the
-    step's before and after draws share one seed per row (``rollout.SeededSampler``), as the run draws
+    step's before and after draws share one seed per row (``scale.rollout_hf.SeededSampler``), as the run draws
     them; otherwise they are independent."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the pair seeds (draw_seed) come from torch's global generator, as in a run

@@ -1,6 +1,6 @@
 """Common random numbers: the seeded sampler is exact, and draws under one seed are coupled.
 
-Every response is sampled under a seed of its own (``rollout.SeededSampler``: inverse-CDF sampling of the
+Every response is sampled under a seed of its own (``scale.rollout_hf.SeededSampler``: inverse-CDF sampling of the
 tempered softmax on one uniform per row and position, a function of the row's seed alone). The paired
 certificates (``bounds.paired_change_bound``) need two things of it: each draw has exactly the tempered
 softmax's distribution (else the paired mean is biased), and two close policies under one seed mostly give
@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.tasks import arithmetic_problems
-from rollout import SamplingConfig, SeededSampler, generate_hf, response_seeds, rollout, tempered_probs
+from rollout import SamplingConfig, response_seeds, rollout
+from scale.rollout_hf import HF, SeededSampler, generate_hf, tempered_probs
 from team import Team
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # [V] a small vocabulary
@@ -66,9 +67,9 @@ def test_identical_policies_under_one_seed_give_identical_responses():
     """Two copies of a team, one seed: the same responses in every row and turn; another seed: other
     responses in most rows."""
     problems, sampling = arithmetic_problems(16, seed=0), SamplingConfig(temperature=1.0, max_new_tokens=6)
-    a = rollout(tiny_team(0), problems, 4, sampling, seed=123)
-    b = rollout(tiny_team(0), problems, 4, sampling, seed=123)
-    c = rollout(tiny_team(0), problems, 4, sampling, seed=124)
+    a = rollout(tiny_team(0), problems, 4, sampling, HF, seed=123)
+    b = rollout(tiny_team(0), problems, 4, sampling, HF, seed=123)
+    c = rollout(tiny_team(0), problems, 4, sampling, HF, seed=124)
     for k in range(2):
         assert a.turns[k].texts == b.turns[k].texts
         assert torch.equal(a.turns[k].behaviour_logprobs, b.turns[k].behaviour_logprobs)
@@ -97,9 +98,9 @@ def test_a_nearby_policy_under_the_same_seeds_mostly_agrees():
     with torch.no_grad():
         for p in moved.agents[0].model.parameters():
             p.add_(1e-3 * p.abs().mean() * torch.randn(p.shape, generator=g))
-    same = rollout(base, problems, 4, sampling, seed=5).turns[0].texts
-    coupled = rollout(moved, problems, 4, sampling, seed=5).turns[0].texts
-    other = rollout(moved, problems, 4, sampling, seed=6).turns[0].texts
+    same = rollout(base, problems, 4, sampling, HF, seed=5).turns[0].texts
+    coupled = rollout(moved, problems, 4, sampling, HF, seed=5).turns[0].texts
+    other = rollout(moved, problems, 4, sampling, HF, seed=6).turns[0].texts
     agree = sum(x == y for x, y in zip(same, coupled)) / len(same)
     chance = sum(x == y for x, y in zip(same, other)) / len(same)
     print(f"\n[coupling] tiny agent moved by 1e-3: same seeds agree in {agree:.0%} of rows, other seeds {chance:.0%}")

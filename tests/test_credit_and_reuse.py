@@ -19,6 +19,7 @@ from harness.math_grading import answers_match, majority_vote, math_team_config,
 from harness.tasks import arithmetic_problems
 from logprobs import batched_response_logprobs
 from rollout import SamplingConfig, regenerate, rollout
+from scale.rollout_hf import HF
 from team import Agent, Team
 
 
@@ -114,11 +115,11 @@ def test_regenerate_independent_redraws_only_the_promoted_turn_from_the_promoted
     problem = arithmetic_problems(1, seed=3)[0]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=1)
     torch.manual_seed(0)
-    batch = rollout(team, [problem] * 300, group_size=10, sampling=sampling)  # 3000 rows, groups of 10
+    batch = rollout(team, [problem] * 300, group_size=10, sampling=sampling, backend=HF)  # 3000 rows, groups of 10
     old_probs = first_token_probs(team.agents[0], batch)
     promote(team.agents[0])
     new_probs = first_token_probs(team.agents[0], batch)
-    new, generated = regenerate(team, batch, 0, sampling)
+    new, generated = regenerate(team, batch, 0, sampling, HF)
     assert generated == len(batch)  # one turn redrawn, not the whole team
     for k in (1, 2):  # the other agents' responses are untouched
         assert new.turns[k] is batch.turns[k]
@@ -146,8 +147,8 @@ def test_regenerate_chain_redraws_the_promoted_turn_and_the_turns_after_it(tiny3
     team = Team(tiny3, math_team_config(protocol="chain"))
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     torch.manual_seed(1)
-    batch = rollout(team, arithmetic_problems(4, seed=0), group_size=4, sampling=sampling)
-    new, generated = regenerate(team, batch, 1, sampling)
+    batch = rollout(team, arithmetic_problems(4, seed=0), group_size=4, sampling=sampling, backend=HF)
+    new, generated = regenerate(team, batch, 1, sampling, HF)
     assert generated == 2 * len(batch)
     assert new.turns[0] is batch.turns[0]
     tok = team.agents[2].tokenizer

@@ -1,4 +1,4 @@
-"""``rollout.decode``: sampling that forwards only the rows not yet ended draws exactly what HF ``generate``
+"""``scale.rollout_hf.decode``: sampling that forwards only the rows not yet ended draws exactly what HF ``generate``
 draws with the same ``SeededSampler``, and forwards each row once per token it keeps."""
 import copy
 from types import SimpleNamespace
@@ -7,7 +7,8 @@ from transformers import LogitsProcessorList
 
 from harness.loading import load_agent
 from logprobs import cut_at_eos, left_pad
-from rollout import SamplingConfig, SeededSampler, decode, drops_rows, response_seeds, sampler_config
+from rollout import SamplingConfig, response_seeds
+from scale.rollout_hf import SeededSampler, decode, drops_rows, sampler_config
 from team import Agent
 
 MAX_NEW = 24

@@ -20,8 +20,9 @@ from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.processes import ONE_PROCESS
 from harness.tasks import arithmetic_problems
-from rollout import SamplingConfig, concat_batches, rollout
-from scale.torchrun import Torchrun, check_config, rollout_in_blocks
+from rollout import SamplingConfig, rollout
+from scale.rollout_hf import HF
+from scale.torchrun import Torchrun, check_config, concat_batches, rollout_in_blocks
 from team import Team
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,11 +74,11 @@ def test_rollout_blocks_are_seeded_blocks_concatenated():
     padding the blocks together: rows unchanged, groups distinct and whole."""
     team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     problems, sampling = arithmetic_problems(5, seed=1), SamplingConfig(temperature=1.0, max_new_tokens=5)
-    batch = rollout_in_blocks(team, problems, 3, sampling, seed=7, n_blocks=3)  # blocks of 2, 2, 1 problems
+    batch = rollout_in_blocks(team, problems, 3, sampling, seed=7, n_blocks=3, backend=HF)  # blocks of 2, 2, 1 problems
     parts = []
     for b, start in enumerate(range(0, 5, 2)):
         torch.manual_seed(7 + b)
-        parts.append(rollout(team, problems[start : start + 2], 3, sampling))
+        parts.append(rollout(team, problems[start : start + 2], 3, sampling, HF))
     assert torch.equal(batch.group_ids, torch.arange(5).repeat_interleave(3))
     assert torch.equal(batch.rewards, torch.cat([p.rewards for p in parts]))
     rows = [(p, i) for p in parts for i in range(len(p))]

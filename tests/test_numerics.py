@@ -21,7 +21,8 @@ from harness.math_grading import math_team_config
 from harness.processes import OneProcess
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
-from rollout import SamplingConfig, Turn, _sampler, check_sampler, generate_hf, rollout, sampler_config
+from rollout import SamplingConfig, Turn, rollout
+from scale.rollout_hf import HF, _sampler, check_sampler, generate_hf, sampler_config
 from team import Agent, Team
 from trust_region import QuantileController
 
@@ -117,7 +118,7 @@ def test_master_weights_persist_between_turns_and_restart_where_the_weights_chan
 
 # -- 2. the sampler is the tempered softmax, whatever the checkpoint ships ------------------
 class SyncedForwards(OneProcess):
-    """One process sampling as a sharded model does: through HF ``generate`` (``rollout.generate_hf``)."""
+    """One process sampling as a sharded model does: through HF ``generate`` (``scale.rollout_hf.generate_hf``)."""
 
     def synced_forwards(self, model) -> bool:
         return True
@@ -129,7 +130,7 @@ def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
     """repetition_penalty 1.3, min_p 0.2 and no_repeat_ngram_size 2 in the
     checkpoint: first-token frequencies still match the teacher-forced
     tempered softmax (chi-square), and the start-up check passes; both on
-    ``rollout.decode`` and on HF ``generate`` (the sharded path, which reads
+    ``scale.rollout_hf.decode`` and on HF ``generate`` (the sharded path, which reads
     the generation config)."""
     torch.manual_seed(0)
     agent = load_agent("tiny", seed=5)
@@ -146,8 +147,7 @@ def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
         probs = torch.softmax(agent.model(torch.tensor([ctx])).logits[0, -1].double() / 0.7, -1)  # [V]
     n = 20000
     pad = agent.tokenizer.pad_token_id  # a sampled pad is stripped from the response: count it back
-    first = torch.tensor([r[0] if r else pad for r in generate_hf(agent, [ctx] * n, sampling,
-                                                                               list(range(n)))])
+    first = torch.tensor([r[0] if r else pad for r in generate_hf(agent, [ctx] * n, sampling, list(range(n)))])
     counts = torch.bincount(first, minlength=len(probs)).double()  # [V]
     big = probs * n >= 5  # Pearson's chi-square on the cells with expected count >= 5, the rest pooled
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -160,17 +160,17 @@ def test_sampler_ignores_the_checkpoints_generation_config(through_generate):
 
 
 def test_check_sampler_names_the_offending_field(monkeypatch):
-    import rollout as rollout_mod
+    import scale.rollout_hf as rollout_hf
 
     agent = load_agent("tiny")
-    real = rollout_mod.sampler_config
+    real = rollout_hf.sampler_config
 
     def leaky(a, s):
         cfg = real(a, s)
         cfg.repetition_penalty = 1.05
         return cfg
 
-    monkeypatch.setattr(rollout_mod, "sampler_config", leaky)
+    monkeypatch.setattr(rollout_hf, "sampler_config", leaky)
     with pytest.raises(RuntimeError, match="repetition_penalty=1.05") as err:
         check_sampler(agent, SamplingConfig(temperature=1.0))
     assert "\n" not in str(err.value)
@@ -179,7 +179,7 @@ def test_check_sampler_names_the_offending_field(monkeypatch):
 def test_sampler_config_gives_transformers_nothing_to_warn_about(monkeypatch):
     """transformers' strict validation (what it otherwise logs as "generation flags are not valid") passes on the
     sampler's config, alone and merged as generate merges it; sampling inside generate is still refused by name."""
-    import rollout as rollout_mod
+    import scale.rollout_hf as rollout_hf
 
     agent = load_agent("tiny")
     cfg = sampler_config(agent, SamplingConfig(temperature=0.7))
@@ -192,7 +192,7 @@ def test_sampler_config_gives_transformers_nothing_to_warn_about(monkeypatch):
         cfg.do_sample = True
         return cfg
 
-    monkeypatch.setattr(rollout_mod, "sampler_config", sampling)
+    monkeypatch.setattr(rollout_hf, "sampler_config", sampling)
     with pytest.raises(RuntimeError, match="do_sample=True"):
         check_sampler(agent, SamplingConfig(temperature=1.0))
 
@@ -203,9 +203,9 @@ def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
     problems = arithmetic_problems(2, seed=0)
     nucleus = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=3)
     with pytest.raises(ValueError, match="--top-p 0.9 < 1 cannot be used for training") as err:
-        rollout(team, problems, 2, nucleus)  # keeps behaviour log-probs: refused
+        rollout(team, problems, 2, nucleus, HF)  # keeps behaviour log-probs: refused
     assert "\n" not in str(err.value) and "--top-p 1" in str(err.value)
-    assert len(rollout(team, problems, 2, nucleus, score=False)) == 4  # evaluation: fine
+    assert len(rollout(team, problems, 2, nucleus, HF, score=False)) == 4  # evaluation: fine
     with pytest.raises(ValueError, match="cannot be used for training"):
         sat.Config(top_p=0.9, device="cpu").apply_preset().validate()
     assert harness.cli.main(["--top-p", "0.9", "--out", str(tmp_path / "r")]) == 2
@@ -230,7 +230,7 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
                               token_budget=cfg.token_budget)
     problems = arithmetic_problems(12, seed=1)
     # an agent that did not move: exact KL 0 and log rho 0 at every token, new log-probs = behaviour, bit for bit
-    batch = rollout(team, problems, cfg.group_size, sampling)
+    batch = rollout(team, problems, cfg.group_size, sampling, HF)
     for j, agent in enumerate(team.agents):
         kl, new_logp, log_rho = measure_kl(agent, copy.deepcopy(agent.model), batch.turns[j], cfg.temperature,
                                            cfg.token_budget)
@@ -240,7 +240,7 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
     # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    record, _ = sat.sat_stage(sat.RunState(team, controllers, {}, random.Random(0)), problems, cfg, sampling)
+    record, _ = sat.sat_stage(sat.RunState(team, controllers, {}, random.Random(0), HF), problems, cfg, sampling)
     for step in record.agents:
         assert step.train.step0_log_ratio_max < 1e-3
     assert all(a.dtype == torch.bfloat16 for a in team.agents)
@@ -351,6 +351,6 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    run = sat.RunState(team, controllers, {}, random.Random(0))
+    run = sat.RunState(team, controllers, {}, random.Random(0), HF)
     record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg, sampling)
     assert [step.train.step0_log_ratio_max for step in record.agents] == [0.0, 0.0]

@@ -16,6 +16,7 @@ from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
+from scale.rollout_hf import HF
 from team import Team, check_same_vocabulary
 from trust_region import geometric_mixture_at, kl_from_logprobs, quantile
 
@@ -38,12 +39,13 @@ def test_stage0_brings_replacement_inside_delta0(tmp_path):
     problems = arithmetic_problems(8, seed=0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
     before = [copy.deepcopy(a.model.state_dict()) for a in team.agents]
-    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, **QUIET).record
+    info = plug_and_play.stage0_align(team, 1, replacement, problems, cfg, sampling, lr=1e-3, backend=HF,
+                                      **QUIET).record
     assert info["kl_quantile_before"] > cfg.stage0_delta  # it really had to move
     assert info["kl_quantile"] <= cfg.stage0_delta and info["passes"] >= 1
     assert info["heldout_states"] > 0 and info["template_differs"] == 0 and info["fit_mean"] < info["fit_mean_before"]
     # measure independently on fresh states of the same team
-    batch = rollout(team, problems, 4, sampling)
+    batch = rollout(team, problems, 4, sampling, HF)
     kl, _, _ = measure_kl(replacement, team.agents[1].model, batch.turns[1], 1.0, 1 << 14)
     assert quantile(kl, cfg.quantile) <= 3 * cfg.stage0_delta  # new states: inside up to sampling noise
     for agent, state in zip(team.agents, before):  # Stage-0 trains only the replacement
@@ -278,7 +280,7 @@ def test_stage0_of_a_bf16_replacement_keeps_fp32_master_weights():
 def test_stage0_renders_the_replacements_own_template_and_says_when_it_differs():
     team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))
     problems = arithmetic_problems(4, seed=0)
-    batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2))
+    batch = rollout(team, problems, 2, SamplingConfig(temperature=1.0, max_new_tokens=2), HF)
     same = load_agent("tiny-3L", seed=9)
     states, differ = stage0_states.slot_states(team, 1, same, batch)
     assert differ == 0 and torch.equal(states.ctx_new, states.ctx_cur)

@@ -435,7 +435,7 @@ def test_engine_blocks_cover_every_block_once_per_engine(world, k):
 
 
 def test_blocks_of_rank_follows_the_engines():
-    from rollout import HF
+    from scale.rollout_hf import HF
     from scale.rollout_vllm import make_backend
     from scale.torchrun import Torchrun
 
@@ -453,7 +453,7 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
     the training model's behaviour log-probabilities; the HF backend has none to compare."""
     from harness.math_grading import math_team_config
     from harness.tasks import arithmetic_problems
-    from rollout import HF, HFBackend
+    from scale.rollout_hf import HF, HFBackend
     from scale.torchrun import rollout_in_blocks
     from team import Team
 
@@ -477,7 +477,7 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
         assert [len(r) for r in turn.sampler_logprobs] == turn.response_mask.sum(1).tolist()  # every row, in order
         mask = turn.response_mask.bool()
         assert h == pytest.approx(float(-turn.behaviour_logprobs[mask].mean()), rel=1e-6)
-    plain = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3)
+    plain = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3, backend=HF)
     assert HF.health(team, plain) is None and all(t.sampler_logprobs is None for t in plain.turns)
 
 

@@ -19,6 +19,7 @@ from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
+from scale.rollout_hf import HF
 from team import Agent, Team
 from trust_region import QuantileController, quantile
 
@@ -37,7 +38,7 @@ def tiny_team_and_batch(protocol: str):
     """Two tiny agents (seeds 0, 1) and one seeded rollout of 6 problems x G = 4."""
     torch.manual_seed(0)
     team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol=protocol))
-    batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    batch = rollout(team, arithmetic_problems(6, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=5), HF)
     return team, batch
 
 

@@ -9,7 +9,8 @@ from harness.loading import build_char_tokenizer, load_agent, load_saved_agent, 
 from harness.math_grading import answers_match, majority_vote, math_team_config, vote_reward
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, chunks_by_budget, cut_at_eos, left_pad
-from rollout import HF, SamplingConfig, rollout
+from rollout import SamplingConfig, rollout
+from scale.rollout_hf import HF
 from scale.rollout_vllm import make_backend
 from team import Agent, Problem, Team
 
@@ -181,7 +182,7 @@ def test_rollout_both_protocols(tiny_agents, protocol):
     torch.manual_seed(0)
     team = Team(tiny_agents, math_team_config(protocol=protocol))
     ps = problems(3)
-    batch = rollout(team, ps, group_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    batch = rollout(team, ps, group_size=4, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6), backend=HF)
     n = 12
     assert len(batch) == n and batch.group_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert [t.agent for t in batch.turns] == [0, 1, 2]
@@ -212,7 +213,8 @@ def test_rollout_both_protocols(tiny_agents, protocol):
 def test_behaviour_logprobs_equal_fresh_unpadded_forward(tiny_agents):
     torch.manual_seed(1)
     team = Team(tiny_agents, math_team_config(protocol="chain"))
-    batch = rollout(team, problems(4), group_size=2, sampling=SamplingConfig(temperature=0.8, max_new_tokens=8))
+    batch = rollout(team, problems(4), group_size=2, sampling=SamplingConfig(temperature=0.8, max_new_tokens=8),
+                    backend=HF)
     for turn in batch.turns:
         model = team.agents[turn.agent].model
         for i in range(len(batch)):
@@ -252,7 +254,8 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
 def test_logprob_chunking_is_exact(tiny_agents):
     torch.manual_seed(3)
     team = Team(tiny_agents, math_team_config())
-    batch = rollout(team, problems(5), group_size=3, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    batch = rollout(team, problems(5), group_size=3, sampling=SamplingConfig(temperature=1.0, max_new_tokens=6),
+                    backend=HF)
     t = batch.turns[0]
     small = batched_response_logprobs(team.agents[0].model, t.tensors, 1.0, token_budget=20)  # 1 row per chunk
     assert torch.allclose(small, t.behaviour_logprobs, atol=1e-6)
@@ -260,7 +263,8 @@ def test_logprob_chunking_is_exact(tiny_agents):
 
 def test_turn_tensors_name_a_turns_tensors_and_select_rows(tiny_agents):
     team = Team(tiny_agents, math_team_config())
-    batch = rollout(team, problems(3), group_size=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=4))
+    batch = rollout(team, problems(3), group_size=2, sampling=SamplingConfig(temperature=1.0, max_new_tokens=4),
+                    backend=HF)
     t = batch.turns[1]
     ctx, cmask, resp, rmask = t.tensors  # still a tuple, in this order
     assert TurnTensors._fields == ("context_ids", "context_mask", "response_ids", "response_mask")

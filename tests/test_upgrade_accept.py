@@ -24,6 +24,7 @@ from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint, read_metrics
 from harness.tasks import arithmetic_problems, load_task
 from rollout import SamplingConfig
+from scale.rollout_hf import HF
 from team import Problem, Team
 
 QUIET = dict(log=lambda *_: None)
@@ -125,10 +126,10 @@ def one_agent_upgrade(incumbent, replacement, train, rows=512, max_passes=3):
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     heldout = arithmetic_problems(64, seed=1, split="heldout")
     one = replace(cfg, eval_samples=1)
-    draws = AcceptanceDraws(acceptance_splits(train, heldout, 0, rows),
-                            lambda team, r, label: sat.evaluate(team, r, sampling, one, label=label)["eval_rewards"])
+    draws = AcceptanceDraws(acceptance_splits(train, heldout, 0, rows), lambda team, r, label:
+                            sat.evaluate(team, r, sampling, one, HF, label=label)["eval_rewards"])
     team = Team([incumbent], math_team_config())
-    return team, certified_upgrade(team, 0, replacement, train[:8], cfg, sampling, draws, 1, lambda *_: None)
+    return team, certified_upgrade(team, 0, replacement, train[:8], cfg, sampling, draws, 1, lambda *_: None, HF)
 
 
 @pytest.mark.slow  # over 10 s: a 200-step warm start, then Stage-0 candidates and 2 x 7 draws of 512 rows

@@ -20,6 +20,7 @@ import torch
 from logprobs import measure_kl
 from rollout import SamplingConfig, regenerate
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.torchrun import Torchrun, rollout_in_blocks
 from harness.tasks import arithmetic_problems
 from harness.math_grading import math_team_config
@@ -44,10 +45,10 @@ def step_of(model) -> list[torch.Tensor]:
 
 
 def one_process(team: Team):
-    batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3)
+    batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3, backend=HF)
     torch.manual_seed(11)
-    again, _ = regenerate(team, batch, 0, sampling)
-    evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, score=False)
+    again, _ = regenerate(team, batch, 0, sampling, HF)
+    evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, backend=HF, score=False)
     reference = copy.deepcopy(team.agents[0].model)
     params = list(team.agents[0].model.parameters())
     interpolate_parameters(params, [p.detach().clone() for p in params], step_of(reference), 0.5)
@@ -75,10 +76,10 @@ def main(out_path: str) -> None:
     whole = [p.detach().clone() for p in team.agents[1].model.parameters()]
     Torchrun.current(shard_frozen=True).adopt(team.agents)  # held as shards, as --shard-frozen
     assert all(distributed.is_sharded(a.model) for a in team.agents)
-    batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3)
+    batch = rollout_in_blocks(team, problems, 2, sampling, seed=7, n_blocks=3, backend=HF)
     torch.manual_seed(11)
-    again, _ = regenerate(team, batch, 0, sampling)  # every rank, the same rows
-    evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, score=False)
+    again, _ = regenerate(team, batch, 0, sampling, HF)  # every rank, the same rows
+    evaluation = rollout_in_blocks(team, problems, 1, sampling, seed=8, n_blocks=3, backend=HF, score=False)
     reference = distributed.frozen_copy(team.agents[0].model)
     params = distributed.local_parameters(team.agents[0].model)
     new = step_of(make_team().agents[0].model)  # the same step, whole on every rank (seeded weights)

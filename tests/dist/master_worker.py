@@ -16,6 +16,7 @@ import sat
 from harness.run_folder import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
@@ -30,7 +31,7 @@ torch.set_num_threads(1)
 torch.manual_seed(0)
 base = load_agent("tiny", seed=0, dtype=torch.bfloat16)
 batch = rollout(Team([base], math_team_config()), arithmetic_problems(8, seed=0), 4,
-                SamplingConfig(temperature=1.0, max_new_tokens=4))
+                SamplingConfig(temperature=1.0, max_new_tokens=4), HF)
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
                  keep_optimizer_state=True).apply_preset()

@@ -23,6 +23,7 @@ import sat
 from plug_and_play import Stage0Fit, stage0_align
 from rollout import SamplingConfig
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
 from harness.math_grading import math_team_config
@@ -54,7 +55,7 @@ def upgrade(shard: bool = False) -> tuple[dict, Stage0Fit, Agent]:
     distributed.broadcast_module(new.model)
     if shard:
         new.model = distributed.shard_in_place(new.model)
-    fitted = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None)
+    fitted = stage0_align(team, 1, new, problems, cfg, sampling, lr=1e-3, log=lambda *_: None, backend=HF)
     return fitted.record, fitted, new
 
 

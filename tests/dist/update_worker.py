@@ -12,6 +12,7 @@ import torch
 import sat
 from rollout import SamplingConfig, rollout
 from scale import distributed
+from scale.rollout_hf import HF
 from scale.sharded_update import train_sharded
 from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
@@ -25,7 +26,7 @@ from harness.loading import load_agent
 torch.set_num_threads(1)
 torch.manual_seed(0)
 team = Team([load_agent("tiny", seed=0)], math_team_config())
-batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4))
+batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4), HF)
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
 cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()
 inputs = build_inputs(batch, 0, [], cfg)
