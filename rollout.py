@@ -584,7 +584,8 @@ def episode_context(team: Team, e: Episode, k: int) -> list[int]:
     if e.rounds == 0:
         earlier = [text for speaker, text in e.said[1:]]  # chain: agents 0..k-1 of this round
         e.ids[k] = team.prompt_ids(k, e.opening, [team.extract(t) for t in earlier], earlier)
-        e.prompt_len[k], e.seen[k] = len(e.ids[k]), len(e.said)
+        e.prompt_len[k] = len(e.ids[k])
+        e.seen[k] = len(e.said) if team.protocol == "chain" else 1  # independent: the opening only
         return e.ids[k]
     last_env = max(i for i, (speaker, _) in enumerate(e.said) if speaker == ENVIRONMENT)
     upto = len(e.said) if team.protocol == "chain" else last_env + 1

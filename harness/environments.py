@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from harness.env_games import GAME_OPTIONS, GAMES
 from harness.user_reward import import_file, import_module
-from reward import DEFAULT_RANGE, RewardError, describe, short
+from reward import DEFAULT_RANGE, Reward, RewardError, describe, short
+from team import Problem
 
 BUILTIN_PREFIX = "env:"
 PROBE_ROWS = 2  # data rows the environment is probed on before any model loads
@@ -185,8 +186,6 @@ def probe_environment(env: Environment, problems: list, n_agents: int) -> None:
 def game_problems(name: str, options: dict, n: int, seed: int, split: str) -> list:
     """Rows of a built-in game: one seed each, the held-out split on odd seeds and training on even ones, so the two
     never share an episode whatever the run's seed."""
-    from team import Problem
-
     unknown = sorted(set(options) - set(GAME_OPTIONS[name]))
     if unknown:
         raise EnvironmentFault(f"--task-option {unknown[0]}: env:{name} takes "
@@ -195,3 +194,17 @@ def game_problems(name: str, options: dict, n: int, seed: int, split: str) -> li
     base = 2 * (seed * 100_003) + (split == "heldout")
     rows = [{**values, "seed": base + 2 * i} for i in range(n)]
     return [Problem(f"{name}-{r['seed']}", "", "", None, r) for r in rows]
+
+
+def episode_reward(env: Environment) -> Reward:
+    """The team reward of an environment's episodes when no --reward is given: its ``get_reward``, in its range,
+    through the one reward path (``reward.score``)."""
+    def reward(prompts: list[str], completions: list[list[str]], *, env_reward: list[float], **columns) -> list[float]:
+        return list(env_reward)
+
+    return Reward(reward, env.name, env.range)
+
+
+def episode_columns(env: Environment | None) -> dict | None:
+    """The columns an episode adds to the reward's (``rollout.score_episodes``), with a value to probe it on."""
+    return None if env is None else {"env_reward": env.range[0], "transcript": ""}
