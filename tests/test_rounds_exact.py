@@ -11,7 +11,7 @@
    c. the finite-horizon identity behind ``advantage.step_estimates`` (paper, Section 5): with exact weights,
       E[(r_j - 1)(R - b(s))] = J(new) - J(old), r_j from the implementation's log rho over every round;
    d. the loss (``update``) gives the environment's and the other agent's tokens exactly zero gradient.
-   And what each agent's view holds in the independent protocol (a fault of ``episode_context``, marked xfail).
+   And what each agent's view holds in the independent protocol.
 2. The same kind of game as a tabular toy MDP (tests/toy_mdp.py: states are transcripts), where a sequential SAT
    stage with exact advantages never lowers J and keeps the per-step and stage bounds (paper, Section 4).
 """
@@ -424,9 +424,6 @@ def test_loss_gives_tokens_agent_j_did_not_write_no_gradient(game, ratio):
 
 
 # -- What each agent's view holds ---------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="rollout.episode_context marks the whole first round seen (e.seen[k] = "
-                   "len(e.said)) in the independent protocol too, where the first prompt shows only the opening: "
-                   "agent k never sees agents 0..k-1's first-round turns")
 def test_independent_views_hold_every_earlier_turn_of_the_others():
     """Independent protocol: from the second round on, each agent's new user turn holds what the others said up to
     the environment's last answer (``episode_context``'s docstring), so no agent is kept from a turn it never saw.
