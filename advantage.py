@@ -240,14 +240,30 @@ def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) ->
         rows = turn.tensors.rows(sl, value_head.weight.device)  # [b, Lc] and [b, Lr] tensors
         hidden = response_hidden_states(model, *rows)  # [b, Lr, H]
         values[sl] = value_head(hidden.float()).squeeze(-1).cpu() * turn.response_mask[sl]
-    mask = turn.response_mask.float()  # [N, Lr]
+    order = own_tokens_first(turn.response_mask)  # [N, Lr]: GAE runs over the agent's own timesteps only
+    mask = turn.response_mask.gather(1, order).float()  # [N, Lr] a prefix of each row
     last = (mask.sum(1) - 1).clamp_min(0).long()  # [N] index of the final token
     token_rewards = torch.zeros_like(mask).scatter_(1, last[:, None], rewards[:, None].float()) * mask  # [N, Lr]
-    tok_adv, returns = gae(token_rewards, values, mask, gamma=1.0, lam=cfg.gae_lambda)  # [N, Lr] x2
+    tok_adv, returns = gae(token_rewards, values.gather(1, order), mask, gamma=1.0, lam=cfg.gae_lambda)  # [N, Lr] x2
+    tok_adv, returns = unpack(tok_adv, order), unpack(returns, order)  # [N, Lr] x2 at the tokens' own positions
+    mask = turn.response_mask.float()  # [N, Lr]
     mean = masked_mean(tok_adv, mask)
     std = masked_mean((tok_adv - mean) ** 2, mask).sqrt()
     adv = ((tok_adv - mean) / (std + 1e-6)).clamp(-cfg.adv_clip, cfg.adv_clip) * mask  # [N, Lr]
     return adv.float(), returns
+
+
+def own_tokens_first(mask: torch.Tensor) -> torch.Tensor:
+    """[N, L] a permutation of each row's positions: the agent's own tokens (mask 1) first, in order, then the
+    rest. In an episode the environment's and the other agents' tokens sit between the agent's turns; its own
+    timesteps are consecutive in this order, so GAE bootstraps from its next own token. Without rounds the own
+    tokens are already a prefix and the order is the identity."""
+    return torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices  # [N, L]
+
+
+def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[N, L] values in ``order``'s positions put back where they came from (the inverse of ``gather``)."""
+    return torch.zeros_like(x).scatter_(1, order, x)  # [N, L]
 
 
 def make_value_head(agent: Agent) -> torch.nn.Linear:

@@ -89,9 +89,13 @@ def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
 # ---------------------------------------------------------------------------
 def response_hidden_states(model, context_ids, context_mask, response_ids, response_mask) -> torch.Tensor:
     """Final hidden states at the positions that predict each response token: position Lc - 1 + t
-    predicts response token t. Hidden states only, so the caller applies the LM head in chunks."""
+    predicts response token t. Hidden states only, so the caller applies the LM head in chunks.
+    ``response_mask`` marks the agent's own tokens; every response token up to the row's last one is attended
+    to (an episode's response holds what the environment and the other agents wrote, at mask 0, between the
+    agent's turns; without rounds the two masks are the same prefix)."""
+    present = response_mask.flip(-1).cummax(-1).values.flip(-1)  # [N, Lr] 1 up to the last own token
     input_ids = torch.cat([context_ids, response_ids], dim=1)  # [N, Lc+Lr]
-    attention_mask = torch.cat([context_mask, response_mask], dim=1)  # [N, Lc+Lr]
+    attention_mask = torch.cat([context_mask, present], dim=1)  # [N, Lc+Lr]
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids_from_mask(attention_mask))
     lc, lr = context_ids.shape[1], response_ids.shape[1]

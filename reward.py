@@ -45,11 +45,12 @@ def columns_of(problems: list, agent_answers: list[list[str | None]], protocol: 
 
 
 def score(reward: Reward, problems: list, completions: list[list[str]], agent_answers: list[list[str | None]],
-          protocol: str) -> list[float]:
+          protocol: str, extra: dict | None = None) -> list[float]:
     """R of joint trajectories ``completions[i]`` (one text per agent) on ``problems[i]``: the one path every
-    reward takes, the built-in one included."""
-    return reward.values([p.problem for p in problems], completions, columns_of(problems, agent_answers, protocol),
-                         [p.id for p in problems])
+    reward takes, the built-in one included. ``extra``: more per-row columns (an episode's ``env_reward`` and
+    ``transcript``)."""
+    return reward.values([p.problem for p in problems], completions,
+                         {**columns_of(problems, agent_answers, protocol), **(extra or {})}, [p.id for p in problems])
 
 
 def counterfactual_baselines(reward: Reward, problems: list, completions: list[list[str]],

@@ -89,9 +89,16 @@ class TeamBatch:
     rewards: torch.Tensor  # [N] team reward R, in the reward's own range (team.config.reward.range)
     agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own score (reward.agent_scores): its answer right?
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
+    transcripts: list[str] | None = None  # [N] with an environment: each episode, every round, as text
+    rounds: list[int] | None = None  # [N] with an environment: the rounds each episode ran
 
     def __len__(self) -> int:
         return len(self.problems)
+
+    @property
+    def responses(self) -> int:
+        """Responses generated for the batch: one per agent and round of every trajectory."""
+        return len(self.turns) * (sum(self.rounds) if self.rounds is not None else len(self))
 
     @property
     def num_tokens(self) -> int:
@@ -113,12 +120,14 @@ def draw_seed() -> int:
     return int(torch.randint(0, 1 << SEED_BITS, ()))
 
 
-def response_seeds(base: int, rows: int, agent: int) -> list[int]:
+def response_seeds(base: int, rows: int, agent: int, round_: int = 0) -> list[int]:
     """One seed per response of agent ``agent`` in rows 0..rows-1 of a call with base seed ``base``: a hash
-    of (base, agent, row), so the agents of one row (and the rows) draw independent randomness, and a call
-    with the same base, rows and agent draws the same randomness whatever the batch around it."""
-    return [int.from_bytes(hashlib.blake2b(f"{base}:{agent}:{row}".encode(), digest_size=8).digest(), "little")
-            >> (64 - SEED_BITS) for row in range(rows)]
+    of (base, agent, row) and, after an episode's first round, the round, so the agents of one row (the rows,
+    the rounds) draw independent randomness, and a call with the same base, rows and agent draws the same
+    randomness whatever the batch around it."""
+    tag = "" if round_ == 0 else f":{round_}"
+    return [int.from_bytes(hashlib.blake2b(f"{base}:{agent}:{row}{tag}".encode(), digest_size=8).digest(),
+                           "little") >> (64 - SEED_BITS) for row in range(rows)]
 
 
 # -- The joint rollout -----------------------------------------------------------------------------------
@@ -187,6 +196,8 @@ def rollout(team: Team, problems: list[Problem], group_size: int, sampling: Samp
     flat = [p for p in problems for _ in range(group_size)]  # [N]
     group_ids = torch.arange(len(problems)).repeat_interleave(group_size)  # [N]
     seed = draw_seed() if seed is None else seed
+    if team.config.environment is not None:
+        return episode_rollout(team, flat, group_ids, sampling, backend, score, seed)
     turns: list[Turn] = []
     for k in range(len(team)):
         turns.append(agent_turn(team, k, turn_contexts(team, k, flat, turns), sampling, backend, score, seed))
@@ -198,13 +209,150 @@ def regenerate(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, b
     """After agent j's promotion (Algorithm 1, line 12), redraw what depends on it, so the batch is
     exactly on-policy for pi_hat^i of Eq. (1) and needs no importance weights. Independent: agent j's
     turn only (the joint action is a product given the problem). Chain: agent j's turn and every turn
-    after it (their contexts hold agent j's answer); earlier turns are draws of unchanged agents. Two
+    after it (their contexts hold agent j's answer); earlier turns are draws of unchanged agents. With an
+    environment, the whole episode (every later round reacts to agent j's turns); the unchanged agents'
+    draws under the same seed repeat wherever their contexts do. Two
     calls with one ``seed`` (a step's before and after draws) share their random numbers row by row.
     Returns the new batch and how many responses were generated."""
+    seed = draw_seed() if seed is None else seed
+    if team.config.environment is not None:  # every later round reacts to agent j's turns: the whole episode
+        new = episode_rollout(team, batch.problems, batch.group_ids, sampling, backend, True, seed)
+        return new, new.responses
     turns = list(batch.turns)
     redo = range(j, len(team)) if team.protocol == "chain" else [j]
-    seed = draw_seed() if seed is None else seed
     for k in redo:
         turns[k] = agent_turn(team, k, turn_contexts(team, k, batch.problems, turns), sampling, backend, True, seed)
     new = TeamBatch(batch.problems, batch.group_ids, turns, *score_team(team, batch.problems, turns, batch.group_ids))
     return new, len(redo) * len(batch)
+
+
+# -- Episodes: agents that act, observe and act again (an environment's rounds) ----------------------------------
+ENVIRONMENT = -1  # the speaker of an environment's observation in ``Episode.said``
+
+
+@dataclass
+class Episode:
+    """One joint trajectory over rounds. The state at any token is the transcript so far (the brief's section
+    12): each agent's view is its own chat, its turns as the assistant's, everything else (the opening
+    observation, the other agents' turns, the environment's answers) as user turns, with token ids kept as
+    they were sampled (never re-templated), so the rollout's contexts and the training forward read the same
+    sequence."""
+
+    problem: Problem  # the data row, as the environment's reset received it
+    opening: Problem  # the same row with the opening observation as its problem text
+    state: object  # the environment's object for this trajectory
+    ids: list[list[int]]  # per agent: its first prompt, then every token of its view after it
+    own: list[list[int]]  # per agent, after the prompt: 1 on its own sampled tokens, 0 on what others wrote
+    prompt_len: list[int]  # per agent
+    said: list[tuple[int, str]]  # (speaker, text) in order: an agent's index, or ENVIRONMENT
+    seen: list[int]  # per agent: the entries of ``said`` already in its view
+    ended_with_eos: list[bool]  # per agent: its last turn sampled the eos (else the template's close is added)
+    truncated: list[bool]  # per agent: some turn hit --max-new-tokens
+    rounds: int = 0
+    done: bool = False
+
+
+def start_episode(team: Team, problem: Problem) -> Episode:
+    state, opening = team.config.environment.start(problem)
+    n = len(team)
+    return Episode(problem, Problem(problem.id, opening, problem.answer, problem.system, problem.columns), state,
+                   [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [(ENVIRONMENT, opening)], [1] * n,
+                   [True] * n, [False] * n)
+
+
+def episode_context(team: Team, e: Episode, k: int) -> list[int]:
+    """Agent k's context for its next turn. The first round: its prompt for the opening observation (chain: with
+    the earlier agents' turns, as without an environment). Later rounds: its view so far, then one user turn with
+    what it has not yet seen (chain: everything said since its last turn; independent: up to the environment's
+    last observation, so agents of one round answer independently), rendered by its own chat template."""
+    if e.rounds == 0:
+        earlier = [text for speaker, text in e.said[1:]]  # chain: agents 0..k-1 of this round
+        e.ids[k] = team.prompt_ids(k, e.opening, [team.extract(t) for t in earlier], earlier)
+        e.prompt_len[k] = len(e.ids[k])
+        e.seen[k] = len(e.said) if team.protocol == "chain" else 1  # independent: the opening only
+        return e.ids[k]
+    last_env = max(i for i, (speaker, _) in enumerate(e.said) if speaker == ENVIRONMENT)
+    upto = len(e.said) if team.protocol == "chain" else last_env + 1
+    entries = [(speaker, text) for speaker, text in e.said[e.seen[k]:upto] if speaker != k]
+    delta = team.agents[k].continuation_ids(team.round_text(entries), e.ended_with_eos[k],
+                                            team.config.enable_thinking)
+    e.ids[k] += delta
+    e.own[k] += [0] * len(delta)
+    e.seen[k] = upto
+    return e.ids[k]
+
+
+def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sampling: SamplingConfig, backend,
+                    score: bool, seed: int) -> TeamBatch:
+    """ROLLOUT over rounds: in each round every live episode's agents speak (in order; chain: each seeing the
+    round so far), then the environment answers each episode or ends it; an episode still going after
+    ``max_rounds`` ends there. Agent k's response in row i and round r is drawn under
+    ``response_seeds(seed, N, k, r)[i]``. Then one teacher-forced forward per agent over its whole view gives
+    the behaviour log-probabilities of its tokens in every round; the environment's and the other agents'
+    tokens are context, masked out of the loss, the ratios, the KL and the value targets (``Turn.response_mask``
+    is 1 on the agent's own tokens only)."""
+    env, n = team.config.environment, len(team)
+    episodes = [start_episode(team, p) for p in flat]
+    for r in range(env.max_rounds):
+        live = [i for i, e in enumerate(episodes) if not e.done]
+        if not live:
+            break
+        for k in range(n):
+            agent = team.agents[k]
+            contexts = [episode_context(team, episodes[i], k) for i in live]
+            seeds = response_seeds(seed, len(flat), k, r)
+            for i, response in zip(live, backend.generate(agent, contexts, sampling, [seeds[i] for i in live])):
+                speak(episodes[i], k, response, agent.tokenizer)
+        for i in live:
+            e = episodes[i]
+            observation, done = env.step(e.state, e.problem, [text for _, text in e.said[-n:]])
+            e.said.append((ENVIRONMENT, observation))
+            e.rounds += 1
+            e.done = done or e.rounds == env.max_rounds
+    turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
+    return TeamBatch([e.problem for e in episodes], group_ids, turns,
+                     *score_episodes(team, episodes, turns, group_ids),
+                     transcripts=[transcript(e) for e in episodes], rounds=[e.rounds for e in episodes])
+
+
+def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
+    """Agent k's sampled turn: its tokens into its view (its own: mask 1), its text into the transcript."""
+    e.ids[k] += response
+    e.own[k] += [1] * len(response)
+    e.ended_with_eos[k] = tokenizer.eos_token_id in response
+    e.truncated[k] = e.truncated[k] or not e.ended_with_eos[k]
+    e.said.append((k, tokenizer.decode(response, skip_special_tokens=True)))
+
+
+def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: SamplingConfig, backend, score: bool) -> Turn:
+    """Agent k's tokens in every episode as one Turn: the first prompt as context, the rest of its view as the
+    response, its mask 1 on the agent's own tokens only; texts and answers from its last turn."""
+    agent = team.agents[k]
+    pad = agent.tokenizer.pad_token_id
+    ctx, cmask = left_pad([e.ids[k][: e.prompt_len[k]] for e in episodes], pad)  # [N, Lc]
+    resp, _ = right_pad([e.ids[k][e.prompt_len[k]:] for e in episodes], pad)  # [N, Lr]
+    own, _ = right_pad([e.own[k] for e in episodes], 0)  # [N, Lr] 1 on the agent's tokens
+    tensors = TurnTensors(ctx, cmask, resp, own)
+    logp = behaviour_logprobs(agent, tensors, sampling) if score else torch.zeros(resp.shape)  # [N, Lr]
+    agent.procs.release(agent.model)
+    texts = [next(text for speaker, text in reversed(e.said) if speaker == k) for e in episodes]
+    return Turn(k, ctx, cmask, resp, own, logp, texts, [team.extract(t) for t in texts],
+                torch.tensor([e.truncated[k] for e in episodes]), None)
+
+
+def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], group_ids: torch.Tensor):
+    """``score_team`` for episodes: the team reward R through ``reward.score`` with the environment's reward
+    (``env_reward``) and the whole ``transcript`` among the columns. No agent's share of an episode can be
+    swapped out of it, so each agent's own score is the team's and there is no counterfactual baseline."""
+    env, reward, protocol = team.config.environment, team.config.reward, team.protocol
+    extra = {"env_reward": [env.reward(e.state, e.problem) for e in episodes],
+             "transcript": [transcript(e) for e in episodes]}
+    answers = [[t.answers[i] for t in turns] for i in range(len(episodes))]
+    texts = [[t.texts[i] for t in turns] for i in range(len(episodes))]
+    rewards = torch.tensor(score(reward, [e.opening for e in episodes], texts, answers, protocol, extra)).float()
+    return [team.team_answer(a) for a in answers], rewards, rewards.expand(len(turns), -1).clone(), None
+
+
+def transcript(e: Episode) -> str:
+    """The episode as text: the opening observation, then every turn, named."""
+    return "\n\n".join(f"{'Environment' if s == ENVIRONMENT else f'Agent {s + 1}'}: {text}" for s, text in e.said)

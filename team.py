@@ -133,6 +133,26 @@ class Agent:
         key = (tuple((m["role"], m["content"]) for m in messages), enable_thinking)
         return self._encode(self._prompt_cache, key, lambda: self.render_prompt(messages, enable_thinking))
 
+    def continuation_ids(self, content: str, ended_with_eos: bool, enable_thinking: bool = False) -> list[int]:
+        """Token ids that follow one of this agent's turns in its chat: the close of its turn (less the eos it
+        sampled), a user turn holding ``content`` and the opening of its next turn, as its chat template writes
+        them after an assistant message. A template that rewrites earlier turns cannot continue a sampled
+        sequence; it is refused."""
+        marker = "\x00SAT_TURN\x00"
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+        before = self.tokenizer.apply_chat_template(chat, tokenize=False)
+        after = self.tokenizer.apply_chat_template(chat + [{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True, enable_thinking=enable_thinking)
+        if not after.startswith(before):
+            raise ValueError(f"agent '{self.spec.name}': its chat template rewrites earlier turns when a turn is "
+                             "added, so an episode's sampled tokens cannot be continued; use a model whose template "
+                             "only appends")
+        close = before[before.rindex(marker) + len(marker):]
+        eos = self.tokenizer.eos_token
+        if ended_with_eos and close.startswith(eos):
+            close = close[len(eos):]
+        return self.tokenizer(close + after[len(before):], add_special_tokens=False)["input_ids"]
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain text (no special tokens), cached like prompts."""
         return self._encode(self._text_cache, text, lambda: text)
@@ -233,6 +253,7 @@ class TeamConfig:
     enable_thinking: bool = False  # Qwen3's thinking switch, passed to every chat template
     instruction: str = ""  # appended to every problem, e.g. "put your final answer within \\boxed{}"
     roles: object | None = None  # harness.roles.Roles: a system turn and user template per agent (None: the paper's)
+    environment: object | None = None  # harness.environments.Environment: rounds of act, observe, act again
 
 
 class Team:
@@ -280,6 +301,11 @@ class Team:
                    previous_texts: list[str] | None = None) -> list[int]:
         messages = self.messages(agent_index, problem, previous_answers, previous_texts)
         return self.agents[agent_index].encode_prompt(messages, self.config.enable_thinking)
+
+    def round_text(self, entries: list[tuple[int, str]]) -> str:
+        """A later round's user turn: what the other agents said ("Agent i: ..."), then the environment's answer
+        (speaker -1, as written), in the order they came."""
+        return "\n\n".join(text if speaker < 0 else f"Agent {speaker + 1}: {text}" for speaker, text in entries)
 
     def team_answer(self, answers: list[str | None]) -> str | None:
         """The task's vote (independent) or the last agent's answer (chain)."""

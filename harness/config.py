@@ -145,7 +145,8 @@ class Config:
     protocol: str = opt("independent", "independent (majority vote) or chain (agents speak in turn)", PROTOCOLS)
     task: str | None = opt(None, "arithmetic (tiny default), arithmetic-chat (real models on CPU), a math dataset "
                                  "(dapo-math-17k, deepscaler, aime24, aime25, math500) or reasoning-gym:NAME "
-                                 "(logic and planning, generated offline)")
+                                 "(logic and planning, generated offline) or env:NAME (an interactive "
+                                 "environment: guess-numbers, blocksworld)")
     task_option: list[str] = opt([], "KEY=VALUE: the config of --task reasoning-gym:NAME's dataset (repeatable), "
                                      "e.g. --task-option n_people=2")
     data: str | None = opt(None, "your problems: a .jsonl/.json/.csv/.parquet file or a Hub id "
@@ -161,6 +162,11 @@ class Config:
     reward: str | None = opt(None, "the team reward over the joint output: FILE.py:NAME or package.module:NAME, "
                                    "def NAME(prompts, completions, **columns) -> list[float] (README); default: the "
                                    "vote's correctness, or a reasoning-gym task's own scorer")
+    env: str | None = opt(None, "an environment the team acts in over rounds: FILE.py:NAME or package.module:NAME, "
+                                "a class with reset(**row), step(responses) and get_reward() (README); built-in "
+                                "ones: --task env:guess-numbers, env:blocksworld")
+    max_rounds: int | None = opt(None, "T: the most rounds an episode of --env runs (default: the class's "
+                                       "max_rounds)")
     roles: str | None = opt(None, "a YAML or JSON file: a system turn and user template per agent (harness/roles.py);"
                                   " default none, as in the paper")
     report_to: str = opt("none", "experiment trackers, comma-separated: tensorboard, wandb (offline), trackio, "
@@ -302,6 +308,8 @@ class Config:
             raise ValueError(f"--kl-check-every must be >= 0 (got {self.kl_check_every})")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1 (got {self.threads})")
+        if self.max_rounds is not None and self.max_rounds < 1:
+            raise ValueError(f"--max-rounds must be >= 1 (got {self.max_rounds})")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

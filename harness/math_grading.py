@@ -326,8 +326,8 @@ def agent_answer(text: str, instruction: str) -> str | None:
 
 
 def math_team_config(protocol: str = "independent", enable_thinking: bool = False, instruction: str = "",
-                     roles=None, reward: Reward = DEFAULT_REWARD) -> TeamConfig:
+                     roles=None, reward: Reward = DEFAULT_REWARD, environment=None) -> TeamConfig:
     """A team's config with the math task's reading of answers (``agent_answer``), its team answer
     (``majority_vote``) and ``reward`` (default the built-in one): what every team the entry points build uses."""
     return TeamConfig(reward=reward, extract=agent_answer, vote=majority_vote, protocol=protocol,
-                      enable_thinking=enable_thinking, instruction=instruction, roles=roles)
+                      enable_thinking=enable_thinking, instruction=instruction, roles=roles, environment=environment)

@@ -84,7 +84,9 @@ def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
                          "score": float(batch.agent_correct[k, r]), "tokens": int(t.response_mask[r].sum()),
                          "truncated": bool(t.truncated[r])}
                         for k, t in enumerate(batch.turns)],
-             "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r])} for r in rows]
+             "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r]),
+             **({"transcript": batch.transcripts[r], "rounds": batch.rounds[r]} if batch.transcripts else {})}
+            for r in rows]
 
 
 def sample_text(sample: dict, width: int = 160) -> str:
@@ -95,6 +97,10 @@ def sample_text(sample: dict, width: int = 160) -> str:
 
     lines = [f"  sample, stage {sample['stage']}: {cut(sample['problem'])}  (gold {sample['gold']}; team "
              f"{sample['team_answer']}, reward {sample['reward']:.2f})"]
+    if "transcript" in sample:  # an episode: every turn of every round, the environment's included
+        lines[0] = (f"  sample, stage {sample['stage']}: an episode of {sample['rounds']} round(s), team reward "
+                    f"{sample['reward']:.2f}")
+        return "\n".join(lines + [f"    {cut(turn)}" for turn in sample["transcript"].split("\n\n")])
     for k, a in enumerate(sample["agents"]):
         score = a.get("score", float(a["correct"]))
         mark = {1.0: "right", 0.0: "wrong"}.get(score, f"score {score:.2f}")

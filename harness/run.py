@@ -23,11 +23,12 @@ from advantage import make_value_head
 from certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness import reasoning_gym_task, records, run_folder
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
+from harness.environments import Environment, episode_columns, episode_reward, load_environment, probe_environment
 from harness.loading import check_hub_available, load_agent, warm_start
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
-from harness.tasks import load_task
+from harness.tasks import env_game, load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
 from harness.upgrades import apply_upgrades
 from harness.user_reward import check_reward, load_reward
@@ -94,12 +95,14 @@ def validate_run_inputs(cfg: "Config") -> None:
         raise ValueError("--backend vllm but vLLM is not installed: "
                          "pip install -r requirements-vllm.txt, or use --backend hf")
     check_report_to(parse_report_to(cfg.report_to))  # a missing package: refused before any work
-    if cfg.task_option and not reasoning_gym_task.task_name(cfg.task):
+    if cfg.task_option and not (reasoning_gym_task.task_name(cfg.task) or env_game(cfg.task)):
         raise ValueError("--task-option configures a --task reasoning-gym:NAME dataset; pass that task, or drop the "
                          "option")
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
     team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
+    if team_environment(cfg) is not None and cfg.backend == "vllm":
+        raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
         team_roles(cfg, len(parse_agents(cfg.agents)))
     if cfg.upgrade and not cfg.resume:
@@ -132,11 +135,26 @@ def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
     return train, heldout, instruction
 
 
+def team_environment(cfg: Config) -> Environment | None:
+    """The environment the team acts in over rounds: --env, else a built-in --task env:NAME, else none."""
+    spec = cfg.env or (cfg.task if env_game(cfg.task) and not cfg.data else None)
+    if spec is None:
+        if cfg.max_rounds is not None:
+            raise ValueError("--max-rounds applies to an environment's episodes: add --env FILE.py:NAME or "
+                             "--task env:NAME, or drop the option")
+        return None
+    return load_environment(spec, cfg.max_rounds)
+
+
 def team_reward(cfg: Config) -> Reward:
-    """The team reward: --reward, else a reasoning-gym task's own scorer, else the built-in one
+    """The team reward: --reward (with an environment, its columns hold ``env_reward`` and ``transcript``), else
+    the environment's own, else a reasoning-gym task's own scorer, else the built-in one
     (``harness.math_grading.DEFAULT_REWARD``)."""
     if cfg.reward:
         return load_reward(cfg.reward)
+    env = team_environment(cfg)
+    if env is not None:
+        return episode_reward(env)
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         return reasoning_gym_task.task_reward(cfg.task, cfg.task_option)
     return DEFAULT_REWARD
@@ -158,7 +176,8 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, r
     agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
               for k, spec in enumerate(specs)]
     return Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
-                                         roles=team_roles(cfg, len(specs)), reward=reward))
+                                         roles=team_roles(cfg, len(specs)), reward=reward,
+                                         environment=team_environment(cfg)))
 
 
 def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
@@ -169,7 +188,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
     if resume_from is not None:
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
-        team.config.reward = reward
+        team.config.reward, team.config.environment = reward, team_environment(cfg)
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -230,8 +249,10 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     replaced = run_folder.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     procs.barrier()  # every process has looked before one writes anything
     train, heldout, instruction = load_problems(cfg)
-    reward = team_reward(cfg)
-    check_reward(reward, train, team_size(cfg, resume_from), cfg.protocol)  # before any model is loaded
+    reward, env = team_reward(cfg), team_environment(cfg)
+    if env is not None:  # before any model is loaded: the environment's contract, then the reward's on its columns
+        probe_environment(env, train, team_size(cfg, resume_from))
+    check_reward(reward, train, team_size(cfg, resume_from), cfg.protocol, episode_columns(env))
     run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log, reward)
     train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written
     if procs.main:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from harness import reasoning_gym_task as rg
 from harness.datafiles import load_problems
+from harness.environments import BUILTIN_PREFIX, game_problems
 from team import Problem
 
 # -- Synthetic addition task -----------------------------------------------------------------------------
@@ -357,8 +358,19 @@ def user_instruction(text: str | None) -> str:
     return BOXED_INSTRUCTION if text == "boxed" else "\n" + text
 
 
+def env_game(task: str | None) -> str | None:
+    """NAME of an "env:NAME" task, None for any other task."""
+    return task[len(BUILTIN_PREFIX):] if task and task.startswith(BUILTIN_PREFIX) else None
+
+
 def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
+    game = env_game(cfg.task) if not cfg.data else None
+    if game:  # an environment's rows: one seed each, training and held-out seeds apart
+        options = dict(o.split("=", 1) for o in cfg.task_option)
+        train = game_problems(game, options, TRAIN_POOL, cfg.seed, "train")
+        heldout = game_problems(game, options, cfg.eval_size, cfg.seed, "heldout")
+        return train, heldout, user_instruction(cfg.instruction)
     gym = rg.task_name(cfg.task) if not cfg.data else None
     synthetic = cfg.task in SYNTHETIC_TASKS and not cfg.data
     if gym:  # the instruction comes with the task's roles (reasoning_gym_task.task_roles)

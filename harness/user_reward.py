@@ -225,10 +225,12 @@ def probe(reward: Reward, prompts: list[str], completions: list[list[str]], colu
     return first
 
 
-def check_reward(reward: Reward, problems: list, n_agents: int, protocol: str) -> None:
+def check_reward(reward: Reward, problems: list, n_agents: int, protocol: str, extra: dict | None = None) -> None:
     """The reward's contract on the data's first rows, before any model is loaded (a typo costs seconds): each row
-    answered by every agent with its gold answer, then with an empty response (no answer), through ``probe``."""
+    answered by every agent with its gold answer, then with an empty response (no answer), through ``probe``.
+    ``extra``: a value for each further column every row gets (an episode's ``env_reward`` and ``transcript``)."""
     rows = [p for p in problems[:PROBE_ROWS] for _ in range(2)]
     texts = [[p.answer if i % 2 == 0 else ""] * n_agents for i, p in enumerate(rows)]
     answers = [[p.answer if i % 2 == 0 else None] * n_agents for i, p in enumerate(rows)]
-    probe(reward, [p.problem for p in rows], texts, columns_of(rows, answers, protocol), [p.id for p in rows])
+    columns = {**columns_of(rows, answers, protocol), **{k: [v] * len(rows) for k, v in (extra or {}).items()}}
+    probe(reward, [p.problem for p in rows], texts, columns, [p.id for p in rows])

@@ -1,0 +1,170 @@
+"""The environment contract (harness/environments.py) and the two built-in games (harness/env_games.py), checked
+against their definitions: ARBench's guessing-numbers feedback by brute force over digit pairs, blocksworld's
+actions against a breadth-first search of the state space, every fault as one line."""
+import itertools
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import env_games as games
+from harness.environments import (
+    EnvironmentFault,
+    game_problems,
+    load_environment,
+    play,
+    probe_environment,
+)
+from team import Problem
+
+
+# -- Guessing numbers -------------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.permutations("0123456789"), st.lists(st.sampled_from("0123456789"), min_size=4, max_size=4),
+       st.integers(2, 4))
+def test_gn_feedback_is_the_count_over_digit_pairs(perm, guess, digits):
+    secret, guess = "".join(perm[:digits]), "".join(guess[:digits])
+    in_place = sum(secret[i] == guess[i] for i in range(digits))
+    # a guess digit counts elsewhere when it is in the secret at another position and not itself in place
+    # (the secret's digits are distinct; a repeated guess digit counts once per secret occurrence)
+    matched = sum(min(secret.count(d), guess.count(d)) for d in set(guess))
+    assert games.gn_feedback(secret, guess) == (in_place, matched - in_place)
+
+
+def test_gn_secret_is_distinct_digits_and_a_function_of_the_seed():
+    for seed in range(50):
+        s = games.gn_secret(seed, 4)
+        assert len(set(s)) == 4 and s == games.gn_secret(seed, 4)
+    assert len({games.gn_secret(seed, 4) for seed in range(50)}) > 40
+
+
+def test_gn_episode_solves_on_the_secret_and_grades_a_miss():
+    env = load_environment("env:guess-numbers")
+    p = game_problems("guess-numbers", {"digits": "3"}, 1, seed=0, split="train")[0]
+    secret = games.gn_secret(p.columns["seed"], 3)
+    wrong = next("".join(c) for c in itertools.permutations("0123456789", 3)
+                 if not set(c) & set(secret))
+    seen, reward = play(env, p, [[wrong]] * 2)
+    assert reward == 0.0 and "0 right and in place, 0 in the secret" in seen[1] and len(seen) == 3
+    seen, reward = play(env, p, [[wrong], ["x", secret]])
+    assert reward == 1.0 and "Solved" in seen[-1]
+    shuffled = secret[1:] + secret[0]  # every digit present, none in place
+    assert play(env, p, [[shuffled]])[1] == pytest.approx(0.5 * 0.5)
+
+
+# -- Blocksworld ------------------------------------------------------------------------------------------------
+def plan_by_search(env) -> list[str]:
+    """A shortest plan from the episode's state to its goal, by breadth-first search over bw_apply."""
+    blocks = list(env.on)
+    actions = ([("pick up", x, None) for x in blocks] + [("put down", x, None) for x in blocks]
+               + [(v, x, y) for v in ("stack", "unstack") for x in blocks for y in blocks if x != y])
+    start = (tuple(sorted(env.on.items())), None)
+    parent, queue = {start: None}, deque([start])
+    while queue:
+        state = queue.popleft()
+        on, held = dict(state[0]), state[1]
+        if held is None and all(on.get(b) == s for b, s in env.goal.items()):
+            plan = []
+            while parent[state] is not None:
+                state, action = parent[state]
+                plan.append(action)
+            return plan[::-1]
+        for verb, x, y in actions:
+            new_on, new_held = games.bw_apply(on, held, verb, x, y)
+            if new_on is not None:
+                nxt = (tuple(sorted(new_on.items())), new_held)
+                if nxt not in parent:
+                    parent[nxt] = (state, f"{verb} the {x} block" + (
+                        f" {'on top of' if verb == 'stack' else 'from on top of'} the {y} block" if y else ""))
+                    queue.append(nxt)
+    raise AssertionError("no plan")
+
+
+@pytest.mark.parametrize("blocks", [3, 4, 5])
+def test_blocksworld_searched_plan_solves_every_episode_and_earns_one(blocks):
+    env = load_environment("env:blocksworld")
+    for p in game_problems("blocksworld", {"blocks": str(blocks)}, 6, seed=1, split="heldout"):
+        episode, _ = env.start(p)
+        plan = plan_by_search(episode)
+        assert plan, "a goal that already holds is never generated"
+        seen, reward = play(env, p, [["\n".join(plan)]])
+        assert reward == 1.0 and seen[-1].endswith("solved."), seen
+
+
+def test_blocksworld_refuses_an_action_whose_precondition_fails_and_says_why():
+    on = {"red": "table", "blue": "red", "orange": "table"}
+    assert games.bw_apply(on, None, "pick up", "red", None) == (None, "the red block is not clear")
+    assert games.bw_apply(on, None, "unstack", "blue", "red") == ({**on, "blue": "held"}, "blue")
+    assert games.bw_apply(on, "blue", "pick up", "orange", None)[1].startswith("my hand is not empty")
+    assert games.bw_apply(on, None, "put down", "red", None) == (None, "I am not holding the red block")
+    assert games.bw_apply(on, None, "pick up", "green", None) == (None, "there is no green block")
+
+
+def test_blocksworld_partial_credit_counts_valid_actions_and_progress():
+    env = load_environment("env:blocksworld")
+    p = game_problems("blocksworld", {}, 1, seed=3, split="train")[0]
+    assert play(env, p, [["I do not know"]])[1] == 0.0  # no action: nothing earned
+    episode, _ = env.start(p)
+    plan = plan_by_search(episode)
+    reward = play(env, p, [[plan[0]]])[1]
+    assert 0.25 <= reward < 1.0  # one valid action: the valid share is 1
+
+
+def test_game_rows_split_train_and_heldout_apart_whatever_the_seed():
+    for name in games.GAMES:
+        train = {p.columns["seed"] for s in range(3) for p in game_problems(name, {}, 50, s, "train")}
+        held = {p.columns["seed"] for s in range(3) for p in game_problems(name, {}, 50, s, "heldout")}
+        assert not train & held
+
+
+# -- The contract's faults, one line each ------------------------------------------------------------------------
+def env_file(tmp_path, body: str) -> str:
+    path = tmp_path / "myenv.py"
+    path.write_text(body)
+    return f"{path}:Env"
+
+
+GOOD = ("class Env:\n    max_rounds = 2\n    def reset(self, **row): return 'go'\n"
+        "    def step(self, responses): return ('ok', False)\n    def get_reward(self): return {reward}\n")
+
+
+@pytest.mark.parametrize("body, expected", [
+    (GOOD.replace("return 'go'", "return 1 / 0"), "reset raised ZeroDivisionError: division by zero (myenv.py:3)"),
+    (GOOD.replace("return 'go'", "return 7"), "reset returned int 7; return the opening observation as a str"),
+    (GOOD.replace("('ok', False)", "'ok'"), "step returned 'ok'; return (observation: str, done: bool)"),
+    (GOOD.format(reward="1.5"), "get_reward returned 1.5, outside its range [0.0, 1.0]; return values in the "
+                                "range, or give the class reward_range = (lo, hi)"),
+    (GOOD.format(reward="'high'"), "get_reward returned 'high'; return a finite number in [0.0, 1.0]"),
+])
+def test_each_fault_is_one_line_naming_the_environment_and_the_row(tmp_path, body, expected):
+    spec = env_file(tmp_path, body.format(reward="0.5"))
+    env = load_environment(spec)
+    problem = Problem("row-7", "1+1", "2")
+    with pytest.raises(EnvironmentFault) as err:
+        play(env, problem, [["a"]] * 2)
+    assert str(err.value) == f"environment {spec}, row 'row-7': {expected}"
+
+
+def test_a_nondeterministic_environment_is_refused_before_training(tmp_path):
+    body = GOOD.format(reward="0.5").replace("return ('ok', False)",
+                                             "import random; return (str(random.random()), False)")
+    env = load_environment(env_file(tmp_path, body))
+    with pytest.raises(EnvironmentFault, match=r"is not deterministic: row 'r': observation 1 was '0\.\d+', then"):
+        probe_environment(env, [Problem("r", "1+1", "2")], n_agents=2)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("x = 1\n", "has no class 'Env'"),
+    ("class Env:\n    def reset(self, **row): return ''\n", "Env has no step, get_reward"),
+    (GOOD.replace("max_rounds = 2", "pass"), "no round limit; pass --max-rounds T or give the class max_rounds = T"),
+    (GOOD.replace("max_rounds = 2", "max_rounds = 2\n    def __init__(self, size): pass"), r"Env\(\) needs arguments"),
+])
+def test_a_malformed_class_is_refused_when_loaded(tmp_path, body, expected):
+    with pytest.raises(EnvironmentFault, match=expected):
+        load_environment(env_file(tmp_path, body.replace("{reward}", "0.5")))
+
+
+def test_max_rounds_from_the_option_overrides_the_class():
+    assert load_environment("env:guess-numbers", max_rounds=3).max_rounds == 3
+    assert load_environment("env:guess-numbers").max_rounds == games.GuessNumbers.max_rounds
