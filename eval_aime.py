@@ -173,9 +173,10 @@ def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: ra
         source = team_source(answers, batch.team_answers[i], protocol)
         graded = scored(batch.rewards[i]) if scored else {"correct": answers_match(batch.team_answers[i],
                                                                                    problem.answer)}
+        episode = {} if batch.rounds is None else {"text": batch.transcripts[i], "rounds": batch.rounds[i]}
         rows.append({**base, "who": "team", "text": f"team answer from {source or 'no agent (no answer)'}",
                      "source": source, "answer": batch.team_answers[i], **graded,
-                     "tokens": sum(tokens), "truncated": any(truncated)})  # the team sample's cost: all its agents'
+                     "tokens": sum(tokens), "truncated": any(truncated), **episode})  # its cost: all its agents'
     return rows
 
 
@@ -207,6 +208,9 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
             metrics[who] = aggregate(per_problem)
             lengths[who] = length_stats([r["tokens"] for r in picked], [r["truncated"] for r in picked])
         out[bench] = {"n_problems": len(problems), "k": k, "metrics": metrics, "lengths": lengths}
+        rounds = [r["rounds"] for r in mine if "rounds" in r]
+        if rounds:  # an environment's episodes: the rounds the team used
+            out[bench]["rounds"] = {"mean": float(np.mean(rounds)), "max": int(max(rounds))}
     return out
 
 

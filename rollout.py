@@ -91,6 +91,7 @@ class TeamBatch:
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
     transcripts: list[str] | None = None  # [N] with an environment: each episode, every round, as text
     rounds: list[int] | None = None  # [N] with an environment: the rounds each episode ran
+    solved: list[bool] | None = None  # [N] with an environment: its reward at the top of the environment's range
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -310,9 +311,10 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
     turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
-    return TeamBatch([e.problem for e in episodes], group_ids, turns,
-                     *score_episodes(team, episodes, turns, group_ids),
-                     transcripts=[transcript(e) for e in episodes], rounds=[e.rounds for e in episodes])
+    answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, group_ids)
+    return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
+                     transcripts=[transcript(e) for e in episodes], rounds=[e.rounds for e in episodes],
+                     solved=[float(r) >= env.range[1] for r in rewards])
 
 
 def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:

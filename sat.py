@@ -251,7 +251,9 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
         torch.manual_seed(random.Random(f"{label} {cfg.seed}").getrandbits(63))
         batch = team_rollout(team, problems, cfg.eval_samples, sampling, backend, score=False)
     acc = float(batch.rewards.mean())
-    return {"eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
+    episodes = {} if batch.rounds is None else {"eval_success": sum(batch.solved) / len(batch),
+                                                "eval_rounds": sum(batch.rounds) / len(batch)}
+    return {**episodes, "eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
             "eval_seconds": time.time() - t0,
             "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
             "eval_agent_accuracy": batch.agent_correct.mean(1).tolist(),

@@ -65,22 +65,26 @@ class StageRecord:
     step_bounds: str  # what each AgentStep.step_bound is, or why it is None
     seconds: float  # the stage's wall time, its evaluation apart
     vllm_logprob_abs_diff: list[float] | None = None  # --backend vllm: mean |log pi_vllm - log pi_train| per agent
+    episode_rounds: float | None = None  # an environment's episodes: the mean rounds they ran
+    success: float | None = None  # an environment's episodes: the share solved (team reward at the top of its range)
 
     def row(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["agents"] = [a.row() for a in self.agents]
-        if self.vllm_logprob_abs_diff is None:
-            del out["vllm_logprob_abs_diff"]
+        for optional in ("vllm_logprob_abs_diff", "episode_rounds", "success"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
 def rollout_record(batch: TeamBatch, rollout_seconds: float, health=None) -> dict:
     """``StageRecord``'s rollout fields: rewards, throughput, lengths."""
-    n_agents = len(batch.turns)
     record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_correct.mean(1).tolist(),
               "rollout_tokens_per_s": batch.num_tokens / max(rollout_seconds, 1e-9),
               "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
-              "mean_response_tokens": batch.num_tokens / (len(batch) * n_agents)}
+              "mean_response_tokens": batch.num_tokens / batch.responses}
+    if batch.rounds is not None:  # an environment's episodes: how long they ran, how many reached the top reward
+        record.update(episode_rounds=sum(batch.rounds) / len(batch), success=sum(batch.solved) / len(batch))
     if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
         record["vllm_logprob_abs_diff"] = health
     return record
@@ -102,7 +106,7 @@ class StageClock:
         """B is drawn: its record fields, timed from the stage's start, and its N x n responses."""
         self.rollout_fields = rollout_record(batch, time.time() - self.start, health=health)
         self.n_agents = len(batch.turns)
-        self.generations, self.generation_seconds = len(batch) * self.n_agents, time.time() - self.start
+        self.generations, self.generation_seconds = batch.responses, time.time() - self.start
 
     def stepping(self, i: int, j: int) -> None:
         """Step i (0-based) of the stage updates agent j (0-based): shown on the progress bar."""

@@ -108,6 +108,8 @@ def markdown_table(summary: dict, k: int) -> str:
             ln = b["lengths"][who]
             lengths = f"{ln['mean_tokens']:.0f} / {ln['median_tokens']:.0f} / {ln['max_tokens']}"
             lines.append("| " + " | ".join([bench, who, *cells, lengths, f"{100 * ln['truncated']:.1f}%"]) + " |")
+        if "rounds" in b:  # an environment's episodes: avg@K is the mean reward, pass@K the share at its maximum
+            lines.append(f"| {bench} | rounds used | mean {b['rounds']['mean']:.2f}, max {b['rounds']['max']} |")
     return "\n".join(lines)
 
 

@@ -21,11 +21,12 @@ import torch
 from harness import reasoning_gym_task as rg
 from harness.config import BACKENDS, opt, parse_agents
 from harness.datafiles import load_problems
+from harness.environments import Environment, episode_reward, game_problems, load_environment
 from harness.loading import check_hub_available, load_agent, load_saved_team
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.roles import parse_roles
 from harness.run_folder import folder_digests, latest_checkpoint, verify_checkpoint
-from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, load_dataset_by_name
+from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, env_game, load_dataset_by_name
 from harness.user_reward import load_reward
 from reward import Reward
 from team import PROTOCOLS, Problem, Team
@@ -38,8 +39,12 @@ class EvalConfig:
     agents: str = opt("Qwen3-4B x3", 'the team, e.g. "Qwen3-4B x3", "tiny x3" (ignored with --ckpt)')
     ckpt: str | None = opt(None, "a sat.py run folder (latest checkpoint), a checkpoints/stage_XXXX folder, or a "
                            "team folder")
-    bench: str = opt("aime24,aime25", "comma-separated dataset names: aime24, aime25, math500, or one "
-                                      "reasoning-gym:NAME (its held-out questions, scored by its own verifier)")
+    bench: str = opt("aime24,aime25", "comma-separated dataset names: aime24, aime25, math500, one "
+                                      "reasoning-gym:NAME (its held-out questions, scored by its own verifier), or "
+                                      "one env:NAME (guess-numbers, blocksworld: held-out episodes)")
+    env: str | None = opt(None, "the environment the team acts in over rounds, FILE.py:NAME (as in sat.py); "
+                                "default: a --ckpt team's own, if it was trained in one")
+    max_rounds: int | None = opt(None, "T, the most rounds of an episode (default: the environment's)")
     data: str | None = opt(None, "comma-separated data files (.jsonl/.json/.csv/.parquet) or Hub ids instead of "
                                  "--bench (each file stem names a benchmark)")
     problem_key: str | None = opt(None, "the problem column of --data (as in sat.py)")
@@ -93,7 +98,10 @@ class EvalConfig:
 # -- The benchmarks --------------------------------------------------------------------------------------
 def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
     """{benchmark name: every problem} from --data files or --bench names."""
-    gym = gym_bench(cfg)
+    gym, game = gym_bench(cfg), env_game(cfg.bench.strip()) if not cfg.data else None
+    if game:  # the held-out episodes of sat.py --seed 0
+        options = dict(o.split("=", 1) for o in cfg.task_option)
+        return {cfg.bench.strip(): game_problems(game, options, cfg.reasoning_gym_size, 0, "heldout")}
     if cfg.data:
         specs = [p.strip() for p in cfg.data.split(",") if p.strip()]
         benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key) for s in specs}
@@ -136,10 +144,25 @@ def gym_bench(cfg: EvalConfig) -> str | None:
     return rg.task_name(cfg.bench.strip()) if not cfg.data else None
 
 
+def benchmark_environment(cfg: EvalConfig) -> Environment | None:
+    """The environment the team acts in: --env, an env:NAME benchmark, or the one a --ckpt team was trained in
+    (with its T, unless --max-rounds says otherwise)."""
+    if cfg.env or env_game(cfg.bench.strip()) and not cfg.data:
+        return load_environment(cfg.env or cfg.bench.strip(), cfg.max_rounds)
+    saved = json.loads((team_folder(cfg.ckpt) / "team.json").read_text()).get("environment") if cfg.ckpt else None
+    if saved:
+        return load_environment(saved["spec"], cfg.max_rounds or saved["max_rounds"])
+    return None
+
+
 def benchmark_reward(cfg: EvalConfig) -> Reward:
-    """The reward samples are scored with: --reward, a reasoning-gym benchmark's own scorer, or the built-in one."""
+    """The reward samples are scored with: --reward, an environment's own, a reasoning-gym benchmark's own scorer,
+    or the built-in one."""
     if cfg.reward:
         return load_reward(cfg.reward)
+    env = benchmark_environment(cfg)
+    if env is not None:
+        return episode_reward(env)
     if gym_bench(cfg):
         return rg.task_reward(cfg.bench.strip(), cfg.task_option)
     return DEFAULT_REWARD
@@ -185,16 +208,17 @@ def team_identity(cfg: EvalConfig) -> dict:
         team = {"ckpt": None, "agents": [s.name for s in parse_agents(cfg.agents)], "weights_sha256": None}
         protocol = cfg.protocol or "independent"
         thinking = bool(cfg.thinking)
-    gym = gym_bench(cfg)
+    gym = gym_bench(cfg) or env_game(cfg.bench.strip())
     roles = meta.get("roles") if cfg.ckpt else None  # the prompts the team was trained with
-    if roles is None and gym:
+    if roles is None and gym_bench(cfg):
         roles = rg.task_roles(len(team["agents"]), protocol).to_dict()
     saved = meta.get("instruction") if cfg.ckpt else None  # the prompt suffix the team was trained with
     default = "" if gym else saved if saved is not None else BOXED_INSTRUCTION
     instruction = cfg.instruction if cfg.instruction is not None else default
     return {**team, "protocol": protocol, "enable_thinking": thinking, "instruction": instruction, "roles": roles,
             "reward": cfg.reward or (cfg.bench.strip() if gym else None), "temperature": cfg.temperature,
-            "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
+            "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,
+            **({"environment": env.name, "max_rounds": env.max_rounds} if (env := benchmark_environment(cfg)) else {})}
 
 
 def eval_identity(cfg: EvalConfig, benches: dict[str, list[Problem]], backend: str, device: str) -> dict:
@@ -212,7 +236,8 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     roles = identity["roles"] and parse_roles(identity["roles"], "the team's roles", len(identity["agents"]),
                                               identity["protocol"])
     team_cfg = math_team_config(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
-                                instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg))
+                                instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg),
+                                environment=benchmark_environment(cfg))
     if cfg.ckpt:
         team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question

@@ -294,6 +294,9 @@ def save_team_meta(team: Team, path: str | Path) -> None:
     meta = {"protocol": team.config.protocol, "enable_thinking": team.config.enable_thinking,
             "instruction": team.config.instruction, "agents": [a.spec.name for a in team.agents],
             "roles": team.config.roles.to_dict() if team.config.roles is not None else None}
+    env = team.config.environment
+    if env is not None:  # the spec eval_aime.py --ckpt plays the team in again
+        meta["environment"] = {"spec": env.name, "max_rounds": env.max_rounds}
     (path / "team.json").write_text(json.dumps(meta))
 
 

@@ -44,6 +44,8 @@ from stage_record import StageRecord
 from team import Agent, Problem, Team
 from trust_region import QuantileController
 
+WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
+
 
 class Resolved(NamedTuple):
     """A run ready to start (``resolve``): its final configuration, the checkpoint it resumes from, its processes."""
@@ -202,7 +204,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
             t0 = time.time()
-            warm_start(team, train, cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
+            warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
             log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
                 f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
     procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
@@ -214,6 +216,15 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
     return RunState(team, controllers, value_heads, rng, HF, log=log), state, rows
+
+
+def opening_problems(team: Team, problems: list[Problem]) -> list[Problem]:
+    """The problems as the team's first prompts show them: with an environment, its opening observations (of the
+    first WARM_START_EPISODES rows: each is an episode started), else the problems themselves."""
+    env = team.config.environment
+    if env is None:
+        return problems
+    return [replace(p, problem=env.start(p)[1]) for p in problems[:WARM_START_EPISODES]]
 
 
 def team_size(cfg: Config, resume_from: Path | None) -> int:

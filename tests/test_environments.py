@@ -2,7 +2,9 @@
 against their definitions: ARBench's guessing-numbers feedback by brute force over digit pairs, blocksworld's
 actions against a breadth-first search of the state space, every fault as one line."""
 import itertools
+import json
 from collections import deque
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -168,3 +170,46 @@ def test_a_malformed_class_is_refused_when_loaded(tmp_path, body, expected):
 def test_max_rounds_from_the_option_overrides_the_class():
     assert load_environment("env:guess-numbers", max_rounds=3).max_rounds == 3
     assert load_environment("env:guess-numbers").max_rounds == games.GuessNumbers.max_rounds
+
+
+# -- Whole runs: the example environment trained at tiny size, resumed, evaluated --------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--agents", "tiny x2", "--batch-size", "8", "--group-size", "4", "--epochs", "1", "--minibatch-size", "8",
+        "--eval-size", "6", "--warmup-steps", "20", "--max-new-tokens", "4"]
+
+
+def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_path, capsys):
+    import eval_aime
+    from harness.cli import main
+
+    out, env = tmp_path / "run", f"{ROOT / 'examples' / 'addition_env.py'}:AdditionGame"
+    data = ["--data", str(ROOT / "examples" / "addition.jsonl"), "--env", env, "--max-rounds", "2"]
+    assert main(TINY + data + ["--stages", "1", "--protocol", "chain", "--out", str(out)]) == 0
+    assert main(["--resume", str(out), "--stages", "2"]) == 0  # the environment's spec comes back from the run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == [0, 1, 2]
+    assert all(1 <= r["episode_rounds"] <= 2 and 0 <= r["success"] <= 1 for r in rows[1:])
+    assert all(0 <= r["eval_success"] <= 1 and 1 <= r["eval_rounds"] <= 2 for r in rows)
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
+    assert sample["transcript"].startswith("Environment: ") and "Agent 2: " in sample["transcript"]
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+        ["--ckpt", str(out), "--data", str(ROOT / "examples" / "addition_heldout.jsonl"), "--k", "2", "--limit", "3",
+         "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
+    bench = summary["benchmarks"]["addition_heldout"]
+    assert 1 <= bench["rounds"]["mean"] <= 2 and summary["setting"]["environment"] == env
+    assert 0 <= bench["metrics"]["team"]["avg@2"]["value"] <= 1
+
+
+@pytest.mark.parametrize("game", ["guess-numbers", "blocksworld"])
+def test_a_built_in_game_runs_one_stage_and_evaluates(tmp_path, game):
+    import eval_aime
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    assert main(TINY + ["--task", f"env:{game}", "--max-rounds", "2", "--stages", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["generations"] >= 8 * 2 and 1 <= rows[1]["episode_rounds"] <= 2
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+        ["--agents", "tiny x2", "--bench", f"env:{game}", "--max-rounds", "2", "--k", "2", "--limit", "2",
+         "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
+    assert summary["benchmarks"][f"env:{game}"]["n_problems"] == 2
