@@ -278,13 +278,13 @@ ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this
 
 
 def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor, batch: TeamBatch, j: int) -> dict:
-    """The paper's surrogate L_i (Section 3, Eq. (5) at the step kept, in reward units), an ESTIMATE of the
-    step's change: agent j acts once per joint trajectory and the states at its turn come from agents the
-    step does not change, so J(pi_hat^i) - J(pi_hat^{i-1}) = E_{pi_hat^{i-1}}[(r_j - 1)(R - b)] exactly, for
-    any baseline b of the problem; the sample mean of w (r_j - 1) A estimates it. It is not a bound: the
-    rows are those the step was trained on, and r_j, a whole response's ratio, is heavy-tailed at real
-    response lengths (``surrogate_ess``: the effective sample size of w r_j). Also the truncation bias
-    zeta of the weights and their effective sample size."""
+    """The paper's surrogate L_i (Section 3) in its practical form, Eq. (5) of Section 5, at the step kept and
+    in reward units: an ESTIMATE of the step's change. Agent j acts once per joint trajectory and the states
+    at its turn come from agents the step does not change, so J(pi_hat^i) - J(pi_hat^{i-1}) =
+    E_{pi_hat^{i-1}}[(r_j - 1)(R - b)] exactly, for any baseline b of the problem; the sample mean of
+    w (r_j - 1) A estimates it. It is not a bound: the rows are those the step was trained on, and r_j, a
+    whole response's ratio, is heavy-tailed at real response lengths (``surrogate_ess``: the effective sample
+    size of w r_j). Also the truncation bias zeta of the weights and their effective sample size."""
     mask = inputs.turn.response_mask  # [N, Lr]
     log_r_seq = masked_sum(log_rho, mask, dim=1).clamp(-LOG_RATIO_CAP, LOG_RATIO_CAP)  # [N] log r_j of the step kept
     w = inputs.log_w.exp()  # [N] truncated weights of the agents promoted before j

@@ -1,8 +1,9 @@
 """Teacher-forced log-probabilities: the one forward every ratio uses.
 
-Paper, Section 5 (Algorithm 1): the importance ratio r_j of the surrogate (Section 3, Eq. (5)), the
-truncated weights c_t = min(1, rho_t) and the trust region's exact per-state KL(pi_j(.|s) || pi_j,cur(.|s))
-(Section 3) are all computed from the same teacher-forced forward of a Hugging Face causal LM:
+Paper, Section 5 (Algorithm 1): the importance ratio r_j of the surrogate L_i (Section 3) in its practical
+form, Eq. (5) of Section 5, the truncated weights c_t = min(1, rho_t) and the trust region's exact per-state
+KL(pi_j(.|s) || pi_j,cur(.|s)) (Section 3) are all computed from the same teacher-forced forward of a
+Hugging Face causal LM:
 
 - padding helpers (left-padded contexts, right-padded responses) and the position ids that skip
   left padding, exactly as ``generate`` computes them;
@@ -182,8 +183,9 @@ def turn_rows(tensors: TurnTensors, token_budget: int) -> int:
 
 def turn_forward(model, tensors: TurnTensors, idx, temperature: float):
     """(log pi(a_t|s_t) [b, Lr] fp32 at ``temperature``, 0 on padding; final hidden states
-    [b, Lr, H]) of rows ``idx`` of a turn (``TurnTensors``). Algorithm 1's behaviour log-probs,
-    the sequence log-ratio of Eqs. (3)-(5), the per-state KL of Section 3."""
+    [b, Lr, H]) of rows ``idx`` of a turn (``TurnTensors``). What every ratio reads: the behaviour
+    log-probs of Algorithm 1, the sequence log-ratio of Eqs. (3)-(5) (Section 5) and the per-state KL
+    (Section 3)."""
     part = TurnTensors(*tensors).rows(idx, next(model.parameters()).device)  # [b, Lc] and [b, Lr] tensors
     hidden = response_hidden_states(model, *part)  # [b, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, part.response_ids, temperature)  # [b, Lr]
@@ -214,8 +216,8 @@ def measure_kl(agent, reference, turn, temperature: float, token_budget: int):
     pi_j,cur on the turn, from one forward of each model. The KL is exact over the whole vocabulary
     at every position of the agent's responses (Section 3, not a sampled proxy); log rho =
     log pi_new - log pi_cur of the sampled tokens, exactly 0 where the agent did not move, is what
-    the later agents' truncated weights are built from (Section 5). Each process (``agent.procs``)
-    measures its rows and the results are gathered."""
+    the later agents' truncated weights are built from (``advantage.truncated_log_weights``). Each process
+    (``agent.procs``) measures its rows and the results are gathered."""
     model = agent.model
     tensors = turn.tensors
     rows = turn_rows(tensors, token_budget)

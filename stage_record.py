@@ -32,9 +32,9 @@ class AgentStep:
     backtracks: int  # halvings of the step by the line search
     accepted: bool  # a step (or the in-loop anchor) kept; a rejected step leaves pi_j,cur exactly
     step_fraction: float  # the share of the proposed step kept
-    surrogate_estimate: float  # L_i (Section 3, Eq. (5)) at the step kept: an estimate of its change, not a bound
+    surrogate_estimate: float  # L_i (Section 3; Eq. (5) of Section 5) at the step kept: an estimate, not a bound
     surrogate_ess: float  # the effective sample size of that estimate's weights w r_j
-    zeta: float  # the truncation bias of the sequence-aware weights (Section 5)
+    zeta: float  # the truncation bias zeta_i (Theorem 4.2) of the sequence-aware weights
     zeta_capped_rows: int  # rows whose log-weight reached advantage.LOG_WEIGHT_CAP
     N: int  # joint trajectories in the batch
     ess: float  # the effective sample size of the truncated weights w of the agents promoted before it

@@ -29,8 +29,8 @@ def kl_from_logprobs(logp_new: torch.Tensor, logp_cur: torch.Tensor) -> torch.Te
 
 def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature: float = 1.0,
                  chunk_size: int = 1024) -> torch.Tensor:
-    """Exact KL(pi_new(.|s) || pi_cur(.|s)) per state (row), the direction of the trust region and the
-    certificate (paper, Sections 3-4):
+    """Exact KL(pi_new(.|s) || pi_cur(.|s)) per state (row): the per-state KL constraint of the trust region
+    (paper, Section 3), in the direction the certificates of ``bounds`` use:
 
         KL_s = sum_v p_new(v) * (log p_new(v) - log p_cur(v)),  p = softmax(logits / temperature).
 

@@ -1,8 +1,9 @@
 """The policy update of one agent: OPTIMIZE(L_i), Algorithm 1's inner step.
 
-Paper, Section 3 (the surrogate L_i, Eq. (5)) and Section 5 (Algorithm 1, line 8:
-the optimiser that maximises it). At step i of a stage the agent j = sigma(i)
-maximises, over the joint trajectories tau of the batch,
+Paper: Eq. (5) of Section 5, the practical form of the surrogate L_i (Section 3),
+and Algorithm 1's line 8 (Section 5), the optimiser that maximises it. At step i
+of a stage the agent j = sigma(i) maximises, over the joint trajectories tau of
+the batch,
 
     L_i(theta_j) = E_tau[ w(tau) * min( r_j(tau) A(tau), clip(r_j(tau), 1-eps, 1+eps) A(tau) ) ]
                    - beta_j * KL(pi_j || pi_j,cur)
@@ -46,7 +47,7 @@ from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
 
 # ---------------------------------------------------------------------------
-# Eq. (5), Section 3: the objective L_i (ratio, clip, weights, KL penalty)
+# Eq. (5) of Section 5: the objective L_i (ratio, clip, weights, KL penalty)
 # ---------------------------------------------------------------------------
 def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
     """log r_j per trajectory: the sum (seq, the paper) or the mean (seq-mean,
@@ -87,7 +88,7 @@ class Objective(NamedTuple):
 
 def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
                        log_w: torch.Tensor, beta: float, cfg) -> Objective:
-    """-L_i(theta_j), the paper's Eq. (5) (Section 3), on b joint trajectories: what the optimiser minimises.
+    """-L_i(theta_j), the paper's Eq. (5) (Section 5), on b joint trajectories: what the optimiser minimises.
 
         -L_i = -mean_tau[ w(tau) min(r_j A, clip(r_j, 1-eps, 1+eps) A) ] + beta_j mean_t[ k_t ]
 
