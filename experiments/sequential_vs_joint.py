@@ -1,8 +1,9 @@
 """Claims 1 and 2 (docs/claims.md): sequential beats joint, and stale rollouts compound with the number of agents.
 
-Claim 1 (the paper, Sec. 3-4, Algorithm 1): updating one agent at a time inside its trust region is more stable
-than updating all agents at once on one batch. Claim 2 (TeamTR, arXiv 2605.15207): reusing one stage's rollouts
-with truncated importance weights degrades as the team grows; redrawing after each promotion does not.
+Claim 1 (the paper, Sections 3-4; Algorithm 1 of Section 5): updating one agent at a time inside its trust region
+is more stable than updating all agents at once on one batch. Claim 2 (TeamTR, arXiv 2605.15207): reusing one
+stage's rollouts with truncated importance weights degrades as the team grows; redrawing after each promotion does
+not.
 
 Conditions (each a sat.py run; the same seed starts every condition from the same warm-started team, the same
 training stream and the same held-out problems, because each branches from one stage-0 checkpoint):

@@ -1,6 +1,6 @@
 """Tasks: where a run's problems (id, text, gold answer) come from.
 
-Paper, Section 5: training on DAPO-Math-17k / DeepScaleR, evaluation on AIME24/25 and MATH-500. Sources: a
+Paper, Section 6: training on DAPO-Math-17k / DeepScaleR, evaluation on AIME24/25 and MATH-500. Sources: a
 synthetic addition task (the CPU default run and the tests), JSONL files (offline copies in ``data/``) and
 Hugging Face datasets by short name. ``load_task(cfg)`` gives a run its training and held-out problems.
 """

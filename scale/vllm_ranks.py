@@ -1,6 +1,6 @@
 """The vLLM engines across ranks: where each rank's engine runs, and the layer-by-layer weight push.
 
-Paper, Section 6.1 (four 80 GB GPUs) and Algorithm 1: ROLLOUT is shared out over the ranks of a
+Paper, Section 6.1 (four 80 GB GPUs) and Algorithm 1 (Section 5): ROLLOUT is shared out over the ranks of a
 torchrun run, and after the promotion of line 12 every rank's engine for agent j samples the new weights.
 
 - data parallel (``--vllm-tensor-parallel 1``): each rank has its own engine per agent, started with

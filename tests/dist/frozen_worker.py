@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under torchrun: the team held as FSDP2
 shards (``--shard-frozen``) against the same team whole in one process.
 
-- rollouts (Sec. 3, Algorithm 1 line 4) in 3 seeded blocks (2, 2 and 1 problems, G = 2) over 2 ranks,
+- rollouts (Algorithm 1 line 4, Section 5) in 3 seeded blocks (2, 2 and 1 problems, G = 2) over 2 ranks,
   with a token budget that splits each block's generate and scoring into unequal
   numbers of calls: every rank must make as many calls into a sharded model
   (a dummy block, dummy generate / forward calls, ``synced_gpus``);
