@@ -62,6 +62,9 @@ def resolve(cfg: Config) -> Resolved:
     cfg = cfg.apply_preset()
     cfg.validate()
     validate_run_inputs(cfg)
+    env = team_environment(cfg)
+    if env is not None:  # T, resolved: the memory plan and config.json count the episode's rounds
+        cfg = replace(cfg, max_rounds=env.max_rounds)
     cfg = replace(cfg, threads=configure_threads(cfg.threads, cfg.device))
     if cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         procs, cfg = Torchrun.join(cfg)

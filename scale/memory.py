@@ -131,8 +131,13 @@ PROMPT_ALLOWANCE = 1024  # tokens allowed for a task prompt in its chat template
 
 def run_max_len(cfg, n_agents: int) -> int:
     """The longest sequence a run's rollout reaches (``harness.config.Config``): the prompt allowance, the earlier
-    agents' answers in the chain protocol (at most --max-new-tokens each) and the response. The vLLM engines of
-    a run are sized to it (``rollout_vllm.make_backend``), the memory plan counts it."""
+    agents' answers in the chain protocol (at most --max-new-tokens each) and the response. An environment's
+    episode of T = ``cfg.max_rounds`` rounds grows each agent's view by every agent's turn and an observation (one
+    prompt allowance) a round. The vLLM engines of a run are sized to it (``rollout_vllm.make_backend``), the memory
+    plan counts it."""
+    rounds = cfg.max_rounds or 1
+    if rounds > 1:
+        return rounds * (PROMPT_ALLOWANCE + n_agents * cfg.max_new_tokens)
     answers = n_agents if cfg.protocol == "chain" else 1
     return PROMPT_ALLOWANCE + answers * cfg.max_new_tokens
 

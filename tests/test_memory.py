@@ -433,3 +433,11 @@ def test_cpu_team_refused_after_loading_writes_nothing(tmp_path, monkeypatch, ca
     assert rc == 1 and len(lines) == 1 and re.fullmatch(pattern, lines[0]), lines
     assert [p.name for p in old.iterdir()] == ["metrics.jsonl"] and (old / "metrics.jsonl").read_text() == (
         '{"stage": 0}\n')
+
+
+def test_an_episode_of_several_rounds_counts_every_turn_and_observation():
+    from harness.config import Config
+
+    cfg = Config(agents="tiny x3", max_new_tokens=100, max_rounds=4).apply_preset()
+    assert memory.run_max_len(cfg, 3) == 4 * (memory.PROMPT_ALLOWANCE + 3 * 100)
+    assert memory.run_max_len(replace(cfg, max_rounds=1), 3) == memory.PROMPT_ALLOWANCE + 100
