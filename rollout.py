@@ -275,7 +275,7 @@ def episode_context(team: Team, e: Episode, k: int) -> list[int]:
     last_env = max(i for i, (speaker, _) in enumerate(e.said) if speaker == ENVIRONMENT)
     upto = len(e.said) if team.protocol == "chain" else last_env + 1
     entries = [(speaker, text) for speaker, text in e.said[e.seen[k]:upto] if speaker != k]
-    delta = team.agents[k].continuation_ids(team.round_text(entries), e.ended_with_eos[k],
+    delta = team.agents[k].continuation_ids(team.round_text(k, entries, e.rounds + 1), e.ended_with_eos[k],
                                             team.config.enable_thinking)
     e.ids[k] += delta
     e.own[k] += [0] * len(delta)

@@ -302,10 +302,12 @@ class Team:
         messages = self.messages(agent_index, problem, previous_answers, previous_texts)
         return self.agents[agent_index].encode_prompt(messages, self.config.enable_thinking)
 
-    def round_text(self, entries: list[tuple[int, str]]) -> str:
-        """A later round's user turn: what the other agents said ("Agent i: ..."), then the environment's answer
-        (speaker -1, as written), in the order they came."""
-        return "\n\n".join(text if speaker < 0 else f"Agent {speaker + 1}: {text}" for speaker, text in entries)
+    def round_text(self, k: int, entries: list[tuple[int, str]], round_: int) -> str:
+        """Agent k's user turn in a later round (``round_``: 2, 3, ...): what the other agents said ("Agent i: ..."),
+        then the environment's answer (speaker -1, as written), in the order they came; through its role's
+        ``next`` template when --roles gives one."""
+        turns = "\n\n".join(text if speaker < 0 else f"Agent {speaker + 1}: {text}" for speaker, text in entries)
+        return turns if self.config.roles is None else self.config.roles.round_message(k, turns, round_)
 
     def team_answer(self, answers: list[str | None]) -> str | None:
         """The task's vote (independent) or the last agent's answer (chain)."""

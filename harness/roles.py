@@ -14,7 +14,9 @@ baselines it compares against and teams such as planner, solver, critic and veri
 protocol only, the earlier agents' turns of the same joint trajectory, one "Agent i: ..." line each. By default it
 holds their extracted answers, as the chain protocol without roles does (a thinking model's whole response can be
 30k tokens); ``previous: full`` gives their whole responses. Write ``{{`` and ``}}`` for literal braces. An entry
-without ``system`` keeps the row's own system turn (a chat prompt's), if it has one.
+without ``system`` keeps the row's own system turn (a chat prompt's), if it has one. With an environment
+(``--env``), an entry's optional ``next`` template is the agent's user turn in rounds 2, 3, ...: ``{turns}`` holds
+what the other agents and the environment said since its last turn, ``{round}`` the round's number.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ FILE_NAME = "roles.json"  # the copy kept in the run folder: --resume and eval_a
 class Role:
     system: str | None
     user: str  # a template with {problem} and, in the chain protocol, {previous}
+    next: str | None = None  # an environment's later rounds: the user turn, a template with {turns} and {round}
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,15 @@ class Roles:
                                 previous=previous_block(previous_texts, previous_answers, self.previous))
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
+    def round_message(self, k: int, turns: str, round_: int) -> str:
+        """Agent k's user turn in round ``round_`` (2, 3, ...) of an episode: its ``next`` template with ``turns``
+        (what the others and the environment said since its last turn), else ``turns`` itself."""
+        template = self.role(k).next
+        return turns if template is None else template.format(turns=turns, round=round_)
+
     def to_dict(self) -> dict:
-        return {"previous": self.previous, "agents": [asdict(r) for r in self.agents]}
+        return {"previous": self.previous,
+                "agents": [{k: v for k, v in asdict(r).items() if k != "next" or v is not None} for r in self.agents]}
 
 
 def previous_block(texts: list[str], answers: list[str | None], mode: str) -> str:
@@ -83,15 +93,25 @@ def parse_entry(entry, where: str) -> Role:
     """One agents entry ({system, user}) as a Role; one line for a wrong key or type."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a mapping with system and user, got {type(entry).__name__}")
-    unknown = sorted(set(entry) - {"system", "user"})
+    unknown = sorted(set(entry) - {"system", "user", "next"})
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r}; an entry has system and user")
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; an entry has system, user and (with an environment) "
+                         "next")
     system, user = entry.get("system"), entry.get("user")
     if not isinstance(user, str) or not user.strip():
         raise ValueError(f"{where}: user must be a template such as \"{{problem}}\", got {user!r}")
     if system is not None and not isinstance(system, str):
         raise ValueError(f"{where}: system must be text (or left out), got {type(system).__name__}")
-    return Role(system, user)
+    nxt = entry.get("next")
+    if nxt is not None:
+        if not isinstance(nxt, str):
+            raise ValueError(f"{where}: next must be a template such as \"Round {{round}}:\\n{{turns}}\", got {nxt!r}")
+        try:
+            nxt.format(turns="", round=2)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ValueError(f"{where}: the next template takes {{turns}} and {{round}} only ({e!r}); write {{{{ and "
+                             "}} for literal braces") from None
+    return Role(system, user, nxt)
 
 
 def parse_roles(data, source: str, n_agents: int, protocol: str) -> Roles:

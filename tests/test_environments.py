@@ -217,3 +217,28 @@ def test_the_built_in_games_train_and_evaluate(tmp_path):
         ["--agents", "tiny", "--bench", "env:blocksworld", "--max-rounds", "1", "--k", "1", "--limit", "1",
          "--max-new-tokens", "3", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
     assert summary["benchmarks"]["env:blocksworld"]["rounds"] == {"mean": 1.0, "max": 1}
+
+
+def test_a_roles_next_template_addresses_the_later_rounds():
+    from harness.loading import load_agent
+    from harness.math_grading import math_team_config
+    from harness.roles import parse_roles
+    from rollout import episode_context, speak, start_episode
+    from team import Team
+
+    roles = parse_roles({"agents": [{"user": "{problem}", "next": "Round {round}. {turns}"}]}, "roles", 2,
+                        "independent")
+    env = load_environment(f"{ROOT / 'examples' / 'addition_env.py'}:AdditionGame")
+    agents = [load_agent("tiny", seed=k) for k in range(2)]
+    team = Team(agents, math_team_config(roles=roles, environment=env))
+    e = start_episode(team, Problem("p", "2+3", "5"))
+    for k, text in enumerate(["4", "6"]):
+        episode_context(team, e, k)
+        speak(e, k, agents[k].encode_text(text) + [agents[k].tokenizer.eos_token_id], agents[k].tokenizer)
+    observation, _ = env.step(e.state, e.problem, ["4", "6"])
+    e.said.append((-1, observation))
+    e.rounds = 1
+    view = agents[0].tokenizer.decode(episode_context(team, e, 0))
+    assert view.endswith("<|user|>Round 2. Agent 2: 6\n\nAgent 1: 4 is too low\nAgent 2: 6 is too high<|assistant|>")
+    with pytest.raises(ValueError, match="the next template takes"):
+        parse_roles({"agents": [{"user": "{problem}", "next": "{problem}"}]}, "roles", 2, "independent")
