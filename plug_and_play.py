@@ -15,7 +15,8 @@ Memory is bounded by ``token_budget`` (rows per trunk micro-batch) and ``logits_
 per block, recomputed in the backward pass), not by the response length (``memory.stage0_rank_bytes``).
 Each model reads a state through its own chat template; per-token mixing needs a shared vocabulary.
 The states it fits, and how a model reads them, are ``stage0_states.py``; the certified acceptance rule (a rule
-beyond the paper) is ``certified_acceptance.py``; the command line's ``--upgrade SLOT=MODEL`` is ``harness.upgrades``.
+beyond the paper) is ``harness/certified_acceptance.py``; the command line's ``--upgrade SLOT=MODEL`` is
+``harness.upgrades``.
 """
 from __future__ import annotations
 

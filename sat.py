@@ -245,7 +245,7 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
     under the same seeds (fixed by the run seed and ``label``; row p * K + s is sample s of problem p), so
     consecutive evaluations and stage 0 pair row by row (``bounds.paired_change_bound``); it runs on an RNG
     stream of its own, so the training stream does not depend on when the evaluation ran. Another ``label``
-    draws other seeds: plug-and-play's acceptance splits (``certified_acceptance.certified_upgrade``)."""
+    draws other seeds: plug-and-play's acceptance splits (``harness.certified_acceptance.certified_upgrade``)."""
     t0 = time.time()
     with torch.random.fork_rng(devices=rng_devices(cfg.device)):
         torch.manual_seed(random.Random(f"{label} {cfg.seed}").getrandbits(63))

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from advantage import make_value_head
-from certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness import reasoning_gym_task, records, run_folder
+from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.environments import Environment, episode_columns, episode_reward, load_environment, probe_environment
 from harness.loading import check_hub_available, load_agent, warm_start

@@ -1,6 +1,6 @@
 """``--upgrade SLOT=MODEL``: replacing agents of a resumed run before its first stage (plug-and-play, paper
 Section 5), each entering as ``--upgrade-accept`` says: stage0 (Stage-0, ``plug_and_play.stage0_align``), raw
-(the swap as loaded) or certified (``certified_acceptance.certified_upgrade``). A swapped slot gets a fresh
+(the swap as loaded) or certified (``harness.certified_acceptance.certified_upgrade``). A swapped slot gets a fresh
 controller (and value head); each upgrade is one event of ``upgrades.json``.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from advantage import make_value_head
-from certified_acceptance import AcceptanceDraws, certified_upgrade
+from harness.certified_acceptance import AcceptanceDraws, certified_upgrade
 from plug_and_play import stage0_align
 from rollout import SamplingConfig
 from stage0_states import with_agent

@@ -122,7 +122,7 @@ def test_kl_step_feasible_and_optimal(case, data):
     j = data.draw(st.integers(0, mdp.n_agents - 1))
     _, step = tm.sat_step(mdp, team, j, deltas[j])
     assert (step["kl"] <= deltas[j] + 1e-12).all()
-    new_j = tm.exponential_tilt_step(team[j], step["adv_j"], deltas[j])
+    new_j = tr.exponential_tilt_step(team[j], step["adv_j"], deltas[j])
     best = step["surrogate"]
     assert best >= -1e-12  # pi_cur itself scores E_pi[A^pi] = 0
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
@@ -207,10 +207,10 @@ def test_plug_in_that_improves_keeps_its_improvement_after_projection(case, data
     j = data.draw(st.integers(0, mdp.n_agents - 1))
     old = tm.solve_policy(mdp, team)
     adv_j = tm.marginal_advantage(old["A"], team, j)
-    pre = tm.exponential_tilt_step(team[j], adv_j, factor * delta0)
+    pre = tr.exponential_tilt_step(team[j], adv_j, factor * delta0)
     assume(torch.isfinite(pre).all())  # a saturated tilt (pi_cur restricted to argmax) has no interior mixtures
     projected, _ = tr.geometric_mixture_projection(pre, team[j], delta0)
-    best_step = tm.exponential_tilt_step(team[j], adv_j, delta0)
+    best_step = tr.exponential_tilt_step(team[j], adv_j, delta0)
     torch.testing.assert_close(projected.exp(), best_step.exp(), rtol=0, atol=1e-7)
     gain_before = tm.surrogate(old["d"], team[j], adv_j)
     gain_after = tm.surrogate(old["d"], projected, adv_j)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from toy_mdp import exponential_tilt_step, random_feasible
+from toy_mdp import random_feasible
 
 import bounds
 import trust_region as tr
@@ -431,7 +431,7 @@ def test_tilt_feasible_and_beats_random_feasible_policies(seed, rows, cols, delt
     gen = torch.Generator().manual_seed(seed)
     cur = log_probs(gen, rows, cols, 2.0)
     adv = torch.randn(rows, cols, generator=gen, dtype=D)
-    new = exponential_tilt_step(cur, adv, delta)
+    new = tr.exponential_tilt_step(cur, adv, delta)
     torch.testing.assert_close(new.exp().sum(-1), torch.ones(rows, dtype=D))
     kl_new = kl(new, cur)
     assert (kl_new <= delta + 1e-12).all()
@@ -446,7 +446,7 @@ def test_tilt_feasible_and_beats_random_feasible_policies(seed, rows, cols, delt
 def test_tilt_is_pi_cur_times_exp_eta_a():
     gen = torch.Generator().manual_seed(10)
     cur, adv = log_probs(gen, 4, 5), torch.randn(4, 5, generator=gen, dtype=D)
-    new = exponential_tilt_step(cur, adv, 0.05)
+    new = tr.exponential_tilt_step(cur, adv, 0.05)
     eta = (new - cur)[:, :1] - (new - cur)[:, 1:2]  # log-ratio differences must be eta * dA
     eta = eta / (adv[:, :1] - adv[:, 1:2])
     torch.testing.assert_close(new - cur - (new - cur).mean(-1, keepdim=True), eta * (adv - adv.mean(-1, keepdim=True)))
@@ -456,22 +456,22 @@ def test_tilt_is_pi_cur_times_exp_eta_a():
 def test_tilt_constant_advantage_and_saturation():
     gen = torch.Generator().manual_seed(11)
     cur = log_probs(gen, 3, 4)
-    same = exponential_tilt_step(cur, torch.full((3, 4), 0.7, dtype=D), 0.3)
+    same = tr.exponential_tilt_step(cur, torch.full((3, 4), 0.7, dtype=D), 0.3)
     torch.testing.assert_close(same, cur, rtol=0, atol=1e-14)
     # pi_cur already puts 0.9 on the best action: a radius above -log 0.9 reaches it exactly
     cur = torch.tensor([[0.9, 0.05, 0.05]], dtype=D).log()
     adv = torch.tensor([[1.0, 0.0, -1.0]], dtype=D)
-    new = exponential_tilt_step(cur, adv, 0.2)
+    new = tr.exponential_tilt_step(cur, adv, 0.2)
     assert new.exp()[0, 0].item() == pytest.approx(1.0, abs=1e-15)
     # and radius 0 changes nothing
-    torch.testing.assert_close(exponential_tilt_step(cur, adv, 0.0).exp(), cur.exp(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(tr.exponential_tilt_step(cur, adv, 0.0).exp(), cur.exp(), rtol=0, atol=1e-12)
 
 
 def test_tilt_row_offsets_do_not_matter():
     gen = torch.Generator().manual_seed(12)
     cur, adv = log_probs(gen, 5, 3), torch.randn(5, 3, generator=gen, dtype=D)
-    a = exponential_tilt_step(cur, adv, 0.1)
-    b = exponential_tilt_step(cur, adv + 100 * torch.randn(5, 1, generator=gen, dtype=D), 0.1)
+    a = tr.exponential_tilt_step(cur, adv, 0.1)
+    b = tr.exponential_tilt_step(cur, adv + 100 * torch.randn(5, 1, generator=gen, dtype=D), 0.1)
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 

@@ -1,5 +1,5 @@
-"""--upgrade-accept: how a replacement enters the team (certified_acceptance.py, harness/upgrades.py; paper Sec. 4.3
-and 5, Eq. (7)).
+"""--upgrade-accept: how a replacement enters the team (harness/certified_acceptance.py, harness/upgrades.py;
+paper Sec. 4.3 and 5, Eq. (7)).
 
 certified: Stage-0 candidates and the raw swap ranked by a paired lower bound on a selection split, the pick
 swapped in only with a paired lower bound > 0 on a second, disjoint split; neither split shares a problem with
@@ -13,12 +13,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import certified_acceptance
 import harness.cli
 import harness.run
 import sat
 from bounds import paired_change_bound
-from certified_acceptance import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
+from harness import certified_acceptance
+from harness.certified_acceptance import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
 from harness.loading import load_agent, load_saved_team, warm_start
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint, read_metrics

@@ -10,13 +10,12 @@ tests can check SAT's guarantee (the paper's Theorems 4.2 and 4.4) with no sampl
     d = (1 - gamma) mu^T (I - gamma P_pi)^-1   (normalised discounted occupancy).
 
 `sat_stage` runs one SAT stage with the exact KL-constrained step of
-`exponential_tilt_step` for each agent in turn, and `joint_update` lets all
+`trust_region.exponential_tilt_step` for each agent in turn, and `joint_update` lets all
 agents take that step at once on the same stale advantages.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,59 +24,6 @@ import bounds
 import trust_region as tr
 
 DTYPE = torch.float64
-
-
-
-def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delta: float,
-                          iters: int = 60) -> torch.Tensor:
-    """Exact KL-constrained policy improvement per state (the ideal step of the paper's Section 4.4): the oracle
-    the toy-MDP tests step tabular policies with.
-
-    Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.  The Lagrangian
-    solution is the exponential tilt pi_eta ∝ pi_cur * exp(eta_s * A(s, .)), eta_s >= 0, and
-    d/deta KL(pi_eta || pi_cur) = eta * Var_{pi_eta}(A) >= 0, so a batched bisection finds the eta_s
-    with KL = delta (the feasible end). As eta -> inf the tilt tends to pi_cur restricted to
-    argmax_a A(s, a), with KL -log pi_cur(argmax set); when that is <= delta this limit is returned
-    exactly (constant advantages: no change). [S, A] log-probs and advantages -> [S, A] log-probs."""
-    if logp_cur.shape != advantages.shape or logp_cur.dim() != 2:
-        raise ValueError(f"expected two [S, A] tensors of equal shape, got {tuple(logp_cur.shape)}, "
-                         f"{tuple(advantages.shape)}")
-    if not delta >= 0:
-        raise ValueError(f"delta must be >= 0, got {delta}")
-    dtype = tr._compute_dtype(logp_cur)
-    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [S, A]
-    if delta == 0:
-        return cur  # [S, A] only pi_cur fits (bisection would drift by float rounding)
-    support = torch.isfinite(cur)  # [S, A] actions pi_cur can take; others stay at zero
-    adv = torch.where(support, advantages.to(dtype), torch.zeros_like(cur))  # [S, A]
-    neg_inf = torch.full_like(cur, -math.inf)  # [S, A]
-
-    # The eta -> inf limit: pi_cur restricted to its best supported actions.
-    top = torch.where(support, adv, neg_inf).amax(dim=-1, keepdim=True)  # [S, 1]
-    limit = torch.log_softmax(torch.where(support & (adv == top), cur, neg_inf), dim=-1)  # [S, A]
-    saturated = tr.kl_from_logprobs(limit, cur) <= delta  # [S] the constraint never binds
-
-    # Centre and scale so eta brackets start at a sensible size for every row.
-    centred = adv - adv.mean(dim=-1, keepdim=True)  # [S, A]
-    spread = top - torch.where(support, adv, -neg_inf).amin(dim=-1, keepdim=True)  # [S, 1]
-    spread = torch.where(spread > 0, spread, torch.ones_like(spread))  # [S, 1]
-
-    def tilt(eta: torch.Tensor) -> torch.Tensor:  # eta [S, 1] -> [S, A]
-        return torch.log_softmax(cur + eta * centred / spread, dim=-1)
-
-    def kl_at(eta: torch.Tensor) -> torch.Tensor:  # [S, 1] -> [S]
-        return tr.kl_from_logprobs(tilt(eta), cur).clamp_min(0.0)
-
-    # Bracket: double hi until it violates (finite for every non-saturated row: the KL tends to the limit's > delta).
-    lo = torch.zeros_like(spread)  # [S, 1]
-    hi = torch.ones_like(spread)  # [S, 1]
-    for _ in range(80):
-        grow = (~saturated & (kl_at(hi) <= delta))[:, None]  # [S, 1]
-        if not grow.any():
-            break
-        lo = torch.where(grow, hi, lo)  # [S, 1] a feasible eta is a valid lower end
-        hi = torch.where(grow, 2 * hi, hi)  # [S, 1]
-    return torch.where(saturated[:, None], limit, tilt(tr._bisect(kl_at, lo, hi, delta, iters)))  # [S, A]
 
 
 @dataclass
@@ -200,7 +146,7 @@ def sat_step(mdp: ToyMDP, logps: list[torch.Tensor], j: int, delta: float) -> tu
     """Agent j takes the exact KL step on its marginal advantage under the current team."""
     old = solve_policy(mdp, logps)
     adv_j = marginal_advantage(old["A"], logps, j)  # [S, A_j]
-    new_j = exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
+    new_j = tr.exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
     kl = tr.per_state_kl(new_j, logps[j])  # [S]
     surr = surrogate(old["d"], new_j, adv_j)
     cert = bounds.certificate(
@@ -250,7 +196,7 @@ def joint_update(mdp: ToyMDP, logps: list[torch.Tensor], deltas) -> dict:
         deltas = [float(deltas)] * len(logps)
     old = solve_policy(mdp, logps)
     team = [
-        exponential_tilt_step(logps[j], marginal_advantage(old["A"], logps, j), deltas[j])
+        tr.exponential_tilt_step(logps[j], marginal_advantage(old["A"], logps, j), deltas[j])
         for j in range(len(logps))
     ]
     return {"J_before": old["J"], "J_after": solve_policy(mdp, team)["J"], "logps": team}
