@@ -1,6 +1,8 @@
 """Evaluate a team on AIME24 / AIME25 / MATH-500, or any task: avg@K, pass@k, maj@K (paper, Section 6, Table 1).
 
-Paper setting: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0, up to 32,768 new tokens.
+Paper setting: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0, up to 32,768 new tokens. A
+--ckpt team samples with its run's own temperature, top_p and max new tokens (the run folder's config.json) unless
+the command line gives them (``harness.eval_setting.resolve_generation``).
 Each sample is one joint trajectory of the whole team (``rollout.rollout``, as in training); the team answer
 is the majority vote (independent) or the last agent's answer (chain).
 
@@ -49,7 +51,14 @@ from harness.eval_folder import (
     truncation_warnings,
     write_summary,
 )
-from harness.eval_setting import EvalConfig, check_context, eval_identity, load_benchmarks, load_team
+from harness.eval_setting import (
+    EvalConfig,
+    check_context,
+    eval_identity,
+    load_benchmarks,
+    load_team,
+    resolve_generation,
+)
 from harness.math_grading import DEFAULT_REWARD, answers_match, majority_vote, normalize_answer
 from reward import Reward
 from rollout import SamplingConfig, TeamBatch, rollout
@@ -254,6 +263,10 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
 
     hf_logging.disable_progress_bar()
     cfg.validate()
+    cfg, taken, saved_in = resolve_generation(cfg)  # a --ckpt team samples as its run did, unless told otherwise
+    if taken:
+        log(f"from {saved_in}: {', '.join(f'{k} {v}' for k, v in taken.items())} (the run's own; "
+            f"{' / '.join('--' + k.replace('_', '-') for k in taken)} to override)")
     full = load_benchmarks(cfg)  # before any model loads: a wrong name or no network fails in seconds
     benches = {name: problems[: cfg.limit] for name, problems in full.items()}
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -53,12 +53,14 @@ h (t_0.975 + t_0.80) / t_0.975 from that interval's half-width h (80% power). A 
 half of the steps of every condition backtracked.
 
 - at a binding (n, delta), the claim **holds** if D < 0 with its interval excluding 0 and joint's certified-fall
-  rate (stages whose paired upper bound on the held-out change is < 0) exceeds sat-regenerate's; it is
-  **refuted** there if the interval's lower end is above -MDE (a loss of the detectable size is excluded);
-  otherwise **inconclusive** there.
+  rate (stages whose paired upper bound on the held-out change is < 0) exceeds sat-regenerate's. Otherwise it
+  is **underpowered** there if the MDE exceeds the effect the criterion names (a loss of 0.03, MDE_TARGET): such
+  a cell could not have seen the effect, so it refutes nothing (docs/claims.md's four-way verdicts). With the MDE
+  at most 0.03, it is **refuted** there if the interval's lower end is above -MDE (a loss of the detectable
+  size, hence of 0.03, is excluded); otherwise **inconclusive** there.
 - claim 1 holds in the LLM game if it holds at a binding delta for both n; it is refuted if it is refuted at every
-  binding (n, delta); otherwise not established. The vote runs of docs/claims.md (an aligned reward) are the
-  control.
+  binding (n, delta); underpowered if every binding (n, delta) is underpowered; otherwise not established. The
+  vote runs of docs/claims.md (an aligned reward) are the control.
 
     python experiments/role_selection.py llm --seeds 0,1,2 --out runs/experiments/role_selection
 """
@@ -325,9 +327,33 @@ def llm_cell(runs: dict, shares: dict, n: int, delta: float, cond: str, referenc
             "one_end": statistics.mean(shares[(n, delta, cond, s)] for s in seeds)}
 
 
+def cell_verdict(joint: dict, regen_falls: float, effect: float = MDE_TARGET) -> str:
+    """One binding (n, delta)'s verdict by the module docstring's criterion: holds, underpowered, refuted or
+    inconclusive. ``joint`` is joint's llm_cell (its paired difference to sat-regenerate, MDE and certified-fall
+    rate); ``effect`` is the loss the criterion names. A null result counts against the claim only when the MDE
+    is within ``effect``."""
+    (d, h), floor = joint["diff"], -joint["mde"]
+    if d + h < 0 and joint["falls"] > regen_falls:
+        return "holds"
+    if not joint["mde"] <= effect:  # a NaN MDE (one seed) has no power either
+        return "underpowered"
+    return "refuted" if d - h > floor else "inconclusive"
+
+
+def overall_verdict(holds: dict[int, bool], judged: list[str]) -> str:
+    """Claim 1 over the cells: holds at a binding delta for every n, else refuted (or underpowered) when every
+    judged cell is, else not established."""
+    if all(holds.values()):
+        return "holds"
+    for verdict in ("refuted", "underpowered"):
+        if judged and all(v == verdict for v in judged):
+            return verdict
+    return "not established"
+
+
 def llm_verdict(cells: dict, ns: list[int], deltas: list[float]) -> list[str]:
     """The criterion of the module docstring, applied cell by cell, then overall."""
-    lines, holds, refuted = [], {n: False for n in ns}, []
+    lines, holds, judged = [], {n: False for n in ns}, []
     for n in ns:
         for delta in deltas:
             group = {c: cells[(n, delta, c)] for c in LLM_CONDITIONS}
@@ -336,20 +362,14 @@ def llm_verdict(cells: dict, ns: list[int], deltas: list[float]) -> list[str]:
                              "under half its steps): not judged")
                 continue
             j = group["joint"]
-            (d, h), floor = j["diff"], -j["mde"]
-            if d + h < 0 and j["falls"] > group["sat-regenerate"]["falls"]:
-                verdict = "holds"
-                holds[n] = True
-            elif d - h > floor:
-                verdict = "refuted"
-            else:
-                verdict = "inconclusive"
-            refuted.append(verdict == "refuted")
+            d, h = j["diff"]
+            verdict = cell_verdict(j, group["sat-regenerate"]["falls"])
+            holds[n] = holds[n] or verdict == "holds"
+            judged.append(verdict)
             lines.append(f"n={n} delta={delta:g}: joint - sat-regenerate {common.fmt_ci(d, h)} (MDE {j['mde']:.3f}), "
                          f"certified-fall rate joint {j['falls']:.3f} vs sat-regenerate "
                          f"{group['sat-regenerate']['falls']:.3f}: {verdict}")
-    overall = ("holds" if all(holds.values()) else "refuted" if refuted and all(refuted) else "not established")
-    return lines + [f"claim 1 in the LLM role-selection game: {overall}"]
+    return lines + [f"claim 1 in the LLM role-selection game: {overall_verdict(holds, judged)}"]
 
 
 LLM_HEADER = ["n", "delta", "condition", "seeds", "steps backtracked (at the KL limit)", "kept KL q / delta",

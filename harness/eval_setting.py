@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from harness.environments import Environment, episode_reward, game_problems, loa
 from harness.loading import check_hub_available, load_agent, load_saved_team
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.roles import parse_roles
-from harness.run_folder import folder_digests, latest_checkpoint, verify_checkpoint
+from harness.run_folder import folder_digests, latest_checkpoint, run_folder_of, verify_checkpoint
 from harness.tasks import BOXED_INSTRUCTION, canonical_dataset_name, env_game, load_dataset_by_name
 from harness.user_reward import load_reward
 from reward import Reward
@@ -59,9 +59,10 @@ class EvalConfig:
     instruction: str | None = opt(None, "text appended to every problem (default: a --ckpt team's own, else sat.py's "
                                         "boxed-answer one; none for a reasoning-gym:NAME benchmark, whose roles "
                                         "ask for <answer> tags)")
-    temperature: float = opt(0.8, "sampling temperature")
-    top_p: float = opt(1.0, "nucleus top-p")
-    max_new_tokens: int = opt(32768, "new tokens per response at most")
+    temperature: float | None = opt(None, "sampling temperature (default: a --ckpt run's own, else 0.8)")
+    top_p: float | None = opt(None, "nucleus top-p (default: a --ckpt run's own, else 1.0)")
+    max_new_tokens: int | None = opt(None, "new tokens per response at most (default: a --ckpt run's own, else "
+                                           "32768)")
     token_budget: int = opt(1 << 17, "max (context + response) tokens per generate chunk (memory)")
     backend: str | None = opt(None, "default: vllm on a GPU when installed, else hf", BACKENDS)
     device: str | None = opt(None, "default: cuda when available, else cpu")
@@ -82,10 +83,10 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1 (got {self.limit})")
         if self.protocol is not None and self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol '{self.protocol}': choose one of {', '.join(PROTOCOLS)}")
-        for name in ("max_new_tokens", "token_budget", "temperature"):
-            if not getattr(self, name) > 0:
+        for name in ("max_new_tokens", "token_budget", "temperature"):  # None: decided by ``resolve_generation``
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(self, name)})")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1] (got {self.top_p})")
         if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("--backend vllm but vLLM is not installed: pip install -r requirements-vllm.txt, or "
@@ -196,8 +197,38 @@ def benchmarks_fingerprint(benches: dict[str, list[Problem]]) -> dict[str, str]:
             for name, problems in benches.items()}
 
 
+# The paper's evaluation sampling (Section 6: temperature 0.8, top_p 1.0, up to 32,768 new tokens): the default for a
+# named team, and for a --ckpt team whose run folder holds no config.json.
+GENERATION_DEFAULTS = {"temperature": 0.8, "top_p": 1.0, "max_new_tokens": 32768}
+
+
+def saved_generation(ckpt: str | None) -> tuple[dict, Path | None]:
+    """The sampling settings a --ckpt team was trained and evaluated with (those of GENERATION_DEFAULTS in its run
+    folder's config.json, written by sat.py), and that file; ({}, None) for a named team or a team folder that
+    lies outside a run folder."""
+    if not ckpt:
+        return {}, None
+    run = run_folder_of(team_folder(ckpt).parent)  # RUN for RUN/checkpoints/stage_XXXX/team
+    path = run / "config.json" if run is not None else None
+    if path is None or not path.is_file():
+        return {}, None
+    saved = json.loads(path.read_text())
+    return {k: saved[k] for k in GENERATION_DEFAULTS if saved.get(k) is not None}, path
+
+
+def resolve_generation(cfg: EvalConfig) -> tuple[EvalConfig, dict, Path | None]:
+    """``cfg`` with every sampling setting the command line left out (None) taken from the --ckpt run's
+    config.json, else from GENERATION_DEFAULTS; also what was taken from the checkpoint, and its file. A --ckpt
+    team is asked as it was trained, as with its instruction and roles (``team_identity``)."""
+    missing = [k for k in GENERATION_DEFAULTS if getattr(cfg, k) is None]
+    saved, path = saved_generation(cfg.ckpt) if missing else ({}, None)
+    taken = {k: saved[k] for k in missing if k in saved}
+    return replace(cfg, **{k: taken.get(k, GENERATION_DEFAULTS[k]) for k in missing}), taken, path
+
+
 def team_identity(cfg: EvalConfig) -> dict:
     """The team part of what decides which samples are drawn, resolved without loading any weights."""
+    cfg = resolve_generation(cfg)[0]  # the sampling the samples are drawn with, never None
     if cfg.ckpt:
         folder = team_folder(cfg.ckpt)
         meta = json.loads((folder / "team.json").read_text())

@@ -7,7 +7,7 @@ the fraction of stages whose measured team reward fell beyond noise).
 """
 from __future__ import annotations
 
-from bounds import heldout_change_bound, paired_change_bound
+from bounds import heldout_change_bound, paired_change_bound, paired_lower_bound
 from stage_record import StageRecord
 
 
@@ -62,6 +62,41 @@ def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str
     return {**paired, "unpaired_lower_bound": unpaired,
             "kind": f"held-out, paired: lower bound on the change in expected team reward on the held-out rows "
                     f"since {since}, with probability >= 1 - delta_conf"}
+
+
+def fewest_certifying_rows(delta_conf: float) -> int:
+    """The fewest paired held-out rows on which the certificate (``bounds.paired_lower_bound``) can exceed 0 at
+    all: every row rising by the reward's whole range, its best case. The bound scales with the range, so the
+    count depends on ``delta_conf`` alone (8 at 0.05)."""
+    n = 1
+    while paired_lower_bound([1.0] * n, 1.0, delta_conf)["lower_bound"] <= 0:
+        n += 1
+    return n
+
+
+def heldout_warning(problems: int, samples: int, delta_conf: float) -> str | None:
+    """One console line when the held-out evaluation (``problems`` x ``samples`` paired rows) is too small for any
+    certificate to exceed 0 (``fewest_certifying_rows``), else None."""
+    need = fewest_certifying_rows(delta_conf)
+    if problems * samples >= need:
+        return None
+    return (f"warning: the held-out evaluation has {problems} problem(s) x {samples} sample(s) = "
+            f"{problems * samples} paired row(s); no certificate can exceed 0 on fewer than {need} "
+            f"(--delta-conf {delta_conf:g}), so held-out accuracy and the certificates measure nothing: pass more "
+            "held-out problems with --eval-data (or raise --eval-size / --eval-samples)")
+
+
+TRUNCATION_WARNING = 0.5  # a stage whose share of responses cut at --max-new-tokens exceeds this gets a console line
+
+
+def truncation_warning(row: dict, max_new_tokens: int) -> str | None:
+    """One console line when most of a stage's responses were cut at the token limit (``truncated_fraction`` of
+    its metrics row above TRUNCATION_WARNING): a cut response rarely holds an answer. None otherwise."""
+    cut = row.get("truncated_fraction", 0.0)
+    if cut <= TRUNCATION_WARNING:
+        return None
+    return (f"warning: stage {row['stage']} cut {cut:.0%} of its responses at --max-new-tokens {max_new_tokens}: "
+            "raise --max-new-tokens (or ask for shorter answers) so that an answer fits")
 
 
 def run_summary(row: dict) -> str:

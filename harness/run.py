@@ -263,6 +263,8 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     replaced = run_folder.check_out_folder(out, resume_run, cfg.overwrite)  # never write over another run's history
     procs.barrier()  # every process has looked before one writes anything
     train, heldout, instruction = load_problems(cfg)
+    if (too_few := records.heldout_warning(len(heldout), cfg.eval_samples, cfg.delta_conf)) is not None:
+        log(too_few)
     reward, env = team_reward(cfg), team_environment(cfg)
     if env is not None:  # before any model is loaded: the environment's contract, then the reward's on its columns
         probe_environment(env, train, team_size(cfg, resume_from))
@@ -365,6 +367,8 @@ class RunRecorder:
         self.close({**row, **self.how}, samples)
         if samples:
             self.run.log(records.sample_text(samples[0]))
+        if (cut := records.truncation_warning(row, cfg.max_new_tokens)) is not None:
+            self.run.log(cut)
         self.pending = []  # recorded in this row
         if evaluation is not None:
             self.baseline = None  # an upgrade's evaluation is the reference until the next evaluation

@@ -175,6 +175,36 @@ def test_checkpoint_team_keeps_its_protocol(tmp_path):
     assert identity["instruction"] == ""  # an explicit --instruction still replaces it
 
 
+@needs_aime
+def test_checkpoint_team_samples_with_its_runs_own_settings_unless_told(tmp_path, capsys):
+    """A --ckpt run's config.json gives the sampling the command line leaves out: without it, a tiny team (2048
+    positions) would be refused at the default 32768 new tokens. The identity holds the effective values, so
+    giving the same values explicitly reuses the folder."""
+    run = tmp_path / "run"
+    save_team(Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(instruction="")),
+              run / "checkpoints" / "stage_0001" / "team")
+    (run / "latest.json").write_text(json.dumps({"stage": 1, "path": "stage_0001"}))
+    (run / "config.json").write_text(json.dumps({"max_new_tokens": 4, "temperature": 0.5, "top_p": 0.9,
+                                                 "agents": "tiny x2"}))
+    out = tmp_path / "ev"
+    argv = ["--ckpt", str(run), "--data", str(AIME24), "--limit", "1", "--k", "2", "--device", "cpu", "--out", str(out)]
+    assert eval_aime.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"from {run / 'config.json'}: temperature 0.5, top_p 0.9, max_new_tokens 4 (the run's own; " in printed
+    setting = json.loads((out / "summary.json").read_text())["setting"]
+    assert (setting["max_new_tokens"], setting["temperature"], setting["top_p"]) == (4, 0.5, 0.9)
+    explicit = ["--max-new-tokens", "4", "--temperature", "0.5", "--top-p", "0.9"]
+    assert eval_aime.main(argv + explicit) == 0  # the same effective setting: the same run.json, nothing to draw
+    assert "to generate" not in capsys.readouterr().out
+    (run / "checkpoints" / "stage_0001" / "state.pt").write_bytes(b"")  # what marks a stage folder
+    for stage in (run / "checkpoints" / "stage_0001", run / "checkpoints" / "stage_0001" / "team"):
+        identity = team_identity(eval_aime.parse_args(["--ckpt", str(stage), "--temperature", "0.8"]))
+        assert (identity["max_new_tokens"], identity["temperature"], identity["top_p"]) == (4, 0.8, 0.9)
+    (run / "config.json").unlink()  # a team without its run's config: the paper's evaluation sampling
+    identity = team_identity(eval_aime.parse_args(["--ckpt", str(run)]))
+    assert (identity["max_new_tokens"], identity["temperature"], identity["top_p"]) == (32768, 0.8, 1.0)
+
+
 # -- clear errors ------------------------------------------------------------------------------
 def test_unknown_bench_is_one_line(tmp_path, capsys):
     assert eval_aime.main(["--agents", "tiny x3", "--bench", "aime26", "--out", str(tmp_path)]) == 2

@@ -48,15 +48,32 @@ def cell(diff, mde, falls, backtracked=0.9):
     (cell((0.01, 0.015), 0.02, 0.0), 0.0, "refuted"),  # lower end -0.005 > -MDE
     (cell((-0.01, 0.015), 0.02, 0.0), 0.0, "inconclusive"),  # lower end -0.025 < -MDE, upper end > 0
     (cell((-0.05, 0.02), 0.03, 0.2, backtracked=0.4), 0.0, "not judged"),
+    # the issue's run (2 seeds): lower end -0.124 is above -MDE, but an MDE of 0.133 against the named 0.03 could
+    # not have seen the effect
+    (cell((-0.004, 0.120), 0.133, 0.0), 0.0, "underpowered"),
+    (cell((0.01, 0.015), 0.031, 0.0), 0.0, "underpowered"),  # just past the named effect
+    (cell((-0.01, 0.015), 0.02, 0.0), 0.0, "inconclusive"),
+    (cell((0.0, 0.0), math.nan, 0.0), 0.0, "underpowered"),  # one seed: no interval, no power
+    (cell((-0.2, 0.15), 0.17, 0.2), 0.0, "holds"),  # an effect seen needs no power argument
 ])
 def test_llm_verdict_applies_the_criterion(joint, regen_falls, verdict):
     other = {"diff": (math.nan, math.nan), "mde": math.nan, "backtracked": 0.9}
     cells = {(2, 0.5, "joint"): joint, (2, 0.5, "sat-regenerate"): dict(other, falls=regen_falls),
              (2, 0.5, "sat-weights"): dict(other, falls=0.0)}
     lines = rs.llm_verdict(cells, [2], [0.5])
-    assert verdict in lines[0]
-    assert lines[-1].endswith("holds" if verdict == "holds" else "refuted" if verdict == "refuted"
-                              else "not established")
+    assert lines[0].endswith(verdict)
+    assert lines[-1].endswith(verdict if verdict in ("holds", "refuted", "underpowered") else "not established")
+
+
+def test_llm_verdict_overall_mixes_to_not_established():
+    """Refuted in one cell and underpowered in another: neither refuted nor underpowered overall."""
+    other = {"diff": (math.nan, math.nan), "mde": math.nan, "backtracked": 0.9, "falls": 0.0}
+    cells = {}
+    for delta, joint in ((0.05, cell((0.01, 0.015), 0.02, 0.0)), (0.5, cell((-0.004, 0.12), 0.133, 0.0))):
+        cells.update({(2, delta, "joint"): joint, (2, delta, "sat-regenerate"): other,
+                      (2, delta, "sat-weights"): other})
+    lines = rs.llm_verdict(cells, [2], [0.05, 0.5])
+    assert [ln.rsplit(": ", 1)[1] for ln in lines] == ["refuted", "underpowered", "not established"]
 
 
 def test_llm_refuses_a_team_of_one(capsys):

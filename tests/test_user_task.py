@@ -559,3 +559,46 @@ def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys
     team = summary["benchmarks"]["reasoning-gym:knights_knaves"]["metrics"]["team"]
     assert 0 <= team["avg@2"]["value"] <= 1 and summary["setting"]["reward"] == "reasoning-gym:knights_knaves"
     assert summary["setting"]["roles"]["agents"][0]["system"]  # reasoning-gym's system prompt, from the checkpoint
+
+
+# -- Warnings a new user needs: a held-out split too small to measure, responses cut at the token limit -------
+@pytest.mark.parametrize("delta_conf", [0.01, 0.05, 0.1, 0.5])
+def test_fewest_certifying_rows_is_where_the_best_case_certificate_turns_positive(delta_conf):
+    from bounds import paired_lower_bound
+    from harness.records import fewest_certifying_rows
+
+    need = fewest_certifying_rows(delta_conf)
+    best = lambda n, width: paired_lower_bound([width] * n, width, delta_conf)["lower_bound"]  # noqa: E731
+    assert best(need, 1.0) > 0 and (need == 1 or best(need - 1, 1.0) <= 0)
+    assert best(need, 3.0) > 0 and (need == 1 or best(need - 1, 3.0) <= 0)  # the reward's range scales out
+    assert fewest_certifying_rows(0.05) == 8
+
+
+def test_held_out_and_truncation_warnings_are_one_line_or_none():
+    from harness.records import heldout_warning, truncation_warning
+
+    line = heldout_warning(1, 1, 0.05)
+    assert "\n" not in line and "--eval-data" in line and "1 paired row" in line and "fewer than 8" in line
+    assert heldout_warning(2, 4, 0.05) is None and heldout_warning(7, 1, 0.05) is not None
+    line = truncation_warning({"stage": 3, "truncated_fraction": 0.969}, 48)
+    assert line == ("warning: stage 3 cut 97% of its responses at --max-new-tokens 48: raise --max-new-tokens (or "
+                    "ask for shorter answers) so that an answer fits")
+    assert truncation_warning({"stage": 3, "truncated_fraction": 0.5}, 48) is None
+    assert truncation_warning({"stage": 0, "eval_accuracy": 0.0}, 48) is None  # stage 0 trains nothing
+
+
+def test_a_one_row_held_out_split_and_cut_responses_each_warn_once(tmp_path):
+    """The issue's new-user run at tiny size: a 6-row file holds out 1 row, and 1 new token cuts every response."""
+    from harness.cli import parse_args
+    from harness.run import run
+
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join((ROOT / "examples" / "addition.jsonl").read_text().splitlines(True)[:6]))
+    said = []
+    rows = run(parse_args(TINY_RUN + ["--data", str(data), "--stages", "1", "--max-new-tokens", "1",
+                                      "--warmup-steps", "0", "--out", str(tmp_path / "run")]), log=said.append)
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert len(warnings) == 2, said
+    assert "1 problem(s) x 1 sample(s) = 1 paired row(s)" in warnings[0] and "--eval-data" in warnings[0]
+    assert warnings[1].startswith("warning: stage 1 cut 100% of its responses at --max-new-tokens 1")
+    assert rows[0]["eval_n"] == 1 and rows[1]["truncated_fraction"] == 1.0
