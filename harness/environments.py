@@ -183,14 +183,15 @@ def probe_environment(env: Environment, problems: list, n_agents: int) -> None:
                                        "replay episodes)")
 
 
-def game_problems(name: str, options: dict, n: int, seed: int, split: str) -> list:
+def game_problems(name: str, options: dict, n: int, seed: int, split: str, rounds: int | None = None) -> list:
     """Rows of a built-in game: one seed each, the held-out split on odd seeds and training on even ones, so the two
-    never share an episode whatever the run's seed."""
+    never share an episode whatever the run's seed; ``rounds`` (T, when --max-rounds sets it) goes in each row, so
+    the opening tells the agents how many rounds they have."""
     unknown = sorted(set(options) - set(GAME_OPTIONS[name]))
     if unknown:
         raise EnvironmentFault(f"--task-option {unknown[0]}: env:{name} takes "
                                f"{', '.join(GAME_OPTIONS[name])}")
-    values = {**GAME_OPTIONS[name], **{k: int(v) for k, v in options.items()}}
+    values = {**GAME_OPTIONS[name], **{k: int(v) for k, v in options.items()}, **({"rounds": rounds} if rounds else {})}
     base = 2 * (seed * 100_003) + (split == "heldout")
     rows = [{**values, "seed": base + 2 * i} for i in range(n)]
     return [Problem(f"{name}-{r['seed']}", "", "", None, r) for r in rows]

@@ -102,7 +102,8 @@ def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
     gym, game = gym_bench(cfg), env_game(cfg.bench.strip()) if not cfg.data else None
     if game:  # the held-out episodes of sat.py --seed 0
         options = dict(o.split("=", 1) for o in cfg.task_option)
-        return {cfg.bench.strip(): game_problems(game, options, cfg.reasoning_gym_size, 0, "heldout")}
+        return {cfg.bench.strip(): game_problems(game, options, cfg.reasoning_gym_size, 0, "heldout",
+                                                 benchmark_environment(cfg).max_rounds)}
     if cfg.data:
         specs = [p.strip() for p in cfg.data.split(",") if p.strip()]
         benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key) for s in specs}

@@ -368,8 +368,8 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     game = env_game(cfg.task) if not cfg.data else None
     if game:  # an environment's rows: one seed each, training and held-out seeds apart
         options = dict(o.split("=", 1) for o in cfg.task_option)
-        train = game_problems(game, options, TRAIN_POOL, cfg.seed, "train")
-        heldout = game_problems(game, options, cfg.eval_size, cfg.seed, "heldout")
+        train = game_problems(game, options, TRAIN_POOL, cfg.seed, "train", cfg.max_rounds)
+        heldout = game_problems(game, options, cfg.eval_size, cfg.seed, "heldout", cfg.max_rounds)
         return train, heldout, user_instruction(cfg.instruction)
     gym = rg.task_name(cfg.task) if not cfg.data else None
     synthetic = cfg.task in SYNTHETIC_TASKS and not cfg.data

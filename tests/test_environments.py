@@ -242,3 +242,9 @@ def test_a_roles_next_template_addresses_the_later_rounds():
     assert view.endswith("<|user|>Round 2. Agent 2: 6\n\nAgent 1: 4 is too low\nAgent 2: 6 is too high<|assistant|>")
     with pytest.raises(ValueError, match="the next template takes"):
         parse_roles({"agents": [{"user": "{problem}", "next": "{problem}"}]}, "roles", 2, "independent")
+
+
+def test_a_built_in_opening_states_the_rounds_the_run_gives():
+    env = load_environment("env:blocksworld", max_rounds=3)
+    p = game_problems("blocksworld", {}, 1, seed=0, split="heldout", rounds=env.max_rounds)[0]
+    assert "You have 3 rounds" in env.start(p)[1]
