@@ -59,16 +59,19 @@ def flatten(row: dict, prefix: str = "") -> dict[str, float]:
 
 def sample_table(samples: list[dict]) -> tuple[list[str], list[list]]:
     """(columns, rows) of a stage's samples (records.stage_samples): the problem, the gold answer, each agent's
-    response and answer, the team's answer and reward."""
+    response and answer, the team's answer and reward; an environment's episode also its rounds and whole
+    transcript."""
     if not samples:
         return [], []
     n_agents = len(samples[0]["agents"])
+    episode = "transcript" in samples[0]
     columns = ["stage", "problem", "gold"] + [f"agent_{k + 1}_{f}" for k in range(n_agents)
                                               for f in ("response", "answer")] + ["team_answer", "reward"]
     rows = [[s["stage"], s["problem"], str(s["gold"])]
             + [str(a[f]) for a in s["agents"] for f in ("response", "answer")]
-            + [str(s["team_answer"]), float(s["reward"])] for s in samples]
-    return columns, rows
+            + [str(s["team_answer"]), float(s["reward"])] + ([s["rounds"], s["transcript"]] if episode else [])
+            for s in samples]
+    return columns + (["rounds", "transcript"] if episode else []), rows
 
 
 def markdown_table(columns: list[str], rows: list[list]) -> str:

@@ -248,3 +248,13 @@ def test_a_built_in_opening_states_the_rounds_the_run_gives():
     env = load_environment("env:blocksworld", max_rounds=3)
     p = game_problems("blocksworld", {}, 1, seed=0, split="heldout", rounds=env.max_rounds)[0]
     assert "You have 3 rounds" in env.start(p)[1]
+
+
+def test_the_trackers_table_carries_an_episodes_whole_transcript():
+    from harness.trackers import sample_table
+
+    transcript = "Environment: go\n\n" + "\n\n".join(f"Agent 1: guess {i}\n\nEnvironment: no" for i in range(50))
+    sample = {"stage": 1, "problem": "", "gold": "", "agents": [{"response": "guess 49", "answer": None}],
+              "team_answer": None, "reward": 0.5, "rounds": 50, "transcript": transcript}
+    columns, rows = sample_table([sample])
+    assert columns[-2:] == ["rounds", "transcript"] and rows[0][-2:] == [50, transcript]
