@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass
 
 from harness.env_games import GAME_OPTIONS, GAMES
-from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, short
-from reward import DEFAULT_RANGE
+from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
 
 BUILTIN_PREFIX = "env:"
@@ -104,7 +103,7 @@ def load_environment(spec: str, max_rounds: int | None = None) -> Environment:
         cls = GAMES[name]
     else:
         cls = user_class(spec)
-    return Environment(cls, spec, rounds_of(cls, spec, max_rounds), range_of(cls, spec))
+    return Environment(cls, spec, rounds_of(cls, spec, max_rounds), range_of(cls, spec, "--env"))
 
 
 def user_class(spec: str) -> type:
@@ -142,17 +141,6 @@ def rounds_of(cls: type, spec: str, max_rounds: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EnvironmentFault(f"--env {spec}: max_rounds must be a whole number >= 1, got {value!r}")
     return value
-
-
-def range_of(cls: type, spec: str) -> tuple[float, float]:
-    value = getattr(cls, "reward_range", DEFAULT_RANGE)
-    try:
-        lo, hi = (float(v) for v in value)
-    except (TypeError, ValueError):
-        lo = hi = math.nan
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise EnvironmentFault(f"--env {spec}: reward_range must be (lo, hi) with finite lo < hi, got {value!r}")
-    return lo, hi
 
 
 def play(env: Environment, problem, replies: list[list[str]]) -> tuple[list[str], float]:

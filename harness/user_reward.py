@@ -109,15 +109,16 @@ def check_signature(fn: Callable, name: str) -> None:
                           "keywords: answer, agent_answers, protocol and the dataset's own)")
 
 
-def range_of(fn: Callable, name: str) -> tuple[float, float]:
-    """(R_min, R_max): the function's ``reward_range`` attribute, else [0, 1]."""
+def range_of(fn: Callable, name: str, option: str = "--reward") -> tuple[float, float]:
+    """(R_min, R_max): the ``reward_range`` attribute of a reward function (or an environment class, ``option``
+    --env), else [0, 1]."""
     value = getattr(fn, "reward_range", DEFAULT_RANGE)
     try:
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
         lo = hi = math.nan
     if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-        raise RewardError(f"--reward {name}: reward_range must be (lo, hi) with finite lo < hi, got {value!r}")
+        raise RewardError(f"{option} {name}: reward_range must be (lo, hi) with finite lo < hi, got {value!r}")
     return lo, hi
 
 
