@@ -311,9 +311,10 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
     turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
-    answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, group_ids)
+    transcripts = [transcript(e) for e in episodes]
+    answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, transcripts)
     return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
-                     transcripts=[transcript(e) for e in episodes], rounds=[e.rounds for e in episodes],
+                     transcripts=transcripts, rounds=[e.rounds for e in episodes],
                      solved=[float(r) >= env.range[1] for r in rewards])
 
 
@@ -342,13 +343,13 @@ def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: Sampling
                 torch.tensor([e.truncated[k] for e in episodes]), None)
 
 
-def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], group_ids: torch.Tensor):
+def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], transcripts: list[str]):
     """``score_team`` for episodes: the team reward R through ``reward.score`` with the environment's reward
     (``env_reward``) and the whole ``transcript`` among the columns. No agent's share of an episode can be
     swapped out of it, so each agent's own score is the team's and there is no counterfactual baseline."""
     env, reward, protocol = team.config.environment, team.config.reward, team.protocol
     extra = {"env_reward": [env.reward(e.state, e.problem) for e in episodes],
-             "transcript": [transcript(e) for e in episodes]}
+             "transcript": transcripts}
     answers = [[t.answers[i] for t in turns] for i in range(len(episodes))]
     texts = [[t.texts[i] for t in turns] for i in range(len(episodes))]
     rewards = torch.tensor(score(reward, [e.opening for e in episodes], texts, answers, protocol, extra)).float()

@@ -44,6 +44,7 @@ from rollout import (
     score_episodes,
     speak,
     start_episode,
+    transcript,
 )
 from scale.rollout_hf import HF
 from team import Agent, Problem, Team
@@ -209,7 +210,7 @@ class Enumerated:
         group_ids = torch.tensor(self.row_problem)  # [N]
         turns = [episode_turn(team, k, episodes, SAMPLING, HF, False) for k in range(len(team))]  # no behaviour
         self.batch = TeamBatch([e.problem for e in episodes], group_ids, turns,
-                               *score_episodes(team, episodes, turns, group_ids),
+                               *score_episodes(team, episodes, turns, [transcript(e) for e in episodes]),
                                rounds=[e.rounds for e in episodes])
         self.rewards = self.batch.rewards.double()  # [N]
         self.episodes = episodes
