@@ -59,7 +59,7 @@ from trust_region import (
     interpolate_parameters,
     kl_quantile,
 )
-from update import TrainStats, train_agents
+from update import StepSize, TrainStats, train_agents
 
 
 @dataclass
@@ -69,6 +69,7 @@ class RunState:
 
     team: Team
     controllers: dict[int, QuantileController]  # each agent's beta and trust-region statistic
+    step_sizes: dict[int, StepSize]  # each agent's lr (--step-size)
     value_heads: dict[int, torch.nn.Linear]  # --adv gae: each agent's value head
     rng: random.Random  # the run's Python RNG: prompts, the agents' order, Stage-0 prompts
     backend: object  # the sampler the entry point hands in (scale.rollout_vllm.make_backend: HF or vLLM engines)
@@ -124,7 +125,8 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
         pair_seed = draw_seed()  # one seed per row for the step's before and after draws
         if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
             before = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
-        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.value_heads)  # lines 6-11
+        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.step_sizes[j],
+                                        run.value_heads)  # lines 6-11
         backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
         if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
             batch = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
@@ -137,37 +139,39 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
 
 
 def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
-               value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
+               step_size: StepSize, value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
     """Lines 6-11 for agent j: weights w = prod min(1, rho_t) of the agents
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
     OPTIMIZE(L_i); the trust-region check. Returns its record and log rho."""
     inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
     reference = team.procs.frozen_copy(team.agents[j].model)  # pi_j,cur, frozen
     stats = team.procs.train(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, {j: controller}, value_heads,
-                                                           {j: reference})[j])
-    return trust_region_step(team, j, reference, inputs, stats, cfg, controller, batch)
+                                                           {j: reference}, {j: step_size.lr})[j])
+    return trust_region_step(team, j, reference, inputs, stats, cfg, controller, step_size, batch)
 
 
 def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[AgentStep]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
-    team, controllers, value_heads = run.team, run.controllers, run.value_heads
+    team, controllers, step_sizes, value_heads = run.team, run.controllers, run.step_sizes, run.value_heads
     inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
     references = {j: team.procs.frozen_copy(team.agents[j].model) for j in sigma}
     stats = team.procs.train(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
-                                                               references))
+                                                               references, {j: step_sizes[j].lr for j in sigma}))
     agent_records = [None] * len(team)
     for j in sigma:
         agent_records[j] = trust_region_step(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j],
-                                             batch)[0]
+                                             step_sizes[j], batch)[0]
         run.backend.sync(team.agents[j])
     return agent_records
 
 
 def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
-                      controller: QuantileController, batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
-    """Lines 10-11: the trust-region check with backtracking, beta's update and
-    the step's estimates; returns the record and log rho on agent j's tokens.
+                      controller: QuantileController, step_size: StepSize,
+                      batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
+    """Lines 10-11: the trust-region check with backtracking, beta's and the
+    step size's updates and the step's estimates; returns the record and log
+    rho on agent j's tokens.
 
     The line search tries anchor + f (proposal - anchor) for f = 1, 1/2, 1/4,
     ... until the (1 - alpha) quantile of the exact per-state KL is inside
@@ -177,7 +181,7 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
     weights kept."""
     agent, turn = team.agents[j], inputs.turn
     params = agent.procs.parameters(agent.model)  # views: the model reads them at its next forward
-    anchor = stats.anchor or [p.detach().clone() for p in agent.procs.parameters(reference)]
+    anchor = stats.anchor or list(agent.procs.parameters(reference))  # read, never written: no copy
     proposal = [p.detach().clone() for p in params]
 
     def step_to(frac: float) -> None:
@@ -194,12 +198,15 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
                                       quantile_of=lambda m: kl_quantile(m[0], cfg.quantile))
     accepted = search.accepted or stats.anchor is not None  # the anchor was measured inside: keep it
     kl, log_rho = search.measurement if search.accepted else measure()  # [M], [N, Lr] at the weights kept
-    beta_used = controller.beta
-    controller.update(kl_quantile(kl, cfg.quantile) if accepted else math.inf)  # a rejection counts as a violation
-    step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kl_quantile(kl, cfg.quantile),
+    beta_used, lr_used, kq = controller.beta, step_size.lr, kl_quantile(kl, cfg.quantile)
+    controller.update(kq if accepted else math.inf)  # a rejection counts as a violation
+    # the in-loop anchor kept counts as one halving; a rejection as a halving past the last fraction tried
+    step_size.update(search.fraction, kq, 0.5 if accepted else 0.5 ** (cfg.max_backtracks + 1))
+    lrs = {"lr": lr_used, "lr_next": step_size.lr} if step_size.rule != "fixed" else {}
+    step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kq,
                      kl_max=float(kl.max()), kl_quantile_dkw=dkw_upper_quantile(kl, cfg.quantile), delta=cfg.delta,
                      beta=beta_used, beta_next=controller.beta, backtracks=search.backtracks, accepted=accepted,
-                     step_fraction=search.fraction, **step_estimates(inputs, log_rho, kl, batch, j), train=stats)
+                     step_fraction=search.fraction, **lrs, **step_estimates(inputs, log_rho, kl, batch, j), train=stats)
     return step, log_rho
 
 

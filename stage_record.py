@@ -43,9 +43,15 @@ class AgentStep:
     credit_correlation: float  # correlation of the agent's advantages with its own correctness
     train: TrainStats  # the optimiser's figures: loss, clip fraction, ratio statistics, gradient norm, tokens/s
     step_bound: dict | None = None  # the step's paired bound (bounds.paired_change_bound), see step_bounds
+    lr: float | None = None  # --step-size adaptive: the lr the step trained with (update.StepSize)
+    lr_next: float | None = None  # and the lr of the agent's next step
 
     def row(self) -> dict:
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}, **self.train.logged()}
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "train"}
+        for optional in ("lr", "lr_next"):  # a fixed lr is the run's --lr
+            if row[optional] is None:
+                del row[optional]
+        return {**row, **self.train.logged()}
 
 
 @dataclass

@@ -30,19 +30,21 @@ and for GAE value targets), comes from ``advantage.build_inputs``.
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
+from harness.config import STEP_RULES
 from logprobs import measure_kl, turn_forward, turn_rows
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
-# ``cfg`` below is the run's ``harness.config.Config`` (read for lr, epochs, minibatch_size,
+# ``cfg`` below is the run's ``harness.config.Config`` (read for epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
 
 
@@ -109,6 +111,54 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
 # ALGO LOGIC: OPTIMIZE(L_i), Algorithm 1 line 8
 # ---------------------------------------------------------------------------
 @dataclass
+class StepSize:
+    """Agent j's learning rate, which sets where its line search starts (``--step-size``; Section 5's trust
+    region, with the rule below added by this project). ``fixed`` keeps ``lr`` (the paper's setting).
+    ``adaptive`` rescales it after every step from what the exact KL check measured, ``update(f, kq)``:
+
+        lr <- lr * min(growth, f * sqrt(target * delta / kq))
+
+    where f is the fraction of the step the line search kept and kq its KL quantile. Under the quadratic model
+    of a small step, KL quantile ~ c * (f * lr)^2, this is the lr whose whole proposal lands at target * delta:
+    it grows while steps sit well inside delta and shrinks by about the backtracked fraction when a step
+    backtracks. A rejected step (even shrink^max_backtracks was outside) multiplies lr by ``rejected_scale``.
+    lr stays within [lr_start / span, lr_start * span]. Backtracking and the certificates are unchanged: the rule
+    only moves the proposal the line search starts from."""
+
+    rule: str = "fixed"
+    lr: float = 1e-5
+    delta: float = 0.05
+    target: float = 0.7  # aim the next proposal's KL quantile at this share of delta
+    growth: float = 4.0  # the most lr grows in one step (x 16 on the quadratic model's KL)
+    span: float = 100.0
+    lr_start: float = 0.0  # the run's --lr; 0: take lr
+
+    def __post_init__(self) -> None:
+        if self.rule not in STEP_RULES:
+            raise ValueError(f"step rule must be one of {STEP_RULES}, got {self.rule!r}")
+        if not (self.lr > 0 and self.delta > 0 and 0 < self.target <= 1 and self.growth >= 1 and self.span >= 1):
+            raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth >= 1, span >= 1; got {self}")
+        self.lr_start = self.lr_start or self.lr
+
+    def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:
+        """The lr after a step that kept ``fraction`` of its proposal at KL quantile ``kl_quantile``
+        (fraction 0: rejected); returns it."""
+        if self.rule == "fixed":
+            return self.lr
+        if fraction == 0.0:
+            scale = rejected_scale
+        elif not kl_quantile > 0:  # the step did not move the policy: no evidence of curvature, grow
+            scale = self.growth
+        else:
+            scale = min(self.growth, fraction * math.sqrt(self.target * self.delta / kl_quantile))
+        self.lr = min(self.lr_start * self.span, max(self.lr_start / self.span, self.lr * scale))
+        return self.lr
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class TrainStats:
     """What one agent's optimisation did (logged per agent and stage), and
     ``anchor``: the last iterate an in-loop check found inside the trust region
@@ -146,12 +196,13 @@ class _Tally:
 
 def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
                  controllers: dict[int, QuantileController], value_heads: dict,
-                 references: dict) -> dict[int, TrainStats]:
+                 references: dict, lrs: dict[int, float]) -> dict[int, TrainStats]:
     """Maximise the clipped, weighted surrogate L_i for the agents in ``slots``:
     ``cfg.epochs`` passes over the batch in minibatches of ``cfg.minibatch_size``
-    joint trajectories, one AdamW step each. Sequential SAT passes one slot;
-    ``--update joint`` passes all (every agent holds gradients and optimizer
-    state at once: the memory cost SAT avoids).
+    joint trajectories, one AdamW step each at the agent's lr (``lrs``, from
+    its ``StepSize``). Sequential SAT passes one slot; ``--update joint``
+    passes all (every agent holds gradients and optimizer state at once: the
+    memory cost SAT avoids).
 
     Every ``cfg.kl_check_every`` steps the exact per-state KL quantile to
     pi_j,cur (``references[j]``) is measured; an agent whose quantile crossed
@@ -160,7 +211,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
     inside (``TrainStats.anchor``)."""
     agents = {j: team.agents[j] for j in slots}
     heads = {j: value_heads.get(j) if cfg.adv == "gae" else None for j in slots}
-    optimizers = {j: _start_training(agents[j], heads[j], cfg) for j in slots}
+    optimizers = {j: _start_training(agents[j], heads[j], cfg, lrs[j]) for j in slots}
     tallies = {j: _Tally() for j in slots}
     anchors: dict[int, list[torch.Tensor]] = {}  # the last iterate each in-loop check found inside
     stopped: set[int] = set()
@@ -191,13 +242,13 @@ def _copy_parameters(agent: Agent) -> list[torch.Tensor]:
     return [p.detach().clone() for p in agent.model.parameters()]
 
 
-def _start_training(agent: Agent, head, cfg) -> torch.optim.Optimizer:
-    """Gradients and an optimizer for the agent (and its GAE value head)."""
+def _start_training(agent: Agent, head, cfg, lr: float) -> torch.optim.Optimizer:
+    """Gradients and an optimizer at ``lr`` for the agent (and its GAE value head)."""
     if head is not None:
         head.requires_grad_(True)
     if cfg.gradient_checkpointing:
         agent.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return agent.start_training(cfg.lr, extra_params=head.parameters() if head is not None else None)
+    return agent.start_training(lr, extra_params=head.parameters() if head is not None else None)
 
 
 def _stop_training(agent: Agent, head, cfg, tally: _Tally, early_stopped: bool, anchor, seconds: float) -> TrainStats:

@@ -45,6 +45,7 @@ import sat  # noqa: E402
 import update as update_mod  # noqa: E402
 from harness.loading import build_char_tokenizer  # noqa: E402
 from harness.math_grading import math_team_config  # noqa: E402
+from harness.run import step_sizes_for  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
@@ -216,7 +217,7 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
-        run = sat.RunState(team, controllers, {}, random.Random(args.seed), HF)
+        run = sat.RunState(team, controllers, step_sizes_for(cfg, len(team), {}), {}, random.Random(args.seed), HF)
         record = sat.sat_stage(run, problems, cfg, sampling)[0].row()
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}

@@ -41,6 +41,7 @@ import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 from harness.loading import load_agent
 from harness.math_grading import math_team_config  # noqa: E402
+from harness.run import step_sizes_for  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale.rollout_hf import HF  # noqa: E402
@@ -94,7 +95,7 @@ def one_stage(length: int, reuse: str, args) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.time()
-            run = sat.RunState(team, controllers, {}, random.Random(args.seed), HF)
+            run = sat.RunState(team, controllers, step_sizes_for(cfg, 3, {}), {}, random.Random(args.seed), HF)
             rec = sat.sat_stage(run, problems, cfg, sampling)[0].row()
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and

@@ -43,6 +43,7 @@ from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
 from team import Agent, Problem, Team
 from trust_region import QuantileController
+from update import StepSize
 
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
 
@@ -218,7 +219,18 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             value_heads[k] = make_value_head(agent)
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
-    return RunState(team, controllers, value_heads, rng, HF, log=log), state, rows
+    step_sizes = step_sizes_for(cfg, len(team), state.get("step_sizes", {}))
+    return RunState(team, controllers, step_sizes, value_heads, rng, HF, log=log), state, rows
+
+
+def step_sizes_for(cfg: Config, n: int, saved: dict) -> dict[int, StepSize]:
+    """Each agent's ``update.StepSize``: at --lr, or, when an adaptive run resumes with --step-size adaptive,
+    at the lr its checkpoint saved (a fixed rule, or a change of rule, starts from --lr)."""
+    sizes = {k: StepSize(rule=cfg.step_size, lr=cfg.lr, delta=cfg.delta) for k in range(n)}
+    for k, s in saved.items():
+        if cfg.step_size == s["rule"] == "adaptive":
+            sizes[int(k)] = StepSize(rule="adaptive", lr=s["lr"], delta=cfg.delta, lr_start=s["lr_start"])
+    return sizes
 
 
 def opening_problems(team: Team, problems: list[Problem]) -> list[Problem]:
@@ -380,7 +392,8 @@ class RunRecorder:
             run_folder.write_metrics(out, self.rows)
         if self.trackers is not None:
             self.trackers.log_stage(row, list(samples))
-        run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {})
+        run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {},
+                                   step_sizes=run.step_sizes)
         run.log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
                 f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n"
                 f"{records.STAGE_HEADER}")
@@ -407,7 +420,8 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
         run_folder.record_upgrades(out, events)
     pending = pending + events
     run_folder.save_checkpoint(out, start, team, run.controllers, run.value_heads, run.rng,
-                            {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded")
+                            {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded",
+                            step_sizes=run.step_sizes)
     run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     return baseline, pending
 

@@ -45,7 +45,7 @@ from trust_region import QuantileController
 
 
 def write_stage_folder(folder: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random,
-                       extra: dict) -> None:
+                       extra: dict, step_sizes: dict | None = None) -> None:
     """Every file of one checkpoint. Every process writes its part of the fp32 training state
     (``training_state``); the main process writes the agents' Hugging Face folders (whole models, one at a time),
     state.pt and checksums.json (the size and sha256 of every file, verified by ``load_checkpoint``). state.pt
@@ -63,6 +63,7 @@ def write_stage_folder(folder: Path, stage: int, team: Team, controllers, value_
         return
     save_team_meta(team, folder / "team")
     state = {"stage": stage, "controllers": {k: c.state_dict() for k, c in controllers.items()},
+             "step_sizes": {k: s.state_dict() for k, s in (step_sizes or {}).items()},
              "value_heads": {k: v.state_dict() for k, v in value_heads.items()},
              "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -103,7 +104,7 @@ def unwritten_checkpoint(out: Path, final: Path, err: Exception) -> str:
 
 
 def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads, rng: random.Random, extra: dict,
-                    suffix: str = "") -> Path:
+                    suffix: str = "", step_sizes: dict | None = None) -> Path:
     """Write checkpoints/stage_XXXX via a temporary folder and a rename, then
     point latest.json at it (also via rename): a crash leaves the previous
     checkpoint intact. A write that fails (a full disk, a quota) removes the
@@ -120,7 +121,7 @@ def save_checkpoint(out: Path, stage: int, team: Team, controllers, value_heads,
         tmp.mkdir(parents=True)
     procs.barrier()  # the folder exists before any process writes its part
     try:
-        write_stage_folder(tmp, stage, team, controllers, value_heads, rng, extra)
+        write_stage_folder(tmp, stage, team, controllers, value_heads, rng, extra, step_sizes)
     except (Exception, CheckpointException) as err:  # a full disk comes as each writer's own error
         if procs.main:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,7 @@ from rollout import SamplingConfig
 from stage0_states import with_agent
 from team import Agent, Problem, check_same_vocabulary
 from trust_region import QuantileController
+from update import StepSize
 
 
 def parse_upgrade(item: str, n_agents: int) -> tuple[int, str]:
@@ -78,6 +79,7 @@ def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingC
     if chosen is not None:
         backend.release(team.swap(slot, chosen, projected=rule == "stage0"))  # the incumbent's engine, if kept
         run.controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+        run.step_sizes[slot] = StepSize(rule=cfg.step_size, lr=cfg.lr, delta=cfg.delta)
         if cfg.adv == "gae":
             run.value_heads[slot] = make_value_head(chosen)
     event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,

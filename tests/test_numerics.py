@@ -19,6 +19,7 @@ import update
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.processes import OneProcess
+from harness.run import step_sizes_for
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
 from rollout import SamplingConfig, Turn, rollout
@@ -65,7 +66,8 @@ def sixteen_steps(agent: Agent, cfg) -> dict:
     inputs = advantage.UpdateInputs(turn, adv, adv, zeros, zeros)
     team = Team([agent], math_team_config())
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
-    return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)})[0]
+    return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)},
+                               {0: cfg.lr})[0]
 
 
 # -- 1. bf16 weights with an fp32 master copy --------------------------------------------
@@ -240,7 +242,8 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
     # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    record, _ = sat.sat_stage(sat.RunState(team, controllers, {}, random.Random(0), HF), problems, cfg, sampling)
+    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
+    record, _ = sat.sat_stage(run, problems, cfg, sampling)
     for step in record.agents:
         assert step.train.step0_log_ratio_max < 1e-3
     assert all(a.dtype == torch.bfloat16 for a in team.agents)
@@ -258,7 +261,7 @@ def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
     controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
     inputs = {0: advantage.UpdateInputs(turn, adv, adv, zeros, zeros)}
     stats = update.train_agents(Team([agent], math_team_config()), [0], inputs, cfg, controllers, {},
-                                {0: copy.deepcopy(agent.model)})[0]
+                                {0: copy.deepcopy(agent.model)}, {0: cfg.lr})[0]
     assert stats.inner_steps == 3 and stats.step0_log_ratio_max < 1e-3
 
 
@@ -351,6 +354,6 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
     controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    run = sat.RunState(team, controllers, {}, random.Random(0), HF)
+    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
     record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg, sampling)
     assert [step.train.step0_log_ratio_max for step in record.agents] == [0.0, 0.0]

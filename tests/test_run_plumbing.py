@@ -12,7 +12,7 @@ import harness.cli
 import sat
 from harness.loading import load_agent, warm_start
 from harness.math_grading import math_team_config
-from harness.run import configure_threads
+from harness.run import configure_threads, step_sizes_for
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig
@@ -46,7 +46,7 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     rollout = sat.rollout
     monkeypatch.setattr(sat, "rollout", lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1])
     torch.manual_seed(0)
-    run = sat.RunState(team, controllers, {}, random.Random(0), HF)
+    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
     rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg, sampling)
     assert any(a.train.early_stopped for a in rec.agents)  # the case this test is for
     for j, a in enumerate(rec.agents):

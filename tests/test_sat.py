@@ -79,7 +79,7 @@ def test_measure_kl_equals_direct_full_vocabulary_sum(team_and_batch):
 
 
 # -- backtracking ------------------------------------------------------------------------
-def run_trust_region_step(team, batch, scale, cfg, max_backtracks):
+def run_trust_region_step(team, batch, scale, cfg, max_backtracks, rule="fixed"):
     j = 1
     agent = team.agents[j]
     original = copy.deepcopy(agent.model)
@@ -90,7 +90,10 @@ def run_trust_region_step(team, batch, scale, cfg, max_backtracks):
     stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
                               train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
     record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg,
-                                  QuantileController(delta=cfg.delta, quantile=cfg.quantile), batch)
+                                      QuantileController(delta=cfg.delta, quantile=cfg.quantile),
+                                      update.StepSize(rule=rule, lr=cfg.lr, delta=cfg.delta), batch)
+    for p, q in zip(reference.parameters(), original.parameters()):
+        assert torch.equal(p, q)  # the line search reads pi_j,cur's parameters as its anchor and never writes them
     return agent, original, record
 
 
@@ -119,6 +122,20 @@ def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
         kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
         assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
         assert record.step_fraction == 0.5 ** record.backtracks
+        assert "lr" not in record.row()  # a fixed lr is the run's --lr
+    finally:
+        team.agents[1].model.load_state_dict(saved)
+
+
+def test_an_adaptive_step_that_backtracks_lowers_the_agents_lr(team_and_batch, tmp_path):
+    team, batch = team_and_batch
+    cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
+    saved = copy.deepcopy(team.agents[1].model.state_dict())
+    try:
+        _, _, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12, rule="adaptive")
+        assert record.accepted and record.backtracks >= 1 and record.lr == cfg.lr
+        expected = cfg.lr * record.step_fraction * math.sqrt(0.7 * cfg.delta / record.kl_quantile)  # update.StepSize
+        assert record.lr_next == pytest.approx(expected, rel=1e-9) and record.lr_next < record.lr
     finally:
         team.agents[1].model.load_state_dict(saved)
 

@@ -42,7 +42,7 @@ def turn(t: Team) -> None:
     torch.manual_seed(1)  # the same minibatch permutation
     controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
     ref = copy.deepcopy(t.agents[0].model)
-    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref})[0])
+    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref}, {0: cfg.lr})[0])
 
 
 def masters(agent: Agent) -> list[torch.Tensor]:

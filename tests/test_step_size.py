@@ -1,0 +1,99 @@
+"""--step-size: the per-agent lr rule (update.StepSize), checked against the quadratic model of a small step it
+is built on, through the real line search, and in a run that checkpoints and resumes."""
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import harness.cli
+import harness.run
+from trust_region import backtracking_line_search
+from update import StepSize
+
+pos = st.floats(1e-3, 1e3)
+
+
+def one_step(size: StepSize, curvature: float, max_backtracks: int = 6) -> tuple:
+    """One trust-region step when the KL quantile of the policy at fraction f of a proposal trained at lr is
+    exactly curvature * (f * lr)^2: the real line search, then the rule's update. -> (search, lr used)"""
+    lr, at = size.lr, {}
+    search = backtracking_line_search(lambda f: at.update(f=f), lambda: curvature * (at["f"] * lr) ** 2, size.delta,
+                                      max_backtracks=max_backtracks)
+    rejected_scale = 0.5 ** (max_backtracks + 1)
+    size.update(search.fraction, search.kl_quantile, rejected_scale)
+    return search, lr
+
+
+@settings(max_examples=200, deadline=None)
+@given(curvature=pos, lr=pos, delta=st.floats(1e-3, 1.0))
+def test_one_adaptive_step_puts_the_next_proposal_at_the_target(curvature, lr, delta):
+    size = StepSize(rule="adaptive", lr=lr, delta=delta, span=1e12)
+    search, lr_used = one_step(size, curvature)
+    if not search.accepted:  # even 1/64 of the proposal was outside: the lr falls past the last fraction tried
+        assert size.lr == pytest.approx(lr_used * 0.5 ** 7, rel=1e-12)
+        return
+    wanted = math.sqrt(size.target * delta / curvature)  # the lr whose whole proposal lands at target * delta
+    assert size.lr == pytest.approx(min(wanted, lr_used * size.growth), rel=1e-9)
+    next_search, _ = one_step(size, curvature)
+    assert next_search.kl_quantile <= delta  # at the target, or short of it when growth capped the lr
+    if wanted <= lr_used * size.growth:
+        assert next_search.backtracks == 0 and next_search.kl_quantile == pytest.approx(size.target * delta, rel=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(curvature=pos, lr=pos, delta=st.floats(1e-3, 1.0))
+def test_the_adaptive_rule_reaches_the_target_within_its_growth_limit(curvature, lr, delta):
+    size = StepSize(rule="adaptive", lr=lr, delta=delta, span=1e12)
+    kept = [one_step(size, curvature)[0] for _ in range(12)]
+    assert kept[-1].backtracks == 0 and kept[-1].kl_quantile == pytest.approx(size.target * delta, rel=1e-9)
+    assert all(s.kl_quantile <= delta for s in kept if s.accepted)
+
+
+@settings(max_examples=100, deadline=None)
+@given(curvature=pos, lr=pos, delta=st.floats(1e-3, 1.0))
+def test_a_fixed_rule_keeps_its_lr(curvature, lr, delta):
+    size = StepSize(rule="fixed", lr=lr, delta=delta)
+    for _ in range(3):
+        one_step(size, curvature)
+    assert size.lr == lr
+
+
+def test_the_lr_stays_within_its_span_and_grows_at_most_growth_a_step():
+    size = StepSize(rule="adaptive", lr=1e-6, delta=0.05, span=10.0)
+    assert size.update(1.0, 0.0, 0.5) == pytest.approx(4e-6)  # a step that did not move: grows by growth
+    assert size.update(1.0, 1e-12, 0.5) == pytest.approx(1e-5)  # capped at lr_start * span
+    for _ in range(5):
+        size.update(0.0, 0.0, 0.5 ** 7)  # rejected steps
+    assert size.lr == pytest.approx(1e-7)  # floored at lr_start / span
+
+
+@pytest.mark.parametrize("kw,needle", [(dict(rule="trpo"), "step rule must be one of"),
+                                       (dict(lr=0.0), "need lr, delta > 0"), (dict(target=1.5), "0 < target <= 1")])
+def test_a_bad_step_size_is_one_clear_error(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        StepSize(**kw)
+
+
+@pytest.mark.slow  # about a minute: a straight adaptive run and its resumed twin
+def test_an_adaptive_run_logs_each_agents_lr_and_resumes_it(tmp_path):
+    def config(out, stages, *extra):
+        return harness.cli.parse_args(["--agents", "tiny x2", "--stages", str(stages), "--batch-size", "32",
+                                       "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
+                                       "--warmup-steps", "30", "--eval-size", "16", "--device", "cpu",
+                                       "--step-size", "adaptive", "--lr", "1e-3", "--out", str(out), *extra])
+
+    quiet = lambda *_: None  # noqa: E731
+    straight = harness.run.run(config(tmp_path / "a", 3), log=quiet)
+    harness.run.run(config(tmp_path / "b", 1), log=quiet)
+    resumed = harness.run.run(harness.cli.parse_args(["--resume", str(tmp_path / "b"), "--stages", "3"]), log=quiet)
+    steps = [{a["agent"]: a for a in row["agents"]} for row in straight[1:]]
+    assert steps[0][1]["lr"] == steps[0][2]["lr"] == 1e-3
+    for before, after in zip(steps, steps[1:]):  # each agent's next step trains at the lr its last step set
+        assert all(after[k]["lr"] == before[k]["lr_next"] for k in (1, 2))
+    assert any(s[k]["lr_next"] != s[k]["lr"] for s in steps for k in (1, 2))  # the rule moved some lr
+    timing = ("seconds", "per_s")
+    strip = lambda rows: json.loads(json.dumps(rows, default=str), object_hook=lambda d: {  # noqa: E731
+        k: v for k, v in d.items() if not any(t in k for t in timing)})
+    assert strip(resumed) == strip(straight)
