@@ -112,8 +112,8 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
 # ---------------------------------------------------------------------------
 @dataclass
 class StepSize:
-    """Agent j's learning rate, which sets where its line search starts (``--step-size``; Section 5's trust
-    region, with the rule below added by this project). ``fixed`` keeps ``lr`` (the paper's setting).
+    """Agent j's learning rate, which sets where its line search starts (``--step-size``; a rule of this
+    project's, beyond the paper). ``fixed`` keeps ``lr`` (the paper's setting).
     ``adaptive`` rescales it after every step from what the exact KL check measured, ``update(f, kq)``:
 
         lr <- lr * min(growth, f * sqrt(target * delta / kq))
