@@ -163,5 +163,7 @@ def stage_line(rec: dict) -> str:
                      f"{rec['certificate']['lower_bound']:>+8.3f} {rec['run_certificate']['lower_bound']:>+7.3f}")
     else:
         evaluated = (f"{'-':>6} {'-':>7}", f"{'-':>8} {'-':>7}")
+    lr_next = "/".join(f"{a['lr_next']:.2g}" for a in ag if "lr_next" in a)  # --step-size adaptive: next lrs
+    lrs = f" lr {lr_next}" if lr_next else ""
     return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {evaluated[0]} {kl_q:>14} {backtracks:>6} {accepted:>6} "
-            f"{evaluated[1]} {rec['seconds']:>5.1f}")
+            f"{evaluated[1]} {rec['seconds']:>5.1f}{lrs}")

@@ -84,8 +84,9 @@ def test_an_adaptive_run_logs_each_agents_lr_and_resumes_it(tmp_path):
                                        "--warmup-steps", "30", "--eval-size", "16", "--device", "cpu",
                                        "--step-size", "adaptive", "--lr", "1e-3", "--out", str(out), *extra])
 
+    lines = []
     quiet = lambda *_: None  # noqa: E731
-    straight = harness.run.run(config(tmp_path / "a", 3), log=quiet)
+    straight = harness.run.run(config(tmp_path / "a", 3), log=lines.append)
     harness.run.run(config(tmp_path / "b", 1), log=quiet)
     resumed = harness.run.run(harness.cli.parse_args(["--resume", str(tmp_path / "b"), "--stages", "3"]), log=quiet)
     steps = [{a["agent"]: a for a in row["agents"]} for row in straight[1:]]
@@ -93,6 +94,8 @@ def test_an_adaptive_run_logs_each_agents_lr_and_resumes_it(tmp_path):
     for before, after in zip(steps, steps[1:]):  # each agent's next step trains at the lr its last step set
         assert all(after[k]["lr"] == before[k]["lr_next"] for k in (1, 2))
     assert any(s[k]["lr_next"] != s[k]["lr"] for s in steps for k in (1, 2))  # the rule moved some lr
+    last = [line for line in lines if line.lstrip().startswith("3 ")][0]  # stage 3's console line ends with the lrs
+    assert last.endswith(f" lr {steps[2][1]['lr_next']:.2g}/{steps[2][2]['lr_next']:.2g}")
     timing = ("seconds", "per_s")
     strip = lambda rows: json.loads(json.dumps(rows, default=str), object_hook=lambda d: {  # noqa: E731
         k: v for k, v in d.items() if not any(t in k for t in timing)})
