@@ -59,7 +59,7 @@ def parse_task(item: str) -> tuple[str, dict]:
 def measure(agent: Agent, name: str, options: dict, args, sampling: SamplingConfig) -> dict:
     """One task's figures: --team agents (one sample each per problem, seeds per agent as in a rollout)."""
     problems = reasoning_gym_problems(name, options, args.n, args.seed, "train")
-    roles = task_roles(1, "independent") if args.system == "reasoning-gym" else Roles((Role(None, "{problem}"),))
+    roles = Roles((Role(None, "{problem}"),)) if args.system == "none" else task_roles(1, "independent", args.system)
     contexts = [agent.encode_prompt(roles.messages(0, p, [], [])) for p in problems]
     start, texts, tokens = time.perf_counter(), [], []
     for k in range(args.team):
@@ -90,9 +90,10 @@ def main() -> None:
     ap.add_argument("--team", type=int, default=1, help="agents (samples per problem) for the team reward")
     ap.add_argument("--temperature", type=float, default=0.4)
     ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--system", default="reasoning-gym", choices=["reasoning-gym", "none"],
-                    help="the system turn: reasoning-gym's default prompt (asks for <answer> tags), or none (the "
-                         "question alone; the chat template may add its own default)")
+    ap.add_argument("--system", default="default",
+                    help="the system turn: one of reasoning-gym's prompts (reasoning_gym.utils.SYSTEM_PROMPTS: "
+                         "default thinks step by step, direct asks for the answer alone; both ask for <answer> "
+                         "tags), or none (the question alone; the chat template may add its own default)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--examples", action="store_true", help="print each task's first response")

@@ -22,6 +22,7 @@ import torch
 from team import PROTOCOLS, AgentSpec
 
 ORDERS = ("static", "random", "greedy")
+REASONING_GYM_PREFIX = "reasoning-gym:"  # --task reasoning-gym:NAME (harness/reasoning_gym_task.py)
 RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
@@ -150,6 +151,10 @@ class Config:
                                  "environment: guess-numbers, blocksworld)")
     task_option: list[str] = opt([], "KEY=VALUE: the config of --task reasoning-gym:NAME's dataset (repeatable), "
                                      "e.g. --task-option n_people=2")
+    task_prompt: str | None = opt(None, "the system prompt of --task reasoning-gym:NAME, one of reasoning-gym's "
+                                        "(reasoning_gym.utils.SYSTEM_PROMPTS): default (think step by step, then "
+                                        "the answer in <answer> tags), direct (the tagged answer alone), ...; "
+                                        "default: the task's own setting for real models on a CPU, else default")
     data: str | None = opt(None, "your problems: a .jsonl/.json/.csv/.parquet file or a Hub id "
                                  "org/name[:config][:split]; overrides --task")
     eval_data: str | None = opt(None, "held-out problems, as --data (default: the task's held-out split, or a "
@@ -262,7 +267,8 @@ class Config:
         """A copy with every ``None`` filled from the preset of the team and device (``preset_for``), then
         device, dtype and backend. A Config never changes once built: each resolving step returns a new one."""
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        filled = {k: v for k, v in preset_for(self.agents, device).items() if getattr(self, k) is None}
+        preset = {**preset_for(self.agents, device), **task_preset(self.task, self.agents, device)}
+        filled = {k: v for k, v in preset.items() if getattr(self, k) is None}
         # float32 on CPU: at REAL_CPU_PRESET's lr 1e-6 a bf16 team's steps round away (docs/claims.md)
         return replace(self, device=device, **filled,
                        dtype=self.dtype or ("float32" if device == "cpu" else "bfloat16"),
@@ -330,6 +336,36 @@ def preset_for(agents: str, device: str) -> dict:
     # every core unless $OMP_NUM_THREADS says otherwise: a SmolLM2 stage ran 1.99x faster on 2 threads than on 1
     # (docs/results.md); the tiny team keeps 1 thread (scale.distributed.configure_threads), reproducible anywhere
     return {**REAL_CPU_PRESET, "threads": threads_from_env() or cpu_cores()}
+
+
+@dataclass(frozen=True)
+class SmallModelSetting:
+    """A reasoning-gym task's system prompt (a key of reasoning_gym.utils.SYSTEM_PROMPTS) and response budget for
+    real models on a CPU, where the real-CPU preset's 48 tokens cut most responses to the "default" prompt."""
+
+    prompt: str
+    max_new_tokens: int
+
+
+# Measured on SmolLM2-135M-Instruct, 8 problems a cell, T 0.4 (bench/reasoning_gym_start.py; docs/results.md,
+# "reasoning-gym under a small budget"). basic_arithmetic: every response cut at 48 tokens under either prompt, half
+# under "direct" at 128. knights_knaves: "direct" at 48 scored 0.450 with half cut, "default" 0.206 with 62% cut; at
+# 128 no fewer were cut (those responses never stop). Tasks not measured get "direct" and the preset's 48 tokens.
+REASONING_GYM_CPU = {"basic_arithmetic": SmallModelSetting("direct", 128),
+                     "knights_knaves": SmallModelSetting("direct", 48)}
+REASONING_GYM_CPU_FALLBACK = SmallModelSetting("direct", 48)
+
+
+def task_preset(task: str | None, agents: str, device: str) -> dict:
+    """A reasoning-gym task's own defaults over the preset's: reasoning-gym's default system prompt, or, for real
+    models on a CPU (``preset_for``'s real-CPU preset), the prompt and response budget measured to let a small
+    model's answer fit (REASONING_GYM_CPU). Options the user set win, as over any preset."""
+    if not (task or "").startswith(REASONING_GYM_PREFIX):
+        return {}
+    if device.startswith("cuda") or all(s.kind == "tiny" for s in parse_agents(agents)):
+        return {"task_prompt": "default"}
+    setting = REASONING_GYM_CPU.get(task[len(REASONING_GYM_PREFIX):], REASONING_GYM_CPU_FALLBACK)
+    return {"task_prompt": setting.prompt, "max_new_tokens": setting.max_new_tokens}
 
 
 def threads_from_env() -> int | None:

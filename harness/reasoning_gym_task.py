@@ -21,13 +21,13 @@ import difflib
 import hashlib
 import importlib.util
 
+from harness.config import REASONING_GYM_PREFIX as PREFIX
 from harness.math_grading import vote_score
 from harness.roles import Role, Roles
 from harness.user_reward import CheckedReward
 from reward import Reward
 from team import Problem
 
-PREFIX = "reasoning-gym:"
 HELDOUT_PERCENT = 20  # share of the question space held out
 DRAW_FACTOR = {"train": 2, "heldout": 8}  # questions generated per problem wanted: ~1/(1 - 0.2), ~1/0.2, with slack
 MAX_ROUNDS = 8  # generations before a small question space is taken as exhausted
@@ -124,12 +124,16 @@ def reasoning_gym_problems(name: str, options: dict, n: int, seed: int, split: s
     return list(problems.values())
 
 
-def task_roles(n_agents: int, protocol: str) -> Roles:
-    """reasoning-gym's default system prompt (think, then the answer in <answer> tags) for every agent, the
-    question as the user turn; in the chain protocol agents 2..n also read the earlier agents' answers."""
+def task_roles(n_agents: int, protocol: str, prompt: str = "default") -> Roles:
+    """reasoning-gym's system prompt ``prompt`` (a key of its SYSTEM_PROMPTS: "default" thinks, then gives the
+    answer in <answer> tags; "direct" gives the tagged answer alone) for every agent, the question as the user
+    turn; in the chain protocol agents 2..n also read the earlier agents' answers."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    system = SYSTEM_PROMPTS["default"]
+    if prompt not in SYSTEM_PROMPTS:
+        raise ValueError(f"--task-prompt {prompt!r}: not one of reasoning-gym's system prompts "
+                         f"({', '.join(SYSTEM_PROMPTS)})")
+    system = SYSTEM_PROMPTS[prompt]
     if protocol != "chain" or n_agents == 1:
         return Roles((Role(system, "{problem}"),))
     later = Role(system, "{problem}\n\nThe earlier agents answered:\n{previous}")

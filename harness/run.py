@@ -104,6 +104,9 @@ def validate_run_inputs(cfg: "Config") -> None:
     if cfg.task_option and not (reasoning_gym_task.task_name(cfg.task) or env_game(cfg.task)):
         raise ValueError("--task-option configures a --task reasoning-gym:NAME dataset; pass that task, or drop the "
                          "option")
+    if cfg.task_prompt and not reasoning_gym_task.task_name(cfg.task):
+        raise ValueError("--task-prompt chooses the system prompt of a --task reasoning-gym:NAME dataset; pass that "
+                         "task, or drop the option (--roles sets any other task's prompts)")
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
     team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
@@ -171,7 +174,7 @@ def team_roles(cfg: Config, n_agents: int) -> Roles | None:
     if cfg.roles:
         return load_roles(cfg.roles, n_agents, cfg.protocol)
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
-        return reasoning_gym_task.task_roles(n_agents, cfg.protocol)
+        return reasoning_gym_task.task_roles(n_agents, cfg.protocol, cfg.task_prompt or "default")
     return None
 
 

@@ -470,6 +470,33 @@ def test_reasoning_gym_bad_names_and_options_are_one_line():
     assert "write key=value" in one_line(err)
 
 
+def test_a_reasoning_gym_task_brings_its_prompt_and_budget_unless_the_user_sets_them():
+    """Real models on a CPU get the task's measured prompt and response budget (config.REASONING_GYM_CPU, else the
+    fallback); the tiny team and CUDA keep their presets' budgets with reasoning-gym's default prompt; a user's
+    --max-new-tokens and --task-prompt win; other tasks are untouched."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    from harness.config import REAL_CPU_PRESET, REASONING_GYM_CPU, REASONING_GYM_CPU_FALLBACK, Config, task_preset
+    from harness.run import team_roles
+
+    smol = dict(agents="SmolLM2-135M x2", device="cpu")
+    for name in (*REASONING_GYM_CPU, "propositional_logic"):
+        setting = REASONING_GYM_CPU.get(name, REASONING_GYM_CPU_FALLBACK)
+        cfg = Config(task=f"reasoning-gym:{name}", **smol).apply_preset()
+        assert (cfg.task_prompt, cfg.max_new_tokens) == (setting.prompt, setting.max_new_tokens)
+        assert team_roles(cfg, 2).role(1).system == SYSTEM_PROMPTS[setting.prompt]
+    mine = Config(task="reasoning-gym:knights_knaves", max_new_tokens=48, task_prompt="default", **smol).apply_preset()
+    assert (mine.task_prompt, mine.max_new_tokens) == ("default", 48)
+    plain = Config(task="arithmetic-chat", **smol).apply_preset()
+    assert (plain.task_prompt, plain.max_new_tokens) == (None, REAL_CPU_PRESET["max_new_tokens"])
+    tiny = Config(agents="tiny x2", task="reasoning-gym:knights_knaves").apply_preset()
+    assert (tiny.task_prompt, tiny.max_new_tokens) == ("default", 4)
+    assert task_preset("reasoning-gym:knights_knaves", "Qwen3-4B x3", "cuda") == {"task_prompt": "default"}
+    assert task_preset("dapo-math-17k", "SmolLM2-135M", "cpu") == {}
+    with pytest.raises(ValueError, match="not one of reasoning-gym's system prompts"):
+        reasoning_gym_task.task_roles(2, "chain", "terse")
+
+
 # -- Whole runs: a user's reward, data, roles and tracker; reasoning-gym; resume ----------------------------
 def sat_main(argv: list[str], capsys) -> tuple[int, str]:
     from harness.cli import main
