@@ -403,7 +403,8 @@ def phase_table(sat_runs: list[dict], trl_runs: list[dict]) -> None:
     for label, sat_phase, trl_phase in ROWS:
         s, t = median(sat_runs, sat_phase), median(trl_runs, trl_phase)
         cells = [f"{x:8.1f}" if x is not None else f"{'-':>8}" for x in (s, t)]
-        print(f"{label:<40} {cells[0]} {cells[1]} " + (f"{s / t:8.2f}" if s is not None and t else f"{'-':>8}"))
+        shown = s is not None and t is not None and t >= 0.1  # a ratio to a phase TRL all but skips says nothing
+        print(f"{label:<40} {cells[0]} {cells[1]} " + (f"{s / t:8.2f}" if shown else f"{'-':>8}"))
     tokens = [statistics.median(r["tokens"] for r in runs) for runs in (sat_runs, trl_runs)]
     rates = [statistics.median(r["tokens"] / r["phases"]["generation"] for r in runs) for runs in (sat_runs, trl_runs)]
     print(f"{'generated tokens a stage':<40} {tokens[0]:>8.0f} {tokens[1]:>8.0f} {tokens[0] / tokens[1]:>8.2f}")
