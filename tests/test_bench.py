@@ -33,10 +33,32 @@ RUNS = {
     "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
                         r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }
+# scripts whose run needs an optional package CI does not install: here only their --help and their one-line
+# error without it (the package hidden from the process)
+WITHOUT = {"trl_side_by_side.py": ("trl", "pip install trl==1.16.0")}
 
 
 def test_every_bench_script_is_run_here():
-    assert sorted(p.name for p in (ROOT / "bench").glob("*.py")) == sorted(RUNS)
+    assert sorted(p.name for p in (ROOT / "bench").glob("*.py")) == sorted({**RUNS, **WITHOUT})
+
+
+def run_without(script: str, package: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """``script`` with ``args``, in a process where importing ``package`` fails as if it were not installed."""
+    hide = (f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", hide, str(ROOT / "bench" / script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script", sorted(WITHOUT))
+def test_bench_script_without_its_optional_package(script, tmp_path):
+    package, install = WITHOUT[script]
+    helped = run_without(script, package, ["--help"], tmp_path)
+    assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stderr[-3000:]
+    refused = run_without(script, package, [], tmp_path)
+    assert refused.returncode == 1 and install in refused.stderr, refused.stderr[-3000:]
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
 
 
 @pytest.mark.slow  # about 20 s each on two busy cores: a process importing torch and transformers
