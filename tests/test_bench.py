@@ -16,6 +16,8 @@ RUNS = {
     "gpu_stage.py": (["--tiny", "--device", "cpu"],
                      r"(?m)^== update joint: team reward [\d.]+.*\n(?:.*\n)*?"
                      r"scale\.memory estimate: peak_training [\d.]+ GiB"),
+    "line_search_peak.py": (["--agents", "tiny", "--repeats", "1"],
+                            r"(?m)^  read +\d+ MiB +[\d.]+ s +backtracks \[\d+\]\n  copy +\d+ MiB +[\d.]+ s"),
     "long_responses.py": (["--lengths", "4", "--batch-size", "8"],
                           r"(?m)^\s+4 +regenerate \| +1\.000/1\.000/1\.000 \| .* \| +\d+ +[\d.]+ +[\d.]+$"),
     "rollout.py": (["--prompts", "4", "--max-new-tokens", "4", "--repeats", "1"],
