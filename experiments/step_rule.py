@@ -40,7 +40,7 @@ def per_run(rows: list[dict]) -> dict:
     return {"change": change, "per_s": change / wall, "wall": wall, "kl_q": statistics.mean(a["kl_quantile"] for a in
             steps), "kl_q_max": max(a["kl_quantile"] for a in steps), "delta": steps[0]["delta"],
             "halvings": statistics.mean(a["backtracks"] for a in steps), "rejected": sum(not a["accepted"] for a in
-            steps), "violations": common.violation_rate(common.trained(rows)),
+            steps), "violations": common.violation_rate([r for r in common.trained(rows) if "violation" in r]),
             "certificate": common.run_lower_bound(rows), "lr_last": [a.get("lr_next") for a in steps[-3:]]}
 
 
