@@ -29,6 +29,7 @@ common = load("common")
 plug_and_play = load("plug_and_play")
 sequential_vs_joint = load("sequential_vs_joint")
 team_vs_single = load("team_vs_single")
+step_rule = load("step_rule")
 
 SMALL = ["--threads", "1", "--batch-size", "32", "--group-size", "4", "--eval-size", "16", "--epochs", "1",
          "--minibatch-size", "16", "--warmup-steps", "5", "--device", "cpu", "--quiet"]
@@ -231,3 +232,21 @@ def test_candidate_rows_list_every_candidate_and_the_certification():
     assert [r[0] for r in table[:3]] == ["stage0 delta0=0.01", "stage0 delta0=1", "raw"]
     assert table[0][1] == "+0.0100 / -0.0200 (KL q 0.010)" and table[1][2] == "dropped: Stage-0 did not fit"
     assert table[3][1].endswith("**+0.0200** -> swapped") and table[3][2].endswith("**-0.0100** -> incumbent kept")
+
+
+@pytest.mark.slow  # four tiny runs of 2 stages
+def test_step_rule_pairs_the_rules_by_seed_and_summarises_finished_runs(tmp_path, capsys):
+    argv = ["--agents", "tiny x2", "--seeds", "0,1", "--stages", "2", "--eval-every", "2", "--lr", "1e-3",
+            "--out", str(tmp_path), *SMALL]
+    assert step_rule.main(argv) == 0
+    rows = {r[0]: r for r in table_rows(tmp_path / "preset-task")}
+    assert set(rows) == {"fixed", "adaptive"} and rows["fixed"][1] == rows["adaptive"][1] == "2"
+    fixed = read_metrics(tmp_path / "preset-task" / "fixed" / "seed0")
+    adaptive = read_metrics(tmp_path / "preset-task" / "adaptive" / "seed0")
+    untimed = lambda a: {k: v for k, v in a.items() if k not in ("lr", "lr_next") and "per_s" not in k}  # noqa: E731
+    assert [untimed(a) for a in fixed[1]["agents"]] == [untimed(a) for a in adaptive[1]["agents"]]  # both at --lr
+    text = (tmp_path / "preset-task" / "table.md").read_text()
+    assert "adaptive - fixed, last held-out evaluation, paired by row: seed 0:" in text
+    capsys.readouterr()
+    assert step_rule.main(argv + ["--summary"]) == 0  # reads the finished runs, runs nothing
+    assert "skipped" not in capsys.readouterr().out and (tmp_path / "preset-task" / "table.md").read_text() == text
