@@ -97,47 +97,44 @@ def run_trust_region_step(team, batch, scale, cfg, max_backtracks, rule="fixed")
     return agent, original, record
 
 
-def test_backtracking_rejects_a_step_that_violates_delta(team_and_batch, tmp_path):
+@pytest.fixture
+def stepped(team_and_batch):
+    """The shared team and batch; agent 2's weights, which a trust-region step moves, restored afterwards."""
     team, batch = team_and_batch
+    saved = copy.deepcopy(team.agents[1].model.state_dict())
+    yield team, batch
+    team.agents[1].model.load_state_dict(saved)
+
+
+def test_backtracking_rejects_a_step_that_violates_delta(stepped, tmp_path):
+    team, batch = stepped
     cfg = small_config(tmp_path, delta=0.01, temperature=1.0)
-    saved = copy.deepcopy(team.agents[1].model.state_dict())
-    try:
-        agent, original, record = run_trust_region_step(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
-        assert not record.accepted and record.backtracks == 1
-        for p, q in zip(agent.model.parameters(), original.parameters()):
-            assert torch.equal(p, q)  # pi_cur restored bit for bit: the violating step is not kept
-    finally:
-        team.agents[1].model.load_state_dict(saved)
+    agent, original, record = run_trust_region_step(team, batch, scale=0.5, cfg=cfg, max_backtracks=1)
+    assert not record.accepted and record.backtracks == 1
+    for p, q in zip(agent.model.parameters(), original.parameters()):
+        assert torch.equal(p, q)  # pi_cur restored bit for bit: the violating step is not kept
 
 
-def test_backtracking_shrinks_until_inside(team_and_batch, tmp_path):
-    team, batch = team_and_batch
+def test_backtracking_shrinks_until_inside(stepped, tmp_path):
+    team, batch = stepped
     cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
-    saved = copy.deepcopy(team.agents[1].model.state_dict())
-    try:
-        agent, original, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
-        assert record.accepted and record.backtracks >= 1
-        assert record.kl_quantile <= cfg.delta
-        # the parameters left in place really are inside: measure again independently
-        kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
-        assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
-        assert record.step_fraction == 0.5 ** record.backtracks
-        assert "lr" not in record.row()  # a fixed lr is the run's --lr
-    finally:
-        team.agents[1].model.load_state_dict(saved)
+    agent, original, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12)
+    assert record.accepted and record.backtracks >= 1
+    assert record.kl_quantile <= cfg.delta
+    # the parameters left in place really are inside: measure again independently
+    kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
+    assert quantile(kl, cfg.quantile) <= cfg.delta + 1e-9
+    assert record.step_fraction == 0.5 ** record.backtracks
+    assert "lr" not in record.row()  # a fixed lr is the run's --lr
 
 
-def test_an_adaptive_step_that_backtracks_lowers_the_agents_lr(team_and_batch, tmp_path):
-    team, batch = team_and_batch
+def test_an_adaptive_step_that_backtracks_lowers_the_agents_lr(stepped, tmp_path):
+    team, batch = stepped
     cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
-    saved = copy.deepcopy(team.agents[1].model.state_dict())
-    try:
-        _, _, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12, rule="adaptive")
-        assert record.accepted and record.backtracks >= 1 and record.lr == cfg.lr
-        expected = cfg.lr * record.step_fraction * math.sqrt(0.7 * cfg.delta / record.kl_quantile)  # update.StepSize
-        assert record.lr_next == pytest.approx(expected, rel=1e-9) and record.lr_next < record.lr
-    finally:
-        team.agents[1].model.load_state_dict(saved)
+    _, _, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12, rule="adaptive")
+    assert record.accepted and record.backtracks >= 1 and record.lr == cfg.lr
+    expected = cfg.lr * record.step_fraction * math.sqrt(0.7 * cfg.delta / record.kl_quantile)  # update.StepSize
+    assert record.lr_next == pytest.approx(expected, rel=1e-9) and record.lr_next < record.lr
 
 
 # -- sequence-aware weights ----------------------------------------------------------------
