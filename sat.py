@@ -58,6 +58,7 @@ from trust_region import (
     dkw_upper_quantile,
     interpolate_parameters,
     kl_quantile,
+    scaled_line_search,
 )
 from update import StepSize, TrainStats, train_agents
 
@@ -192,17 +193,21 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
         kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
         return kl, log_rho
 
-    # an early-stopped proposal was measured outside by the in-loop check: the search starts at its first halving
-    search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
-                                      first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,
-                                      quantile_of=lambda m: kl_quantile(m[0], cfg.quantile))
+    quantile_of = lambda m: kl_quantile(m[0], cfg.quantile)  # noqa: E731
+    if step_size.rule == "scaled" and not stats.early_stopped:
+        search = scaled_line_search(step_to, measure, cfg.delta, step_size.scale, cfg.max_backtracks,
+                                    quantile_of=quantile_of)
+    else:  # an early-stopped proposal was measured outside by the in-loop check: start at its first halving
+        search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
+                                          first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,
+                                          quantile_of=quantile_of)
     accepted = search.accepted or stats.anchor is not None  # the anchor was measured inside: keep it
     kl, log_rho = search.measurement if search.accepted else measure()  # [M], [N, Lr] at the weights kept
     beta_used, lr_used, kq = controller.beta, step_size.lr, kl_quantile(kl, cfg.quantile)
     controller.update(kq if accepted else math.inf)  # a rejection counts as a violation
     # the in-loop anchor kept counts as one halving; a rejection as a halving past the last fraction tried
     step_size.update(search.fraction, kq, 0.5 if accepted else 0.5 ** (cfg.max_backtracks + 1))
-    lrs = {"lr": lr_used, "lr_next": step_size.lr} if step_size.rule != "fixed" else {}
+    lrs = {"lr": lr_used, "lr_next": step_size.lr} if step_size.rule == "adaptive" else {}
     step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kq,
                      kl_max=float(kl.max()), kl_quantile_dkw=dkw_upper_quantile(kl, cfg.quantile), delta=cfg.delta,
                      beta=beta_used, beta_next=controller.beta, backtracks=search.backtracks, accepted=accepted,

@@ -29,9 +29,9 @@ class AgentStep:
     delta: float  # the trust region's radius
     beta: float  # the KL penalty coefficient the step trained with
     beta_next: float  # beta after the controller's update
-    backtracks: int  # halvings of the step by the line search
+    backtracks: int  # halvings of the step by the line search (--step-size scaled: KL checks after the first)
     accepted: bool  # a step (or the in-loop anchor) kept; a rejected step leaves pi_j,cur exactly
-    step_fraction: float  # the share of the proposed step kept
+    step_fraction: float  # the multiple of the proposed step kept (above 1 only under --step-size scaled)
     surrogate_estimate: float  # L_i (Section 3; Eq. (5) of Section 5) at the step kept: an estimate, not a bound
     surrogate_ess: float  # the effective sample size of that estimate's weights w r_j
     zeta: float  # the truncation bias zeta_i (Theorem 4.2) of the sequence-aware weights

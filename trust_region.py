@@ -6,7 +6,7 @@ Plain PyTorch on [rows, vocab] tensors; callers flatten (batch, position) into r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -228,7 +228,7 @@ def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Seq
 class LineSearchTry(NamedTuple):
     """One fraction the line search tried and the KL quantile measured there."""
 
-    fraction: float  # shrink ** k
+    fraction: float  # start * shrink ** k
     kl_quantile: float  # the (1 - alpha) quantile of the per-state KL of the policy at that fraction
 
 
@@ -237,8 +237,8 @@ class LineSearchResult:
     """What ``backtracking_line_search`` left in place, and every fraction it tried."""
 
     accepted: bool  # a fraction inside delta was found and stays in place; False: apply_step(0.0) restored pi_cur
-    fraction: float  # the fraction left in place: shrink ** backtracks when accepted, 0.0 when rejected
-    backtracks: int  # k of the last fraction tried (max_backtracks when rejected)
+    fraction: float  # the multiple of the proposal left in place (1: the proposal itself); 0.0 when rejected
+    backtracks: int  # k of the last fraction tried (max_backtracks when rejected); scaled: KL checks after the first
     kl_quantile: float  # of the policy left in place; 0.0 when rejected
     measurement: object  # what ``measure`` returned for the step kept; None when rejected
     history: tuple[LineSearchTry, ...]  # every fraction tried, in order
@@ -246,10 +246,10 @@ class LineSearchResult:
 
 def backtracking_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
                              max_backtracks: int = 5, shrink: float = 0.5, first_try: int = 0,
-                             quantile_of: Callable[[object], float] = float) -> LineSearchResult:
+                             quantile_of: Callable[[object], float] = float, start: float = 1.0) -> LineSearchResult:
     """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur (paper, Section 5).
 
-    Tries fractions shrink^k for k = first_try, ..., max_backtracks (k = 0 is the proposal itself; a caller
+    Tries fractions start * shrink^k for k = first_try, ..., max_backtracks (k = 0 is the proposal itself; a caller
     that already measured it outside starts at 1): ``apply_step(frac)`` puts cur + frac * (new - cur) in
     place, ``measure()`` measures it and ``quantile_of`` reads its KL quantile; the first fraction inside
     delta stays. Otherwise, or when measuring raises, apply_step(0.0) restores pi_cur: the per-step
@@ -258,12 +258,12 @@ def backtracking_line_search(apply_step: Callable[[float], None], measure: Calla
         raise ValueError(f"delta must be >= 0, got {delta}")
     if not 0 <= first_try <= max_backtracks:
         raise ValueError(f"need 0 <= first_try <= max_backtracks, got {first_try} and {max_backtracks}")
-    if not 0.0 < shrink < 1.0:
-        raise ValueError(f"shrink must be in (0, 1), got {shrink}")
+    if not (0.0 < shrink < 1.0 and start > 0):
+        raise ValueError(f"need shrink in (0, 1) and start > 0, got {shrink} and {start}")
     history = []
     try:
         for attempt in range(first_try, max_backtracks + 1):
-            frac = shrink ** attempt
+            frac = start * shrink ** attempt
             apply_step(frac)
             measured = measure()
             kl = float(quantile_of(measured))
@@ -277,6 +277,47 @@ def backtracking_line_search(apply_step: Callable[[float], None], measure: Calla
     apply_step(0.0)
     return LineSearchResult(accepted=False, fraction=0.0, backtracks=max_backtracks, kl_quantile=0.0,
                             measurement=None, history=tuple(history))
+
+
+def scaled_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
+                       scale_of: Callable[[float], float], max_backtracks: int = 5, shrink: float = 0.5,
+                       quantile_of: Callable[[object], float] = float) -> LineSearchResult:
+    """Measure the whole proposal once, then try the multiple s = ``scale_of(its KL quantile)`` of it
+    (``update.StepSize.scale``: where the quadratic model of a small step puts the KL quantile at a target
+    inside delta), so that the step length, not the lr, meets the trust region.
+
+    - Inside delta and s > 1: the extrapolated step cur + s (new - cur) stays if it is inside delta too, else
+      the proposal does (it was measured inside).
+    - Inside delta and s <= 1: the proposal stays.
+    - Outside delta: ``backtracking_line_search`` from s, halving on.
+    At most max_backtracks + 1 KL checks, as the plain search; every step kept was measured inside delta;
+    ``backtracks`` counts the KL checks after the first."""
+    try:
+        apply_step(1.0)
+        first = measure()
+        kq = float(quantile_of(first))
+        tried = (LineSearchTry(1.0, kq),)
+        s = scale_of(kq)
+        if beyond(kq, delta):
+            if max_backtracks == 0:
+                apply_step(0.0)
+                return LineSearchResult(False, 0.0, 0, 0.0, None, tried)
+            rest = backtracking_line_search(apply_step, measure, delta, max_backtracks - 1, shrink,
+                                            quantile_of=quantile_of, start=min(s, 1.0))
+            return replace(rest, backtracks=rest.backtracks + 1, history=tried + rest.history)
+        if s <= 1.0 or max_backtracks == 0:  # no check left to spend on a longer step
+            return LineSearchResult(True, 1.0, 0, kq, first, tried)
+        apply_step(s)
+        further = measure()
+        kq_s = float(quantile_of(further))
+        tried += (LineSearchTry(s, kq_s),)
+        if not beyond(kq_s, delta):
+            return LineSearchResult(True, s, 1, kq_s, further, tried)
+        apply_step(1.0)
+        return LineSearchResult(True, 1.0, 1, kq, first, tried)
+    except BaseException:
+        apply_step(0.0)
+        raise
 
 
 # -- Stage-0 projection (plug-and-play) and the exact tilt step ----------------------------------------------------

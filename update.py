@@ -112,9 +112,12 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
 # ---------------------------------------------------------------------------
 @dataclass
 class StepSize:
-    """Agent j's learning rate, which sets where its line search starts (``--step-size``; a rule of this
-    project's, beyond the paper). ``fixed`` keeps ``lr`` (the paper's setting).
-    ``adaptive`` rescales it after every step from what the exact KL check measured, ``update(f, kq)``:
+    """Agent j's learning rate and where its line search starts (``--step-size``; rules of this project's,
+    beyond the paper). ``fixed`` keeps ``lr`` (the paper's setting) and starts at the proposal.
+    ``scaled`` keeps ``lr`` too, and moves along each proposal to the multiple ``scale(kq)`` of it that the
+    quadratic model of a small step puts at target * delta, kq the proposal's own KL quantile
+    (``trust_region.scaled_line_search``): the step adapts within the step, to the batch it was trained on.
+    ``adaptive`` rescales the lr after every step from what the exact KL check measured, ``update(f, kq)``:
 
         lr <- lr * min(growth, f * sqrt(target * delta / kq))
 
@@ -140,10 +143,17 @@ class StepSize:
             raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth >= 1, span >= 1; got {self}")
         self.lr_start = self.lr_start or self.lr
 
+    def scale(self, kl_quantile: float) -> float:
+        """``scaled``: the multiple of a proposal measured at KL quantile ``kl_quantile`` whose KL quantile is
+        target * delta when KL grows as the square of the step, at most ``growth`` (x growth^2 on the KL)."""
+        if not kl_quantile > 0:  # the proposal did not move the policy: no evidence of curvature
+            return self.growth
+        return min(self.growth, math.sqrt(self.target * self.delta / kl_quantile))
+
     def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:
         """The lr after a step that kept ``fraction`` of its proposal at KL quantile ``kl_quantile``
-        (fraction 0: rejected); returns it."""
-        if self.rule == "fixed":
+        (fraction 0: rejected); returns it. Only ``adaptive`` moves it."""
+        if self.rule != "adaptive":
             return self.lr
         if fraction == 0.0:
             scale = rejected_scale

@@ -6,11 +6,12 @@ sets the step).
 
 A run with seed S under each rule starts from the same team and evaluates the same held-out rows under the same
 seeds, so the rules pair row by row. Per rule (mean over seeds, 95% t interval): the held-out change since
-stage 0, that change per wall-second (stages and evaluations), the kept KL quantile against delta, halvings per
-step, the share of violation-flagged stages and the run certificate (its paired lower bound). Then, per seed,
-the last evaluation's paired difference between the rules (the mean and a 95% normal interval over its rows),
-and over seeds the mean difference of the changes. Runs resume where they stopped (``common.ensure_run``);
-``--summary`` reads whatever runs have finished and prints the table without running anything.
+stage 0, that change per wall-second (stages and evaluations), the kept KL quantile against delta, KL checks per
+step after the first (halvings; under ``scaled`` also the stretched try), the share of violation-flagged stages
+and the run certificate (its paired lower bound). Then, per seed, the last evaluation's paired difference between
+the rules (the mean and a 95% normal interval over its rows), and over seeds the mean difference of the changes.
+Runs resume where they stopped (``common.ensure_run``); ``--summary`` reads whatever runs have finished and prints
+the table without running anything.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-RULES = ("fixed", "adaptive")
+RULES = ("fixed", "adaptive", "scaled")
 
 
 def setting_name(rest: list[str]) -> str:
@@ -65,7 +66,7 @@ def table(runs: dict[str, dict[int, list[dict]]]) -> str:
                       " / ".join("-" if c is None else f"{c:+.3f}" for c in certs),
                       f"{statistics.mean(s['wall'] for s in stats):.0f}"])
     out = common.markdown_table(["rule", "seeds", "held-out change (95% t over seeds)", "change per hour",
-                                 "kept KL quantile / delta", "halvings a step", "rejected steps",
+                                 "kept KL quantile / delta", "KL checks after the first, a step", "rejected steps",
                                  "violation rate", "run certificate per seed", "mean wall s"], lines)
     base = runs.get("fixed", {})
     for rule, by_seed in runs.items():
@@ -83,7 +84,7 @@ def table(runs: dict[str, dict[int, list[dict]]]) -> str:
 def main(argv=None) -> int:
     p = common.base_parser(__doc__, "runs/step_rule")
     p.add_argument("--rules", default=",".join(RULES), type=lambda t: common.parse_list(t, RULES, "--rules"),
-                   help="the --step-size rules to compare (default fixed,adaptive)")
+                   help="the --step-size rules to compare (default: all three)")
     p.add_argument("--summary", action="store_true", help="print the table of the finished runs; run nothing")
     args, rest = common.parse(p, argv)
     setting = setting_name(rest)

@@ -28,7 +28,7 @@ ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
 DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
 REUSES = ("weights", "regenerate")
-STEP_RULES = ("fixed", "adaptive")  # update.StepSize
+STEP_RULES = ("fixed", "adaptive", "scaled")  # update.StepSize
 BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
@@ -196,8 +196,9 @@ class Config:
                             "per step)")
     beta: float | None = opt(None, "initial KL-penalty weight (adapted per agent)")
     lr: float | None = opt(None, "learning rate (AdamW); with --step-size adaptive, where each agent starts")
-    step_size: str = opt("fixed", "fixed (every step at --lr) or adaptive (each agent's lr rescaled after each step "
-                         "so that its next proposal's KL quantile lands near 0.7 x delta: update.StepSize)",
+    step_size: str = opt("fixed", "fixed (every step at --lr), adaptive (each agent's lr rescaled after each step "
+                         "so that its next proposal's KL quantile lands near 0.7 x delta) or scaled (each proposal "
+                         "measured, then stretched or shrunk toward 0.7 x delta and checked again): update.StepSize",
                          STEP_RULES)
     group_size: int | None = opt(None, "G joint trajectories per prompt")
     batch_size: int | None = opt(None, "joint trajectories per stage (prompts = batch size / G)")

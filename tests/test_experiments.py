@@ -237,7 +237,7 @@ def test_candidate_rows_list_every_candidate_and_the_certification():
 @pytest.mark.slow  # four tiny runs of 2 stages
 def test_step_rule_pairs_the_rules_by_seed_and_summarises_finished_runs(tmp_path, capsys):
     argv = ["--agents", "tiny x2", "--seeds", "0,1", "--stages", "2", "--eval-every", "2", "--lr", "1e-3",
-            "--out", str(tmp_path), *SMALL]
+            "--rules", "fixed,adaptive", "--out", str(tmp_path), *SMALL]
     assert step_rule.main(argv) == 0
     rows = {r[0]: r for r in table_rows(tmp_path / "preset-task")}
     assert set(rows) == {"fixed", "adaptive"} and rows["fixed"][1] == rows["adaptive"][1] == "2"

@@ -137,6 +137,25 @@ def test_an_adaptive_step_that_backtracks_lowers_the_agents_lr(stepped, tmp_path
     assert record.lr_next == pytest.approx(expected, rel=1e-9) and record.lr_next < record.lr
 
 
+def test_a_scaled_step_stretches_a_short_proposal_and_shrinks_a_long_one(stepped, tmp_path):
+    """--step-size scaled on real forwards: the weights kept lie on the line through pi_cur and the proposal, at
+    the multiple the record names, and an independent measurement there is the record's, inside delta."""
+    team, batch = stepped
+    cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
+    proposal = copy.deepcopy(team.agents[1].model)
+    agent, original, short = run_trust_region_step(team, batch, scale=0.001, cfg=cfg, max_backtracks=6, rule="scaled")
+    perturb(proposal, 0.001)  # the same draw run_trust_region_step applied (perturb seeds itself)
+    assert short.accepted and short.step_fraction == 4.0 and short.backtracks == 1  # stretched by growth
+    for p, c, n in zip(agent.model.parameters(), original.parameters(), proposal.parameters()):
+        assert torch.allclose(p, c + 4.0 * (n - c), atol=1e-6)
+    kl = measure_kl(agent, original, batch.turns[1], 1.0, 1 << 14)[0]
+    assert quantile(kl, cfg.quantile) == pytest.approx(short.kl_quantile, rel=1e-5) and short.kl_quantile <= cfg.delta
+    team.agents[1].model.load_state_dict(original.state_dict())
+    _, _, long = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=6, rule="scaled")
+    assert long.accepted and 0 < long.step_fraction < 1 and long.kl_quantile <= cfg.delta
+    assert "lr" not in long.row()
+
+
 # -- sequence-aware weights ----------------------------------------------------------------
 def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, tmp_path):
     team, batch = team_and_batch

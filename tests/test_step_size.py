@@ -1,5 +1,5 @@
-"""--step-size: the per-agent lr rule (update.StepSize), checked against the quadratic model of a small step it
-is built on, through the real line search, and in a run that checkpoints and resumes."""
+"""--step-size: the per-agent rules (update.StepSize), checked against the quadratic model of a small step they
+are built on, through the real line searches, and in runs (one that checkpoints and resumes)."""
 import json
 import math
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import harness.cli
 import harness.run
-from trust_region import backtracking_line_search
+from trust_region import backtracking_line_search, scaled_line_search
 from update import StepSize
 
 pos = st.floats(1e-3, 1e3)
@@ -58,6 +58,58 @@ def test_a_fixed_rule_keeps_its_lr(curvature, lr, delta):
     for _ in range(3):
         one_step(size, curvature)
     assert size.lr == lr
+
+
+def scaled_step(size: StepSize, kl_at, max_backtracks: int = 6) -> tuple:
+    """One ``scaled`` trust-region step when the KL quantile at multiple f of the proposal is ``kl_at(f)``.
+    -> (search, the multiples applied in order)"""
+    applied = []
+    search = scaled_line_search(applied.append, lambda: kl_at(applied[-1]), size.delta, size.scale, max_backtracks)
+    return search, applied
+
+
+@settings(max_examples=200, deadline=None)
+@given(curvature=st.floats(1e-6, 1e3), delta=st.floats(1e-3, 1.0))
+def test_a_scaled_step_lands_at_the_target_in_two_checks(curvature, delta):
+    size = StepSize(rule="scaled", lr=1e-6, delta=delta)
+    search, applied = scaled_step(size, lambda f: curvature * f ** 2)
+    target = size.target * delta
+    assert search.accepted and len(search.history) <= 2 and applied[-1] == search.fraction
+    if curvature * size.growth ** 2 <= target:  # far inside: stretched by growth, the most it moves
+        assert search.fraction == size.growth and search.kl_quantile == pytest.approx(curvature * size.growth ** 2)
+    elif target < curvature <= delta:  # the proposal is already between the target and delta: it stays
+        assert (search.fraction, search.backtracks) == (1.0, 0)
+    else:  # stretched or shrunk onto the target, one check after the proposal's
+        assert search.backtracks == 1 and search.kl_quantile == pytest.approx(target, rel=1e-9)
+    size.update(search.fraction, search.kl_quantile, 0.5)
+    assert size.lr == 1e-6  # the lr never moves under this rule
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.floats(1e-6, 1e3), power=st.floats(0.5, 6.0), delta=st.floats(1e-3, 1.0), budget=st.integers(0, 6))
+def test_a_scaled_step_keeps_only_what_it_measured_inside_delta(a, power, delta, budget):
+    """Off the quadratic model the stretched step can overshoot: the proposal, or a halving, stays instead."""
+    size = StepSize(rule="scaled", lr=1e-6, delta=delta)
+    search, applied = scaled_step(size, lambda f: a * f ** power, budget)
+    assert len(search.history) <= budget + 1  # no more KL checks than the plain line search may make
+    if search.accepted:
+        assert applied[-1] == search.fraction and search.kl_quantile == a * search.fraction ** power <= delta
+        assert search.fraction >= 1.0 or a > delta  # a proposal inside delta is never shrunk
+    else:
+        assert applied[-1] == 0.0 and all(kq > delta for _, kq in search.history)
+
+
+def test_a_scaled_step_restores_pi_cur_when_measuring_fails():
+    applied = []
+
+    def measure():
+        if len(applied) > 1:
+            raise RuntimeError("out of memory")
+        return 1e-4
+
+    with pytest.raises(RuntimeError):
+        scaled_line_search(applied.append, measure, 0.05, StepSize(rule="scaled", delta=0.05).scale)
+    assert applied == [1.0, 4.0, 0.0]
 
 
 def test_the_lr_stays_within_its_span_and_grows_at_most_growth_a_step():
