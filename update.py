@@ -132,23 +132,26 @@ class StepSize:
     lr: float = 1e-5
     delta: float = 0.05
     target: float = 0.7  # aim the next proposal's KL quantile at this share of delta
-    growth: float = 4.0  # the most lr grows in one step (x 16 on the quadratic model's KL)
+    growth: float = 4.0  # adaptive: the most lr grows in one step (x 16 on the quadratic model's KL)
+    stretch: float = 16.0  # scaled: the longest step, a multiple of the proposal (lr 1e-6 -> about 1.6e-5)
     span: float = 100.0
     lr_start: float = 0.0  # the run's --lr; 0: take lr
 
     def __post_init__(self) -> None:
         if self.rule not in STEP_RULES:
             raise ValueError(f"step rule must be one of {STEP_RULES}, got {self.rule!r}")
-        if not (self.lr > 0 and self.delta > 0 and 0 < self.target <= 1 and self.growth >= 1 and self.span >= 1):
-            raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth >= 1, span >= 1; got {self}")
+        if not (self.lr > 0 and self.delta > 0 and 0 < self.target <= 1 and min(self.growth, self.stretch,
+                                                                                  self.span) >= 1):
+            raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth, stretch, span >= 1; got {self}")
         self.lr_start = self.lr_start or self.lr
 
     def scale(self, kl_quantile: float) -> float:
         """``scaled``: the multiple of a proposal measured at KL quantile ``kl_quantile`` whose KL quantile is
-        target * delta when KL grows as the square of the step, at most ``growth`` (x growth^2 on the KL)."""
+        target * delta when KL grows as the square of the step, at most ``stretch``. For a small step, Adam's
+        proposal at lr stretched by s is close to the proposal at lr * s: the gradients it followed barely moved."""
         if not kl_quantile > 0:  # the proposal did not move the policy: no evidence of curvature
-            return self.growth
-        return min(self.growth, math.sqrt(self.target * self.delta / kl_quantile))
+            return self.stretch
+        return min(self.stretch, math.sqrt(self.target * self.delta / kl_quantile))
 
     def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:
         """The lr after a step that kept ``fraction`` of its proposal at KL quantile ``kl_quantile``

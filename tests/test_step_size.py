@@ -75,8 +75,8 @@ def test_a_scaled_step_lands_at_the_target_in_two_checks(curvature, delta):
     search, applied = scaled_step(size, lambda f: curvature * f ** 2)
     target = size.target * delta
     assert search.accepted and len(search.history) <= 2 and applied[-1] == search.fraction
-    if curvature * size.growth ** 2 <= target:  # far inside: stretched by growth, the most it moves
-        assert search.fraction == size.growth and search.kl_quantile == pytest.approx(curvature * size.growth ** 2)
+    if curvature * size.stretch ** 2 <= target:  # far inside: stretched by stretch, the most it moves
+        assert search.fraction == size.stretch and search.kl_quantile == pytest.approx(curvature * size.stretch ** 2)
     elif target < curvature <= delta:  # the proposal is already between the target and delta: it stays
         assert (search.fraction, search.backtracks) == (1.0, 0)
     else:  # stretched or shrunk onto the target, one check after the proposal's
@@ -109,7 +109,7 @@ def test_a_scaled_step_restores_pi_cur_when_measuring_fails():
 
     with pytest.raises(RuntimeError):
         scaled_line_search(applied.append, measure, 0.05, StepSize(rule="scaled", delta=0.05).scale)
-    assert applied == [1.0, 4.0, 0.0]
+    assert applied == [1.0, 16.0, 0.0]
 
 
 def test_the_lr_stays_within_its_span_and_grows_at_most_growth_a_step():
@@ -122,7 +122,8 @@ def test_the_lr_stays_within_its_span_and_grows_at_most_growth_a_step():
 
 
 @pytest.mark.parametrize("kw,needle", [(dict(rule="trpo"), "step rule must be one of"),
-                                       (dict(lr=0.0), "need lr, delta > 0"), (dict(target=1.5), "0 < target <= 1")])
+                                       (dict(lr=0.0), "need lr, delta > 0"), (dict(target=1.5), "0 < target <= 1"),
+                                       (dict(stretch=0.5), "stretch")])
 def test_a_bad_step_size_is_one_clear_error(kw, needle):
     with pytest.raises(ValueError, match=needle):
         StepSize(**kw)
