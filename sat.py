@@ -194,9 +194,9 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
         return kl, log_rho
 
     quantile_of = lambda m: kl_quantile(m[0], cfg.quantile)  # noqa: E731
-    if step_size.rule == "scaled" and not stats.early_stopped:
+    if step_size.rule == "scaled":
         search = scaled_line_search(step_to, measure, cfg.delta, step_size.scale, cfg.max_backtracks,
-                                    quantile_of=quantile_of)
+                                    quantile_of=quantile_of, stopped_at=stats.stopped_at)
     else:  # an early-stopped proposal was measured outside by the in-loop check: start at its first halving
         search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
                                           first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,

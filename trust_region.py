@@ -280,26 +280,32 @@ def backtracking_line_search(apply_step: Callable[[float], None], measure: Calla
 
 
 def scaled_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
-                       scale_of: Callable[[float], float], max_backtracks: int = 5, shrink: float = 0.5,
-                       quantile_of: Callable[[object], float] = float) -> LineSearchResult:
-    """Measure the whole proposal once, then try the multiple s = ``scale_of(its KL quantile)`` of it
-    (``update.StepSize.scale``: where the quadratic model of a small step puts the KL quantile at a target
-    inside delta), so that the step length, not the lr, meets the trust region.
+                       scale_of: Callable[[float, float], float], max_backtracks: int = 5, shrink: float = 0.5,
+                       quantile_of: Callable[[object], float] = float,
+                       stopped_at: tuple[float, float] | None = None) -> LineSearchResult:
+    """Measure the whole proposal once, then try the multiple s = ``scale_of(its KL quantile, the anchor's)`` of
+    it (``update.StepSize.scale``: where the KL quantile reaches a target inside delta if its square root grows
+    in proportion to the step), so that the step length, not the lr, meets the trust region.
 
-    - Inside delta and s > 1: the extrapolated step cur + s (new - cur) stays if it is inside delta too, else
-      the proposal does (it was measured inside).
+    - Inside delta and s > 1: the extrapolated step anchor + s (new - anchor) stays if it is inside delta too,
+      else the proposal does (it was measured inside).
     - Inside delta and s <= 1: the proposal stays.
-    - Outside delta: ``backtracking_line_search`` from s, halving on.
-    At most max_backtracks + 1 KL checks, as the plain search; every step kept was measured inside delta;
-    ``backtracks`` counts the KL checks after the first."""
+    - Outside delta: ``backtracking_line_search`` from s, halving on; s <= 0 (an anchor already past the
+      target) restores the anchor with no check.
+    ``stopped_at``: (the anchor's, the proposal's) KL quantiles when the in-loop check already measured the
+    proposal outside delta; the first check is then skipped. At most max_backtracks + 1 KL checks, as the
+    plain search; every step kept was measured inside delta; ``backtracks`` counts the checks after the first."""
     try:
-        apply_step(1.0)
-        first = measure()
-        kq = float(quantile_of(first))
+        if stopped_at is None:
+            apply_step(1.0)
+            first = measure()
+            kq_anchor, kq = 0.0, float(quantile_of(first))
+        else:
+            (kq_anchor, kq), first = stopped_at, None
         tried = (LineSearchTry(1.0, kq),)
-        s = scale_of(kq)
+        s = scale_of(kq, kq_anchor)
         if beyond(kq, delta):
-            if max_backtracks == 0:
+            if max_backtracks == 0 or s <= 0:
                 apply_step(0.0)
                 return LineSearchResult(False, 0.0, 0, 0.0, None, tried)
             rest = backtracking_line_search(apply_step, measure, delta, max_backtracks - 1, shrink,

@@ -145,13 +145,16 @@ class StepSize:
             raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth, stretch, span >= 1; got {self}")
         self.lr_start = self.lr_start or self.lr
 
-    def scale(self, kl_quantile: float) -> float:
-        """``scaled``: the multiple of a proposal measured at KL quantile ``kl_quantile`` whose KL quantile is
-        target * delta when KL grows as the square of the step, at most ``stretch``. For a small step, Adam's
-        proposal at lr stretched by s is close to the proposal at lr * s: the gradients it followed barely moved."""
-        if not kl_quantile > 0:  # the proposal did not move the policy: no evidence of curvature
+    def scale(self, kl_quantile: float, anchor_kl_quantile: float = 0.0) -> float:
+        """``scaled``: the multiple f of a step from an anchor (pi_cur: KL quantile 0) to a proposal (at
+        ``kl_quantile``) where the KL quantile is target * delta, if its square root grows in proportion to the
+        distance from pi_cur along the step (the quadratic model of a small step: f = sqrt(target delta / kq)
+        from pi_cur); at most ``stretch``, and 0 when the anchor is already past the target. For a small step,
+        Adam's proposal at lr stretched by f is close to the proposal at lr * f: its gradients barely moved."""
+        root, at = math.sqrt(self.target * self.delta), math.sqrt(anchor_kl_quantile)
+        if not kl_quantile > anchor_kl_quantile:  # the step did not move the policy away: no evidence of curvature
             return self.stretch
-        return min(self.stretch, math.sqrt(self.target * self.delta / kl_quantile))
+        return min(self.stretch, max(0.0, (root - at) / (math.sqrt(kl_quantile) - at)))
 
     def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:
         """The lr after a step that kept ``fraction`` of its proposal at KL quantile ``kl_quantile``
@@ -188,10 +191,11 @@ class TrainStats:
     early_stopped: bool  # an in-loop KL check found the quantile beyond delta and stopped
     step0_log_ratio_max: float  # max |log ratio| before the first step: 0 up to rounding (one forward for both)
     anchor: list[torch.Tensor] | None = field(default=None, repr=False)
+    stopped_at: tuple[float, float] | None = None  # early-stopped: the KL quantiles at the anchor (0: pi_cur) and stop
 
     def logged(self) -> dict:
-        """The fields of the metrics record (all but ``anchor``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "anchor"}
+        """The fields of the metrics record (all but ``anchor`` and ``stopped_at``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("anchor", "stopped_at")}
 
 
 @dataclass
@@ -227,6 +231,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
     optimizers = {j: _start_training(agents[j], heads[j], cfg, lrs[j]) for j in slots}
     tallies = {j: _Tally() for j in slots}
     anchors: dict[int, list[torch.Tensor]] = {}  # the last iterate each in-loop check found inside
+    kls: dict[int, list[float]] = {j: [0.0] for j in slots}  # the KL quantiles each in-loop check measured
     stopped: set[int] = set()
     n, steps, start = len(inputs[slots[0]].turn.texts), 0, time.time()
     for _epoch in range(cfg.epochs):
@@ -242,13 +247,14 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
                 for j in active:
                     kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)[0]
-                    if beyond(kl_quantile(kl, cfg.quantile), cfg.delta):
+                    kls[j].append(kl_quantile(kl, cfg.quantile))
+                    if beyond(kls[j][-1], cfg.delta):
                         stopped.add(j)
                     else:
                         anchors[j] = _copy_parameters(agents[j])
     seconds = time.time() - start
-    return {j: _stop_training(agents[j], heads[j], cfg, tallies[j], j in stopped, anchors.get(j), seconds)
-            for j in slots}
+    return {j: _stop_training(agents[j], heads[j], cfg, tallies[j], (kls[j][-2], kls[j][-1]) if j in stopped
+                              else None, anchors.get(j), seconds) for j in slots}
 
 
 def _copy_parameters(agent: Agent) -> list[torch.Tensor]:
@@ -264,7 +270,8 @@ def _start_training(agent: Agent, head, cfg, lr: float) -> torch.optim.Optimizer
     return agent.start_training(lr, extra_params=head.parameters() if head is not None else None)
 
 
-def _stop_training(agent: Agent, head, cfg, tally: _Tally, early_stopped: bool, anchor, seconds: float) -> TrainStats:
+def _stop_training(agent: Agent, head, cfg, tally: _Tally, stopped_at: tuple[float, float] | None, anchor,
+                   seconds: float) -> TrainStats:
     """Freeze the agent again and summarise its steps (summed over the ranks under torchrun)."""
     if cfg.gradient_checkpointing:
         agent.model.gradient_checkpointing_disable()
@@ -280,7 +287,8 @@ def _stop_training(agent: Agent, head, cfg, tally: _Tally, early_stopped: bool, 
                       ratio_mean=float(np.mean(tally.ratio)), ratio_min=float(np.min(tally.ratio)),
                       ratio_max=float(np.max(tally.ratio)), grad_norm=float(np.mean(tally.grad_norm)),
                       train_tokens_per_s=tally.tokens / max(seconds, 1e-9), inner_steps=tally.steps,
-                      early_stopped=early_stopped, step0_log_ratio_max=tally.step0_log_ratio_max, anchor=anchor)
+                      early_stopped=stopped_at is not None, step0_log_ratio_max=tally.step0_log_ratio_max,
+                      anchor=anchor, stopped_at=stopped_at)
 
 
 def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, opt, value_head,

@@ -99,6 +99,24 @@ def test_a_scaled_step_keeps_only_what_it_measured_inside_delta(a, power, delta,
         assert applied[-1] == 0.0 and all(kq > delta for _, kq in search.history)
 
 
+@settings(max_examples=200, deadline=None)
+@given(at=st.floats(0.0, 1.0), past=st.floats(1.0001, 30.0), delta=st.floats(1e-3, 1.0))
+def test_a_scaled_step_after_an_early_stop_lands_at_the_target_from_its_anchor(at, past, delta):
+    """The in-loop check stopped training with the proposal outside delta and an anchor inside it: on a straight
+    path, where the KL quantile's square root grows in proportion to the distance from pi_cur, one check lands at
+    the target; an anchor already past it stays, with no check."""
+    size = StepSize(rule="scaled", lr=1e-6, delta=delta)
+    a, b = math.sqrt(at * delta), math.sqrt(past * delta)  # sqrt of the anchor's and the proposal's KL quantiles
+    applied = []
+    search = scaled_line_search(applied.append, lambda: (a + applied[-1] * (b - a)) ** 2, delta, size.scale, 6,
+                                stopped_at=(a * a, b * b))
+    if at < size.target:
+        assert search.accepted and search.backtracks == 1 and len(applied) == 1
+        assert search.kl_quantile == pytest.approx(size.target * delta, rel=1e-9) and 0 < search.fraction < 1
+    else:  # the caller keeps the anchor (trust_region_step: accepted = search.accepted or an anchor)
+        assert not search.accepted and applied == [0.0]
+
+
 def test_a_scaled_step_restores_pi_cur_when_measuring_fails():
     applied = []
 
