@@ -150,7 +150,8 @@ class StepSize:
         ``kl_quantile``) where the KL quantile is target * delta, if its square root grows in proportion to the
         distance from pi_cur along the step (the quadratic model of a small step: f = sqrt(target delta / kq)
         from pi_cur); at most ``stretch``, and 0 when the anchor is already past the target. For a small step,
-        Adam's proposal at lr stretched by f is close to the proposal at lr * f: its gradients barely moved."""
+        Adam's proposal at lr stretched by f should be close to the proposal at lr * f, its gradients having barely
+        moved (an argument, not measured here)."""
         root, at = math.sqrt(self.target * self.delta), math.sqrt(anchor_kl_quantile)
         if not kl_quantile > anchor_kl_quantile:  # the step did not move the policy away: no evidence of curvature
             return self.stretch
