@@ -365,6 +365,10 @@ def learning_table(results: list[dict]) -> None:
         per = 1000 / r["seconds"]
         print(f"{r['learner']:<8} {r['steps']:>5} {r['seconds']:>8.1f} {len(r['after']):>5} {b:>6.3f} +- {bw:.3f} "
               f"{a:>6.3f} +- {aw:.3f} {g:>+7.3f} +- {gw:.3f} {g * per:>+7.3f} +- {gw * per:.3f}")
+    for r, s in zip(results, results[1:]):  # the same rows under the same seeds: learners pair row by row
+        if len(r["after"]) == len(s["after"]):
+            d, dw = interval([y - x for x, y in zip(r["after"], s["after"])])
+            print(f"{s['learner']} - {r['learner']} after training, paired by row: {d:+.3f} +- {dw:.3f}")
 
 
 # ---------------------------------------------------------------------------
@@ -442,6 +446,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed processes per side, alternating")
     p.add_argument("--learn-seconds", type=float, default=0, help="also train each learner this long (0: skip)")
     p.add_argument("--learners", default="trl,sat", help="for --learn-seconds: trl, sat, sat-x3 (comma-separated)")
+    p.add_argument("--save", help="for --learn-seconds: also write every learner's held-out rewards to this JSON file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -455,11 +460,15 @@ def main(argv=None) -> None:
         return
     trl = require_trl()
     print(f"TRL {trl.__version__} GRPOTrainer vs SAT, one agent {MODEL}: {args.prompts} prompts x G {args.group_size}, "
-          f"{args.max_new_tokens} new tokens, T {args.temperature}, lr {args.lr}, float32, {args.threads} thread(s)")
+          f"{args.max_new_tokens} new tokens, T {args.temperature}, lr {args.lr}, float32, {args.threads} thread(s)"
+          + (f"; SAT also {args.sat_args}" if args.sat_args else ""))
     if args.repeats:
         compare(args)
     if args.learn_seconds:
-        learning_table([run_worker(args, f"learn-{name}") for name in args.learners.split(",")])
+        results = [run_worker(args, f"learn-{name}") for name in args.learners.split(",")]
+        if args.save:
+            Path(args.save).write_text(json.dumps(results))
+        learning_table(results)
 
 
 if __name__ == "__main__":
