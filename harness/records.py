@@ -103,8 +103,8 @@ def run_summary(row: dict) -> str:
     """The run's guarantee in one sentence, from its last row."""
     cert = row["run_certificate"]
     return (f"certified gain >= {cert['lower_bound']:+.3f} with probability {1 - cert['delta_conf']:.2f} (held-out "
-            f"team reward since stage 0: measured {cert['mean_change']:+.3f} +- {cert['stderr']:.3f} over "
-            f"{cert['n']} paired rows); stages with a violation {row['violation_rate']:.0%}, with a certified fall "
+            f"team reward since stage 0: measured {cert['mean_change']:+.3f}, standard error "
+            f"{cert['stderr']:.3f}, over {cert['n']} paired rows); stages with a violation {row['violation_rate']:.0%}, with a certified fall "
             f"{row['certified_fall_rate']:.0%}")
 
 
