@@ -442,7 +442,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-size", type=int, default=16, help="SAT's held-out problems (the preset: 64)")
     p.add_argument("--eval-samples", type=int, default=1, help="SAT's samples per held-out problem (the preset: 4)")
     p.add_argument("--trl-beta", type=float, default=0.0, help="TRL's KL weight (0: no reference model)")
-    p.add_argument("--sat-args", default="", help="more sat.py options for SAT's side, e.g. '--no-step-bounds'")
+    p.add_argument("--sat-args", default="", help="more sat.py options for SAT's side, written with '=' when one "
+                   "option: --sat-args=--no-step-bounds")
     p.add_argument("--repeats", type=int, default=3, help="timed processes per side, alternating")
     p.add_argument("--learn-seconds", type=float, default=0, help="also train each learner this long (0: skip)")
     p.add_argument("--learners", default="trl,sat", help="for --learn-seconds: trl, sat, sat-x3 (comma-separated)")
