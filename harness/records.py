@@ -104,8 +104,8 @@ def run_summary(row: dict) -> str:
     cert = row["run_certificate"]
     return (f"certified gain >= {cert['lower_bound']:+.3f} with probability {1 - cert['delta_conf']:.2f} (held-out "
             f"team reward since stage 0: measured {cert['mean_change']:+.3f}, standard error "
-            f"{cert['stderr']:.3f}, over {cert['n']} paired rows); stages with a violation {row['violation_rate']:.0%}, with a certified fall "
-            f"{row['certified_fall_rate']:.0%}")
+            f"{cert['stderr']:.3f}, over {cert['n']} paired rows); stages with a violation "
+            f"{row['violation_rate']:.0%}, with a certified fall {row['certified_fall_rate']:.0%}")
 
 
 def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
