@@ -13,7 +13,8 @@ lr, torch threads and reward (the project's grading of the boxed answer against 
 
 Prints median seconds per phase and per whole process with SAT/TRL ratios, and generated tokens per second.
 ``--learn-seconds N`` also trains each learner for about N seconds of optimizer steps (evaluation excluded) and
-prints held-out accuracy before and after on the same seeded rows (``sat.evaluate``), with 95% intervals.
+prints held-out accuracy before and after on the same seeded rows (``sat.evaluate``), with 95% intervals, and
+each learner minus the one before it, paired by row (``--save`` keeps the rows for pairing across runs).
 
 TRL is an optional bench dependency, imported only here: pip install trl==1.16.0.
 """
