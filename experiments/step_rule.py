@@ -10,8 +10,9 @@ stage 0, that change per wall-second (stages and evaluations), the kept KL quant
 step after the first (halvings; under ``scaled`` also the stretched try), the share of violation-flagged stages
 and the run certificate (its paired lower bound). Then, per seed, the last evaluation's paired difference between
 the rules (the mean and a 95% normal interval over its rows), and over seeds the mean difference of the changes.
-Runs resume where they stopped (``common.ensure_run``); ``--summary`` reads whatever runs have finished and prints
-the table without running anything.
+A figure, kl.png beside table.md, shows where each rule's kept steps land in the trust region. Runs resume where
+they stopped (``common.ensure_run``); ``--summary`` reads whatever runs have finished and prints the table and the
+figure without running anything.
 """
 from __future__ import annotations
 
@@ -81,6 +82,31 @@ def table(runs: dict[str, dict[int, list[dict]]]) -> str:
     return out
 
 
+def plot_kept_kl(path: Path, runs: dict[str, dict[int, list[dict]]]) -> Path:
+    """A histogram per rule of every kept step's KL quantile as a fraction of delta (all agents, stages and seeds):
+    how much of the trust region the steps use. ``scaled`` aims at 0.7 (the dotted line); rejected steps keep
+    pi_cur and are left out (the table counts them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    for rule, by_seed in runs.items():
+        used = [min(1.0, a["kl_quantile"] / a["delta"]) for rows in by_seed.values() for r in common.trained(rows)
+                for a in r["agents"] if a["accepted"]]
+        ax.hist(used, bins=[i / 20 for i in range(21)], histtype="step", lw=1.6,
+                label=f"{rule}: {len(used)} steps, {len(by_seed)} seeds")
+    ax.axvline(0.7, ls=":", color="grey")
+    ax.set_xlabel("kept KL quantile / delta")
+    ax.set_ylabel("agent steps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     p = common.base_parser(__doc__, "runs/step_rule")
     p.add_argument("--rules", default=",".join(RULES), type=lambda t: common.parse_list(t, RULES, "--rules"),
@@ -102,6 +128,7 @@ def main(argv=None) -> int:
     if runs:
         common.write_table(Path(args.out) / setting, f"--step-size on {args.agents}, {setting}, {args.stages} stages",
                            table(runs), [f"command: python experiments/step_rule.py {' '.join(sys.argv[1:])}"])
+        plot_kept_kl(Path(args.out) / setting / "kl.png", runs)
     return 0
 
 

@@ -247,6 +247,7 @@ def test_step_rule_pairs_the_rules_by_seed_and_summarises_finished_runs(tmp_path
     assert [untimed(a) for a in fixed[1]["agents"]] == [untimed(a) for a in adaptive[1]["agents"]]  # both at --lr
     text = (tmp_path / "preset-task" / "table.md").read_text()
     assert "adaptive - fixed, last held-out evaluation, paired by row: seed 0:" in text
+    assert (tmp_path / "preset-task" / "kl.png").stat().st_size > 0  # where the kept steps land in delta
     capsys.readouterr()
     assert step_rule.main(argv + ["--summary"]) == 0  # reads the finished runs, runs nothing
     assert "skipped" not in capsys.readouterr().out and (tmp_path / "preset-task" / "table.md").read_text() == text
