@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness.cli
 import harness.run
 from harness.config import parse_agents  # noqa: E402
-from harness.run_folder import read_metrics  # noqa: E402
+from harness.run_folder import latest_checkpoint, read_metrics  # noqa: E402
 
 
 # -- Flags -----------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def ensure_run(folder: Path, argv: list[str], last_stage: int, quiet: bool = Fal
     """The metrics of the sat.py run ``argv`` in ``folder`` up to ``last_stage``: skipped if finished
     (a run trained further reads as its first ``last_stage`` stages), resumed from its checkpoint if killed
     (only past ``min_stage``: a branch's rows up to it are its base's), else started (``--overwrite`` clears
-    the debris of a run killed before its first checkpoint)."""
+    the debris of a run killed before its first checkpoint). A run it finishes keeps only its last checkpoint."""
     folder = Path(folder)
     state = run_state(folder, last_stage)
     if state == "partial" and read_metrics(folder)[-1]["stage"] <= min_stage:
@@ -123,7 +124,19 @@ def ensure_run(folder: Path, argv: list[str], last_stage: int, quiet: bool = Fal
     else:
         options = argv + ["--out", str(folder), "--stages", str(last_stage), "--overwrite"]
     log = (lambda *_: None) if quiet else None
-    return harness.run.run(harness.cli.parse_args(options), log=log)
+    rows = harness.run.run(harness.cli.parse_args(options), log=log)
+    keep_last_checkpoint(folder)
+    return rows
+
+
+def keep_last_checkpoint(folder: Path) -> None:
+    """Remove every checkpoint of a finished run but the one latest.json names. sat.py keeps the one before too, so
+    that a crash while writing leaves a whole one; a driver reads only the metrics and branches from the last
+    stage, and the one before is a whole team more on disk (about 3 GB for SmolLM2-135M x3)."""
+    last = latest_checkpoint(folder)
+    for old in (folder / "checkpoints").glob("stage_*"):
+        if old.is_dir() and old != last:
+            shutil.rmtree(old)
 
 
 # -- Statistics over seeds ------------------------------------------------------------------------------

@@ -248,6 +248,8 @@ def test_step_rule_pairs_the_rules_by_seed_and_summarises_finished_runs(tmp_path
     text = (tmp_path / "preset-task" / "table.md").read_text()
     assert "adaptive - fixed, last held-out evaluation, paired by row: seed 0:" in text
     assert (tmp_path / "preset-task" / "kl.png").stat().st_size > 0  # where the kept steps land in delta
+    assert [p.name for p in (tmp_path / "preset-task" / "fixed" / "seed0" / "checkpoints").iterdir()] == [
+        "stage_0002"]  # a finished run keeps its last checkpoint alone
     capsys.readouterr()
     assert step_rule.main(argv + ["--summary"]) == 0  # reads the finished runs, runs nothing
     assert "skipped" not in capsys.readouterr().out and (tmp_path / "preset-task" / "table.md").read_text() == text
