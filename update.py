@@ -149,12 +149,13 @@ class StepSize:
         """``scaled``: the multiple f of a step from an anchor (pi_cur: KL quantile 0) to a proposal (at
         ``kl_quantile``) where the KL quantile is target * delta, if its square root grows in proportion to the
         distance from pi_cur along the step (the quadratic model of a small step: f = sqrt(target delta / kq)
-        from pi_cur); at most ``stretch``, and 0 when the anchor is already past the target. For a small step,
+        from pi_cur); at most ``stretch``, 0 when the anchor is already past the target, and 1 when the step did
+        not move the policy (a zero proposal, stretched, moves nothing: no check is spent on it). For a small step,
         Adam's proposal at lr stretched by f should be close to the proposal at lr * f, its gradients having barely
         moved (an argument, not measured here)."""
         root, at = math.sqrt(self.target * self.delta), math.sqrt(anchor_kl_quantile)
-        if not kl_quantile > anchor_kl_quantile:  # the step did not move the policy away: no evidence of curvature
-            return self.stretch
+        if not kl_quantile > anchor_kl_quantile:
+            return 1.0
         return min(self.stretch, max(0.0, (root - at) / (math.sqrt(kl_quantile) - at)))
 
     def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:

@@ -117,6 +117,12 @@ def test_a_scaled_step_after_an_early_stop_lands_at_the_target_from_its_anchor(a
         assert not search.accepted and applied == [0.0]
 
 
+def test_a_scaled_step_spends_no_check_stretching_a_proposal_that_did_not_move_the_policy():
+    applied = []
+    search = scaled_line_search(applied.append, lambda: 0.0, 0.05, StepSize(rule="scaled", delta=0.05).scale)
+    assert applied == [1.0] and (search.accepted, search.fraction, search.backtracks) == (True, 1.0, 0)
+
+
 def test_a_scaled_step_restores_pi_cur_when_measuring_fails():
     applied = []
 
