@@ -99,6 +99,22 @@ def truncation_warning(row: dict, max_new_tokens: int) -> str | None:
             "raise --max-new-tokens (or ask for shorter answers) so that an answer fits")
 
 
+SURROGATE_ESS_WARNING = 0.1  # an agent whose surrogate_ess is under this share of N gets a console line
+
+
+def surrogate_ess_warning(row: dict) -> str | None:
+    """One console line when some agent's ``surrogate_estimate`` rests on an effective sample (``surrogate_ess``)
+    under SURROGATE_ESS_WARNING of its N rows: a few heavy importance weights then carry the estimate, which says
+    little. None otherwise, and for a row without trained agents."""
+    thin = [a for a in row.get("agents", []) if a["surrogate_ess"] < SURROGATE_ESS_WARNING * a["N"]]
+    if not thin:
+        return None
+    who = ", ".join(f"{a['agent']} ({a['surrogate_ess']:.1f} of {a['N']})" for a in thin)
+    return (f"warning: stage {row['stage']}: the surrogate_estimate of agent(s) {who} rests on an effective sample "
+            "under a tenth of the batch: read it as noise (no certificate uses it); longer responses or longer steps "
+            "make the importance weights this uneven")
+
+
 def run_summary(row: dict) -> str:
     """The run's guarantee in one sentence, from its last row."""
     cert = row["run_certificate"]

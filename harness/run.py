@@ -384,6 +384,8 @@ class RunRecorder:
             self.run.log(records.sample_text(samples[0]))
         if (cut := records.truncation_warning(row, cfg.max_new_tokens)) is not None:
             self.run.log(cut)
+        if (thin := records.surrogate_ess_warning(row)) is not None:
+            self.run.log(thin)
         self.pending = []  # recorded in this row
         if evaluation is not None:
             self.baseline = None  # an upgrade's evaluation is the reference until the next evaluation

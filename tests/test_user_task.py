@@ -614,6 +614,18 @@ def test_held_out_and_truncation_warnings_are_one_line_or_none():
     assert truncation_warning({"stage": 0, "eval_accuracy": 0.0}, 48) is None  # stage 0 trains nothing
 
 
+def test_a_surrogate_estimate_on_a_thin_effective_sample_warns_in_one_line():
+    from harness.records import surrogate_ess_warning
+
+    row = {"stage": 2, "agents": [{"agent": 1, "surrogate_ess": 12.0, "N": 16},
+                                  {"agent": 2, "surrogate_ess": 1.4, "N": 16}]}
+    line = surrogate_ess_warning(row)
+    assert "\n" not in line and line.startswith("warning: stage 2:") and "agent(s) 2 (1.4 of 16)" in line
+    row["agents"][1]["surrogate_ess"] = 1.6  # a tenth of 16: not under it
+    assert surrogate_ess_warning(row) is None
+    assert surrogate_ess_warning({"stage": 0, "eval_accuracy": 0.0}) is None  # stage 0 trains nothing
+
+
 def test_a_one_row_held_out_split_and_cut_responses_each_warn_once(tmp_path):
     """The issue's new-user run at tiny size: a 6-row file holds out 1 row, and 1 new token cuts every response."""
     from harness.cli import parse_args
