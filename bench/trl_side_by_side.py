@@ -461,9 +461,9 @@ def main(argv=None) -> None:
         Path(args.result).write_text(json.dumps(work(args)))
         return
     trl = require_trl()
-    print(f"TRL {trl.__version__} GRPOTrainer vs SAT, one agent {MODEL}: {args.prompts} prompts x G {args.group_size}, "
-          f"{args.max_new_tokens} new tokens, T {args.temperature}, lr {args.lr}, float32, {args.threads} thread(s)"
-          + (f"; SAT also {args.sat_args}" if args.sat_args else ""))
+    print(f"TRL {trl.__version__} GRPOTrainer vs SAT, {MODEL} (one agent; sat-x3: three): {args.prompts} prompts "
+          f"x G {args.group_size}, {args.max_new_tokens} new tokens, T {args.temperature}, lr {args.lr}, float32, "
+          f"{args.threads} thread(s)" + (f"; SAT also {args.sat_args}" if args.sat_args else ""))
     if args.repeats:
         compare(args)
     if args.learn_seconds:
