@@ -9,6 +9,7 @@ command line there).
 
     python tools/check_imports.py            # prints the graph; exit 1 on a broken rule
     python tools/check_imports.py --tests    # the same with the tests, benchmarks, tools and experiments
+    python tools/check_imports.py --tests --quiet   # CI: the verdict only, the graph too when a rule breaks
 
 The layers: the paper's modules at the top level (``sat.py``, ``rollout.py``, ``advantage.py``, ...), the
 product wing in ``harness/`` (command line, configuration, loading, tasks, records, checkpoints), scale-out in
@@ -213,7 +214,19 @@ def broken_rules(graph: dict[str, dict[str, str]], core: set[str]) -> list[str]:
     return out
 
 
-def report(graph: dict[str, dict[str, str]], core: set[str]) -> int:
+def report(graph: dict[str, dict[str, str]], core: set[str], quiet: bool = False) -> int:
+    """Print the graph (with ``quiet``, only when a rule breaks) and the verdict; 1 on a broken rule."""
+    problems = [f"CYCLE: {' <-> '.join(comp)}" for comp in cycles(graph)] + broken_rules(graph, core)
+    if not (quiet and not problems):
+        print_graph(graph)
+    for line in problems:
+        print(line)
+    print("import graph: OK (a DAG; the paper's modules import from harness/ only its plain types, never scale/)"
+          if not problems else "import graph: FAILED")
+    return 1 if problems else 0
+
+
+def print_graph(graph: dict[str, dict[str, str]]) -> None:
     height = levels(graph)
     kinds = [kind for deps in graph.values() for kind in deps.values()]
     n = {k: kinds.count(k) for k in ("top", "lazy", "type", "main")}
@@ -228,22 +241,17 @@ def report(graph: dict[str, dict[str, str]], core: set[str]) -> int:
         print(line)
     lazy_edges = [(v, w) for v in sorted(graph) for w, k in sorted(graph[v].items()) if k == "lazy"]
     print(f"lazy imports ({len(lazy_edges)}): " + (", ".join(f"{v} -> {w}" for v, w in lazy_edges) or "none"))
-    problems = [f"CYCLE: {' <-> '.join(comp)}" for comp in cycles(graph)] + broken_rules(graph, core)
-    for line in problems:
-        print(line)
-    print("import graph: OK (a DAG; the paper's modules import from harness/ only its plain types, never scale/)"
-          if not problems else "import graph: FAILED")
-    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tests", action="store_true", help="also parse tests/, bench/ and tools/ (as importers)")
+    ap.add_argument("--quiet", action="store_true", help="print the graph only when a rule breaks (CI)")
     ap.add_argument("--root", type=Path, default=ROOT, help="the project's root folder")
     args = ap.parse_args(argv)
     files = module_files(args.root, args.tests)
     core = set(module_files(args.root, False))
-    return report(build_graph(files), core)
+    return report(build_graph(files), core, args.quiet)
 
 
 if __name__ == "__main__":
