@@ -18,6 +18,8 @@ from __future__ import annotations
 import random
 import re
 
+from harness.env_detective import DetectiveCases
+
 # -- ARBench guessing numbers (GN) --------------------------------------------------------------------------------
 GN_RULES = (
     "Let's play a game of guessing numbers. I have a {digits}-digit secret number in mind; its digits are all "
@@ -206,5 +208,6 @@ class Blocksworld:
         return 0.25 * valid + 0.25 * progress
 
 
-GAMES = {"guess-numbers": GuessNumbers, "blocksworld": Blocksworld}
-GAME_OPTIONS = {"guess-numbers": {"digits": 4}, "blocksworld": {"blocks": 3}}  # the row columns --task-option sets
+GAMES = {"guess-numbers": GuessNumbers, "blocksworld": Blocksworld, "detective-cases": DetectiveCases}
+GAME_OPTIONS = {"guess-numbers": {"digits": 4}, "blocksworld": {"blocks": 3},
+                "detective-cases": {"turns": 25, "responder": "rules"}}  # the row columns --task-option sets

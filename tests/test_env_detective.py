@@ -1,0 +1,185 @@
+"""ARBench's Detective Cases (harness/env_detective.py, harness/dc_cases.py): generated cases are solvable from
+the rules responder's answers alone, a random detective scores chance, episodes replay exactly, the model
+responder's chats hold one suspect's card and memory only, and AR-Bench's own case format is read as it is."""
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from harness import env_detective as dc
+from harness.dc_cases import generate_case, roles_of
+from harness.environments import game_problems, load_environment, play, probe_environment
+
+FIXTURE = Path(__file__).parent / "fixtures" / "arbench_dc_sample.json"
+WITNESS_QUESTION = "Did you see anyone near the scene around the time of the murder?"
+REPLY = re.compile(r"asked (?P<asked>[^\n]+?) \([A-E]\): [^\n]*\n(?P<speaker>[^\n:]+): (?P<reply>[^\n]*)")
+
+
+def accused(observations: list[str], names: list[str]) -> Counter:
+    """How many other suspects said they saw each suspect ("saw NAME"), read from the observations only."""
+    pairs = {(m["speaker"], name) for obs in observations for m in REPLY.finditer(obs) for name in names
+             if name != m["speaker"] and f"saw {name}" in m["reply"]}
+    return Counter(name for _, name in pairs)
+
+
+def scripted_detective(row: dict, agents: int) -> tuple[float, list[str]]:
+    """Asks every suspect twice what it saw (10 turns), then names the suspect most others saw near the scene:
+    the helper and the nervous one (on the second asking) saw the murderer, only the murderer accuses someone
+    else, and the accomplice only vouches."""
+    env = dc.DetectiveCases()
+    seen = [env.reset(**row, turns=10)]
+    script = [f"Suspect: {letter}\nQuestion: {WITNESS_QUESTION}" for letter in "ABCDE" * 2]
+    while not env.answering:
+        seen.append(env.step(script[:agents])[0])
+        script = script[agents:]
+    names = env.case.names
+    votes = accused(seen, names)
+    best = max(names, key=lambda n: votes[n])
+    assert sorted(votes.values())[-1] > sorted([0, *votes.values()])[-2], f"no unique suspect: {votes}"
+    seen.append(env.step(["I have a theory.", f"Answer: {dc.LETTERS[names.index(best)]}"][-agents:])[0])
+    return env.get_reward(), seen
+
+
+@pytest.mark.parametrize("agents", [1, 3])
+def test_every_generated_case_is_solved_by_a_detective_who_asks_who_they_saw(agents):
+    for seed in range(200):
+        reward, _ = scripted_detective({"seed": seed}, agents)
+        assert reward == 1.0, f"seed {seed}"
+
+
+def test_the_arbench_fixture_cases_are_read_as_they_are_and_solved_the_same_way():
+    cases = json.loads(FIXTURE.read_text())
+    for case in cases:
+        roles = roles_of(case["suspects"])
+        assert list(roles.values()) == ["murderer", "helper", "accomplice", "nervous", "uninformed"]
+        reward, seen = scripted_detective(case, 1)
+        assert reward == 1.0
+        assert case["initial_information"]["suspect"][case["label"]]["name"] == case["murderer"]
+
+
+def test_a_random_detective_scores_chance():
+    rng = random.Random(0)
+    questions = ["Where were you?", "Why did you hate the victim?", "Did you touch the weapon?", "Who did it?",
+                 "How did you know the victim?", "What evidence is there?"]
+    rewards = []
+    for seed in range(1000):
+        env = dc.DetectiveCases()
+        env.reset(seed=seed, turns=4)
+        while not env.answering:
+            env.step([f"Suspect: {rng.choice('ABCDE')}\nQuestion: {rng.choice(questions)}"])
+        env.step([f"Answer: {rng.choice('ABCDE')}"])
+        rewards.append(env.get_reward())
+    mean = sum(rewards) / len(rewards)
+    assert abs(mean - 0.2) < 0.05  # sd 0.013 over 1000 episodes
+    labels = Counter(generate_case(seed)["label"] for seed in range(1000))
+    assert all(abs(labels[i] / 1000 - 0.2) < 0.05 for i in range(5))  # a fixed letter scores chance too
+
+
+def test_an_episode_replays_exactly_and_cases_are_functions_of_the_seed():
+    assert generate_case(7) == generate_case(7) and generate_case(7) != generate_case(8)
+    replies = [["Suspect: B\nQuestion: where were you?", "Suspect: Z\nQuestion: hm", "nothing"]] * 4
+    replies += [["Answer: C", "Answer: A", "no idea"]]
+    env = load_environment("env:detective-cases")
+    problem = game_problems("detective-cases", {"turns": "12"}, 1, seed=0, split="train")[0]
+    first = play(env, problem, replies)
+    assert first == play(env, problem, replies)
+    assert first[0][-1] == "The team's answer: Answer: A. The case is closed."  # the last agent's that parses
+    probe_environment(env, [problem], n_agents=2)
+
+
+def test_a_bad_turn_says_the_format_and_is_spent():
+    env = dc.DetectiveCases()
+    env.reset(seed=1, turns=3)
+    obs, done = env.step(["I think the butler did it.", "Suspect: Nobody Atall\nQuestion: who?",
+                          "Suspect: A\nQuestion: Where were you?"])
+    lines = obs.splitlines()
+    assert lines[0] == f"Turn 1, agent 1: {dc.BAD_TURN}" and lines[1] == f"Turn 2, agent 2: {dc.BAD_TURN}"
+    assert "Suspect: <name or letter A-E>" in dc.BAD_TURN and "asked" in lines[2] and not done
+    assert env.answering and "Answer: X" in obs  # the budget of 3 is spent: the final choice follows
+
+
+def test_a_suspect_is_named_by_letter_full_name_or_a_unique_word():
+    names = ["Dr. Ada Strand", "Judge Basil Thorne", "Captain Cora Vance", "Dr. Felix Oakley", "Professor Iris Kay"]
+    assert dc.suspect_of("C", names) == names[2] and dc.suspect_of("b) Judge Basil Thorne", names) == names[1]
+    assert dc.suspect_of("judge basil thorne", names) == names[1] and dc.suspect_of("Oakley", names) == names[3]
+    assert dc.suspect_of("Dr.", names) is None and dc.suspect_of("Somebody", names) is None
+    assert dc.parse_turn("Reasoning...\nSuspect: Vance\nQuestion: Why?\n", names) == (names[2], "Why?")
+
+
+def test_the_question_budget_maps_to_rounds_and_max_rounds_leaves_the_answer_round():
+    assert dc.rounds_needed(25, 1) == 26 == dc.DetectiveCases.max_rounds and dc.rounds_needed(25, 3) == 10
+    env = dc.DetectiveCases()
+    assert "You have 3 rounds" in env.reset(seed=2, rounds=3)
+    env.step(["Suspect: A\nQuestion: where?"])
+    obs, done = env.step(["Suspect: B\nQuestion: where?"])
+    assert env.answering and obs.endswith(dc.FINAL.splitlines()[-1]) and not done
+    assert env.step(["Answer: E"]) [1] and env.rounds_left == 0
+
+
+def run_model_episode(row: dict, script: list[list[str]]) -> tuple[dc.DetectiveCases, list[list[list[dict]]]]:
+    """An episode with a model responder whose reply to each chat is a function of the chat (a stand-in model:
+    'reply <n>' numbering the suspect's questions so far), returning the chats of each round."""
+    env = dc.DetectiveCases()
+    env.reset(**row, responder="some/model")
+    asked = []
+    for responses in script:
+        chats = env.ask(responses)
+        asked.append(chats)
+        env.step(responses, [f"reply {(len(c) - 2) // 2} of {c[0]['content'].split(chr(10))[2]}" for c in chats])
+    return env, asked
+
+
+def test_the_model_responder_chat_holds_only_the_suspects_own_card_and_memory():
+    row = {"seed": 5}
+    case = generate_case(5)
+    script = [["Suspect: A\nQuestion: where were you?", "Suspect: B\nQuestion: motive?"],
+              ["Suspect: A\nQuestion: and the weapon?", "Suspect: C\nQuestion: who did you see?"],
+              ["Suspect: A\nQuestion: anything else?", "Suspect: B\nQuestion: and then?"]]
+    env, asked = run_model_episode(row, script)
+    a, b = env.case.names[0], env.case.names[1]
+    last_a = asked[2][0]
+    assert [m["role"] for m in last_a] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in last_a[1::2]] == ["where were you?", "and the weapon?", "anything else?"]
+    assert last_a[2]["content"] == f"reply 0 of Your name: {a}"  # its own replies, in order
+    assert [m["content"] for m in asked[2][1][1:]] == ["motive?", f"reply 0 of Your name: {b}", "and then?"]
+    for chats in asked:
+        for chat in chats:
+            name = chat[0]["content"].split("\n")[2].removeprefix("Your name: ")
+            text = "\n".join(m["content"] for m in chat)
+            for card in case["suspects"]:
+                if card["name"] != name:
+                    for field in ("motive", "opportunity", "access_to_weapon", "evidence", "timeline"):
+                        for line in dc.sentences(card.get(field)):
+                            assert line not in text, (name, card["name"], field)
+    assert env.memory[a][-1][:2] == ("anything else?", f"reply 2 of Your name: {a}")
+
+
+def test_the_model_responder_step_needs_one_reply_per_chat():
+    env = dc.DetectiveCases()
+    env.reset(seed=3, responder="some/model")
+    responses = ["Suspect: A\nQuestion: where?", "no turn here"]
+    rules = dc.DetectiveCases()
+    rules.reset(seed=3)
+    assert len(env.ask(responses)) == 1 and rules.ask(responses) == []
+    with pytest.raises(ValueError, match="step needs 1 replies"):
+        env.step(responses, [])
+
+
+def test_rules_answers_follow_each_role():
+    case = dc.Case(generate_case(11))
+    by_role = {r: n for n, r in case.roles.items()}
+    ask = lambda role, q, memory=(): dc.rules_reply(case, by_role[role], q, list(memory))  # noqa: E731
+    assert ask("murderer", "Did you have a motive?").startswith("I had no reason")
+    assert ask("murderer", "Who do you suspect?").startswith(f"I saw {case.scapegoat}")
+    assert case.murderer in ask("accomplice", "Who did you see?") and "could not have done it" in ask(
+        "accomplice", "Who did you see?")
+    assert ask("nervous", "Who did you see?") in dc.NERVOUS_ASIDES
+    again = ask("nervous", "Who did you see?", [("Who did you see?", "aside", "testimony")])
+    assert f"saw {case.murderer}" in again
+    assert f"saw {case.murderer}" in ask("helper", "Did you see anyone?")
+    assert ask("uninformed", "Where were you?") in dc.UNINFORMED_LINES
+    assert dc.intent_of("Where were you at nine?", "brass candlestick") == "whereabouts"
+    assert dc.intent_of("Did you ever touch the candlestick?", "brass candlestick") == "weapon"
