@@ -19,6 +19,7 @@ import random
 import re
 
 from harness.env_detective import DetectiveCases
+from harness.env_puzzles import SituationPuzzles
 
 # -- ARBench guessing numbers (GN) --------------------------------------------------------------------------------
 GN_RULES = (
@@ -208,6 +209,8 @@ class Blocksworld:
         return 0.25 * valid + 0.25 * progress
 
 
-GAMES = {"guess-numbers": GuessNumbers, "blocksworld": Blocksworld, "detective-cases": DetectiveCases}
+GAMES = {"guess-numbers": GuessNumbers, "blocksworld": Blocksworld, "detective-cases": DetectiveCases,
+         "situation-puzzles": SituationPuzzles}
 GAME_OPTIONS = {"guess-numbers": {"digits": 4}, "blocksworld": {"blocks": 3},
-                "detective-cases": {"turns": 25, "responder": "rules"}}  # the row columns --task-option sets
+                "detective-cases": {"turns": 25, "responder": "rules"},
+                "situation-puzzles": {"turns": 25, "responder": "rules"}}  # the row columns --task-option sets
