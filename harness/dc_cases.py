@@ -130,9 +130,20 @@ def generate_case(seed: int) -> dict:
             "label": label, "seed": seed}
 
 
-def is_case(row: dict) -> bool:
-    """Whether a row is a case in AR-Bench's format (rather than a seed to generate one from)."""
-    return all(k in row for k in ("victim", "suspects", "initial_information", "label"))
+CASE_COLUMNS = ("victim", "suspects", "initial_information", "label")
+
+
+def is_case(row: dict, seed) -> bool:
+    """Whether a row is a case in AR-Bench's format (True) or a seed to generate one from (False); a row that is
+    neither, or has only some of a case's columns, is refused in one line."""
+    have = [k for k in CASE_COLUMNS if k in row]
+    if len(have) == len(CASE_COLUMNS):
+        return True
+    if have or seed is None:
+        missing = ", ".join(k for k in CASE_COLUMNS if k not in row)
+        raise ValueError(f"a detective-cases row needs AR-Bench's columns ({', '.join(CASE_COLUMNS)}) or a seed; "
+                         f"this row lacks {missing} (columns: {', '.join(sorted(row)) or 'none'})")
+    return False
 
 
 def role_of(card: dict) -> str:

@@ -260,9 +260,9 @@ class DetectiveCases:
     max_rounds = TURNS + 1  # one agent: 25 question rounds and the answer round; n agents end sooner
     reward_range = (0.0, 1.0)
 
-    def reset(self, seed: int = 0, turns: int = TURNS, responder: str = RULES, rounds: int | None = None,
-              **row) -> str:
-        case_row = row if is_case(row) else generate_case(int(seed))
+    def reset(self, seed: int | None = None, turns: int = TURNS, responder: str = RULES,
+              rounds: int | None = None, **row) -> str:
+        case_row = row if is_case(row, seed) else generate_case(int(seed))
         self.case, self.responder = Case(case_row), str(responder)
         self.turns_left, self.rounds_left = int(turns), (int(rounds) if rounds else self.max_rounds)
         self.memory: dict[str, list[tuple[str, str, str]]] = {n: [] for n in self.case.names}

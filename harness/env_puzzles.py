@@ -137,8 +137,15 @@ def answer_of(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def is_puzzle(row: dict) -> bool:
-    return "surface" in row and "bottom" in row
+def is_puzzle(row: dict, seed) -> bool:
+    """Whether a row is a puzzle in AR-Bench's format (True) or a seed to generate one from (False); a row that is
+    neither is refused in one line."""
+    if "surface" in row and "bottom" in row:
+        return True
+    if seed is None or "surface" in row or "bottom" in row:
+        raise ValueError(f"a situation-puzzles row needs AR-Bench's columns (surface, bottom; story_tree for the "
+                         f"rules referee) or a seed; this row has {', '.join(sorted(row)) or 'no columns'}")
+    return False
 
 
 class SituationPuzzles:
@@ -149,9 +156,9 @@ class SituationPuzzles:
     max_rounds = TURNS + 1  # one agent: 25 question rounds and the answer round; n agents end sooner
     reward_range = (0.0, 1.0)
 
-    def reset(self, seed: int = 0, turns: int = TURNS, responder: str = RULES, rounds: int | None = None,
-              **row) -> str:
-        self.puzzle = row if is_puzzle(row) else generate_puzzle(int(seed))
+    def reset(self, seed: int | None = None, turns: int = TURNS, responder: str = RULES,
+              rounds: int | None = None, **row) -> str:
+        self.puzzle = row if is_puzzle(row, seed) else generate_puzzle(int(seed))
         self.responder, self.turns_left = str(responder), int(turns)
         self.rounds_left = int(rounds) if rounds else self.max_rounds
         self.asked, self.answer, self.record = 0, None, []

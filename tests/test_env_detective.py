@@ -183,3 +183,17 @@ def test_rules_answers_follow_each_role():
     assert ask("uninformed", "Where were you?") in dc.UNINFORMED_LINES
     assert dc.intent_of("Where were you at nine?", "brass candlestick") == "whereabouts"
     assert dc.intent_of("Did you ever touch the candlestick?", "brass candlestick") == "weapon"
+
+
+def test_a_row_that_is_neither_a_case_nor_a_seed_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^a detective-cases row needs AR-Bench's columns \(victim, suspects, "
+                                         r"initial_information, label\) or a seed; this row lacks suspects, "
+                                         r"initial_information, label \(columns: problem, victim\)$"):
+        dc.DetectiveCases().reset(problem="1+1", victim={"name": "x"})
+    with pytest.raises(ValueError, match="this row lacks victim, suspects, initial_information, label"):
+        dc.DetectiveCases().reset(problem="1+1")
+    case = generate_case(0)
+    case["suspects"][0]["is_murderer"] = False
+    case["suspects"][0].pop("role")
+    with pytest.raises(ValueError, match="^a detective case needs exactly one suspect with is_murderer true, found 0"):
+        dc.DetectiveCases().reset(**case)

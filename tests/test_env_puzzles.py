@@ -119,3 +119,10 @@ def test_arbench_puzzles_are_read_as_they_are():
         env, seen = episode(row, [["Q: " + q for q in p["key_question"]], ["A: " + p["bottom"]]])
         assert "Referee: Yes" in seen[1] and env.get_reward() == 1.0
         assert len(sp.tree_nodes(p["story_tree"])) == len(p["key_question"])  # nested nodes found too
+
+
+def test_a_row_that_is_neither_a_puzzle_nor_a_seed_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^a situation-puzzles row needs AR-Bench's columns \(surface, bottom; "
+                                         r"story_tree for the rules referee\) or a seed; this row has answer, "
+                                         r"surface$"):
+        sp.SituationPuzzles().reset(surface="A man...", answer="x")
