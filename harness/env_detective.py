@@ -174,8 +174,19 @@ def rules_reply(case: Case, name: str, question: str, memory: list[tuple[str, st
         return UNINFORMED_LINES[(len(memory) + case.names.index(name)) % len(UNINFORMED_LINES)]
     if role == "nervous" and k == 0:
         return NERVOUS_ASIDES[(len(memory) + case.label) % len(NERVOUS_ASIDES)]
-    text = truthful(case.cards[name], intent, k, case.victim)
+    text = witness(case, name, k) if intent == "testimony" else truthful(case.cards[name], intent, k, case.victim)
     return ("I... all right. " + text) if role == "nervous" else text
+
+
+def witness(case: Case, name: str, k: int) -> str:
+    """What an honest witness (the helper, the nervous one) saw: its ``testimony`` when that names the murderer
+    (generated cases), else (AR-Bench's cards, whose testimony may be about anyone) what was seen of the murderer,
+    from the murderer's ``suspicion`` sentences, as this witness's own sighting."""
+    card = case.cards[name]
+    if any(case.murderer in line for line in sentences(card.get("testimony"))):
+        return truthful(card, "testimony", k, case.victim)
+    seen = sentences(case.cards[case.murderer].get("suspicion"))
+    return f"I saw {case.murderer} that day, and this is what struck me: {nth(seen, k, 'something was wrong.')}"
 
 
 def suspect_of(text: str, names: list[str]) -> str | None:

@@ -197,3 +197,16 @@ def test_a_row_that_is_neither_a_case_nor_a_seed_is_refused_in_one_line():
     case["suspects"][0].pop("role")
     with pytest.raises(ValueError, match="^a detective case needs exactly one suspect with is_murderer true, found 0"):
         dc.DetectiveCases().reset(**case)
+
+
+def test_an_honest_witness_whose_card_saw_someone_else_tells_what_was_seen_of_the_murderer():
+    case_row = json.loads(FIXTURE.read_text())[0]
+    helper = case_row["suspects"][1]
+    helper["testimony"] = [f"{helper['name']} saw Tomas Greer by the gate."]  # about someone else
+    case = dc.Case(case_row)
+    reply = dc.rules_reply(case, helper["name"], "Did you see anyone?", [])
+    suspicion = case_row["suspects"][0]["suspicion"][0]
+    assert reply == f"I saw {case.murderer} that day, and this is what struck me: {suspicion}"
+    nervous = case_row["suspects"][3]["name"]  # its card names the murderer: told as written, in its voice
+    again = dc.rules_reply(case, nervous, "Who did you see?", [("Who did you see?", "aside", "testimony")])
+    assert again == "I... all right. I saw Ines Moreau near the victim's tea tray at 10:25 PM."
