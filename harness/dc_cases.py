@@ -155,7 +155,7 @@ def role_of(card: dict) -> str:
     task = str(card.get("task", "")).lower()
     if card.get("is_murderer"):
         return "murderer"
-    if "motive" not in card:
+    if card.get("motive") in (None, "", []):  # absent, or None where a table reader filled the column in
         return "uninformed"
     if re.search(r"\b(assist|help|cover for|protect|shield)\s+the\s+murderer", task):
         return "accomplice"

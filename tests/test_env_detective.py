@@ -210,3 +210,10 @@ def test_an_honest_witness_whose_card_saw_someone_else_tells_what_was_seen_of_th
     nervous = case_row["suspects"][3]["name"]  # its card names the murderer: told as written, in its voice
     again = dc.rules_reply(case, nervous, "Who did you see?", [("Who did you see?", "aside", "testimony")])
     assert again == "I... all right. I saw Ines Moreau near the victim's tea tray at 10:25 PM."
+
+
+def test_roles_are_read_from_arbench_cards_also_when_a_table_reader_filled_missing_fields_with_none():
+    suspects = json.loads(FIXTURE.read_text())[1]["suspects"]
+    fields = {k for card in suspects for k in card}
+    filled = [{k: card.get(k) for k in fields} for card in suspects]  # what datasets/pyarrow give for a ragged list
+    assert list(roles_of(filled).values()) == ["murderer", "helper", "accomplice", "nervous", "uninformed"]
