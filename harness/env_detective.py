@@ -111,7 +111,7 @@ def first_person(text: str, name: str) -> str:
 def truthful(card: dict, intent: str, k: int, victim: str) -> str:
     """What an honest suspect says about ``intent`` the k-th time it is asked, from its own card, in its voice."""
     timeline = [f"At {e['time']}, {e['activity'][0].lower()}{e['activity'][1:]}" if isinstance(e, dict) else str(e)
-                for e in card.get("timeline", [])]
+                for e in card.get("timeline") or []]
     fields = {"motive": sentences(card.get("motive")), "weapon": sentences(card.get("access_to_weapon")),
               "whereabouts": sentences(card.get("opportunity")) + timeline,
               "testimony": sentences(card.get("testimony")), "evidence": sentences(card.get("suspicion")),
