@@ -8,6 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import env_detective as dc
 from harness.dc_cases import generate_case, roles_of
@@ -217,3 +219,24 @@ def test_roles_are_read_from_arbench_cards_also_when_a_table_reader_filled_missi
     fields = {k for card in suspects for k in card}
     filled = [{k: card.get(k) for k in fields} for card in suspects]  # what datasets/pyarrow give for a ragged list
     assert list(roles_of(filled).values()) == ["murderer", "helper", "accomplice", "nervous", "uninformed"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.text(max_size=60), st.builds(
+    lambda s, q: f"Suspect: {s}\nQuestion: {q}", st.sampled_from(["A", "e", "Z", "Thorne", ""]), st.text(max_size=30))),
+    min_size=1, max_size=3), min_size=1, max_size=12), st.integers(0, 10_000))
+def test_any_responses_give_one_chat_per_parsed_turn_and_an_episode_that_ends(rounds, seed):
+    rules, model = dc.DetectiveCases(), dc.DetectiveCases()
+    rules.reset(seed=seed, turns=6)
+    model.reset(seed=seed, turns=6, responder="some/model")
+    done = False
+    for responses in rounds:
+        chats = model.ask(responses)
+        expected = 0 if model.answering else sum(t is not None for _, t in model.turns_of(responses))
+        assert len(chats) == expected and all(c[-1]["role"] == "user" for c in chats)
+        obs, done = rules.step(responses)
+        model.step(responses, ["I was in the garden."] * len(chats))
+        assert isinstance(obs, str) and rules.get_reward() in (0.0, 1.0)
+        if done:
+            break
+    assert done or len(rounds) < 7  # each round spends a turn: 6 question rounds at most, then the answer

@@ -126,3 +126,9 @@ def test_a_row_that_is_neither_a_puzzle_nor_a_seed_is_refused_in_one_line():
                                          r"story_tree for the rules referee\) or a seed; this row has answer, "
                                          r"surface$"):
         sp.SituationPuzzles().reset(surface="A man...", answer="x")
+
+
+@given(st.text(max_size=80), st.integers(0, 10_000))
+def test_any_question_gets_only_an_allowed_reply(question, seed):
+    assert sp.referee(generate_puzzle(seed), question) in ALLOWED
+    assert sp.model_reply(question) in ALLOWED
