@@ -14,7 +14,8 @@ the questions put to it.
 
 Two responders (row column ``responder``): ``rules`` (the default) answers from the card by the question's intent
 (keyword classes) and the role; any other value names a model the harness runs: ``ask`` returns one chat per
-question (a role-play system prompt, the suspect's own earlier Q&A, the question) and ``step`` takes the replies.
+question (a role-play system prompt, the suspect's own earlier Q&A, the question) and ``step`` takes the replies
+(each kept to its first line).
 Everything is a pure function of the row and the responses and replies so far.
 """
 from __future__ import annotations
@@ -217,6 +218,13 @@ def parse_turn(text: str, names: list[str]) -> tuple[str, str] | None:
     return name, question.group(1).strip()[:300]
 
 
+def first_line(reply: str) -> str:
+    """A model suspect's reply as the game keeps it: its first non-empty line, at most 300 characters (the role
+    asks for one sentence; a small model's repetitions would otherwise fill every later context)."""
+    lines = [line.strip() for line in reply.splitlines() if line.strip()]
+    return lines[0][:300] if lines else "..."
+
+
 def answer_letter(text: str) -> str | None:
     """The letter of a response's last ``Answer: X`` line, or None."""
     found = ANSWER_LINE.findall(text)
@@ -333,7 +341,7 @@ class DetectiveCases:
             if self.responder == RULES:
                 reply = rules_reply(self.case, name, question, self.memory[name])
             else:
-                reply, used = replies[used].strip(), used + 1
+                reply, used = first_line(replies[used]), used + 1
             self.memory[name].append((question, reply, intent_of(question, self.case.weapon)))
             letter = LETTERS[self.case.names.index(name)]
             lines.append(f"Turn {self.asked}, agent {k + 1} asked {name} ({letter}): {question}\n{name}: {reply}")

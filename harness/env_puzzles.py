@@ -113,12 +113,14 @@ def referee(puzzle: dict, question: str) -> str:
 
 
 def model_reply(text: str) -> str:
-    """A model referee's reply as the game reads it: its first word when that is Yes/No/Unknown, the refusal
-    when it gives the refusal, else Unknown (so a model's slip never shows the players more than the rules
-    referee would)."""
-    first = normalise(text)[:1]
-    if first and first[0] in ("yes", "no", "unknown"):
-        return first[0].capitalize()
+    """A model referee's reply as the game reads it: the first or else the last word of its first line when that
+    is Yes/No/Unknown ("No, ...", "The answer is: No"), the refusal when it gives the refusal, else Unknown (so a
+    model's slip never shows the players more than the rules referee would)."""
+    line = next((line for line in text.splitlines() if line.strip()), "")
+    words = re.findall(r"[a-z]+", line.lower())
+    for word in words[:1] + words[-1:]:
+        if word in ("yes", "no", "unknown"):
+            return word.capitalize()
     return REFUSAL if REFUSAL.lower()[:30] in text.lower() else UNKNOWN
 
 

@@ -240,3 +240,11 @@ def test_any_responses_give_one_chat_per_parsed_turn_and_an_episode_that_ends(ro
         if done:
             break
     assert done or len(rounds) < 7  # each round spends a turn: 6 question rounds at most, then the answer
+
+
+def test_a_model_suspects_reply_is_kept_to_its_first_line():
+    env = dc.DetectiveCases()
+    env.reset(seed=2, responder="some/model")
+    obs, _ = env.step(["Suspect: A\nQuestion: where?"], ["\n  I was in the garden.\nI was in the garden.\n"])
+    assert obs.endswith(": I was in the garden.") and env.memory[env.case.names[0]][0][1] == "I was in the garden."
+    assert dc.first_line("x" * 400) == "x" * 300 and dc.first_line(" \n") == "..."

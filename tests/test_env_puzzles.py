@@ -132,3 +132,11 @@ def test_a_row_that_is_neither_a_puzzle_nor_a_seed_is_refused_in_one_line():
 def test_any_question_gets_only_an_allowed_reply(question, seed):
     assert sp.referee(generate_puzzle(seed), question) in ALLOWED
     assert sp.model_reply(question) in ALLOWED
+
+
+@pytest.mark.parametrize("reply, read", [
+    ("No", sp.NO), ("yes.", sp.YES), ("No, it was a secret recipe. The story is about", sp.NO),
+    ("The answer is: No", sp.NO), ("Unknown\nYes", sp.UNKNOWN), ("The story: a man faked his death", sp.UNKNOWN),
+    (sp.REFUSAL, sp.REFUSAL), ("", sp.UNKNOWN)])
+def test_a_model_referees_reply_is_read_from_its_first_line(reply, read):
+    assert sp.model_reply(reply) == read
