@@ -248,3 +248,20 @@ def test_a_model_suspects_reply_is_kept_to_its_first_line():
     obs, _ = env.step(["Suspect: A\nQuestion: where?"], ["\n  I was in the garden.\nI was in the garden.\n"])
     assert obs.endswith(": I was in the garden.") and env.memory[env.case.names[0]][0][1] == "I was in the garden."
     assert dc.first_line("x" * 400) == "x" * 300 and dc.first_line(" \n") == "..."
+
+
+@pytest.mark.slow
+def test_sat_trains_a_tiny_team_on_detective_cases_and_situation_puzzles_with_the_rules_responder(tmp_path):
+    """One stage of sat.py per game (tiny x2, two questions, three rounds): the rules responder needs nothing
+    from the harness beyond the contract's ``step(responses)``."""
+    from harness.cli import main
+
+    small = ["--agents", "tiny x2", "--batch-size", "4", "--group-size", "2", "--epochs", "1", "--minibatch-size",
+             "4", "--eval-size", "2", "--warmup-steps", "0", "--max-new-tokens", "3", "--max-rounds", "3"]
+    for task in ("env:detective-cases", "env:situation-puzzles"):
+        out = tmp_path / task[4:]
+        assert main(small + ["--task", task, "--task-option", "turns=2", "--stages", "1", "--out", str(out)]) == 0
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert rows[1]["episode_rounds"] == 2.0  # two agents spend the two turns in round 1; round 2 answers
+        sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
+        assert "The team's answer" in sample["transcript"]
