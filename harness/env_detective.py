@@ -134,9 +134,22 @@ class Case:
         self.victim, self.weapon = victim["name"], victim.get("murder_weapon", "the weapon")
         self.location = row.get("location") or row["initial_information"].get("location", "the house")
         self.murderer = next(n for n, r in self.roles.items() if r == "murderer")
+        check_case(self.names, self.cards, self.label, self.murderer)
         informed = [n for n in self.names if self.roles[n] not in ("murderer", "accomplice", "uninformed")]
         nervous = [n for n in informed if self.roles[n] == "nervous"]
         self.scapegoat = (nervous or informed or [n for n in self.names if n != self.murderer])[0]
+
+
+def check_case(names: list[str], cards: dict, label: int, murderer: str) -> None:
+    """One line when a case's lettered list and its cards disagree, or its label does not name the murderer."""
+    if not 2 <= len(names) <= len(LETTERS) or set(names) != set(cards):
+        raise ValueError(f"a detective case lists {len(names)} suspects in initial_information.suspect "
+                         f"({', '.join(names)}) against cards for {', '.join(cards)}; list 2 to 5 suspects, the same "
+                         "names in both")
+    if not 0 <= label < len(names) or names[label] != murderer:
+        named = names[label] if 0 <= label < len(names) else "no suspect"
+        raise ValueError(f"a detective case's label {label} names {named}, but the card with is_murderer true is "
+                         f"{murderer}; label is the murderer's index in initial_information.suspect")
 
 
 def lie(case: Case, intent: str, k: int) -> str:

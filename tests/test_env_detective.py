@@ -265,3 +265,15 @@ def test_sat_trains_a_tiny_team_on_detective_cases_and_situation_puzzles_with_th
         assert rows[1]["episode_rounds"] == 2.0  # two agents spend the two turns in round 1; round 2 answers
         sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
         assert "The team's answer" in sample["transcript"]
+
+
+def test_a_case_whose_label_or_lists_disagree_with_its_cards_is_refused_in_one_line():
+    case = json.loads(FIXTURE.read_text())[0]
+    wrong = {**case, "label": (case["label"] + 1) % 5}
+    with pytest.raises(ValueError, match=r"^a detective case's label 3 names Pavel Sand, but the card with "
+                                         r"is_murderer true is Ines Moreau; label is the murderer's index"):
+        dc.DetectiveCases().reset(**wrong)
+    short = {**case, "initial_information": {**case["initial_information"],
+                                             "suspect": case["initial_information"]["suspect"][:4]}}
+    with pytest.raises(ValueError, match="^a detective case lists 4 suspects in initial_information.suspect"):
+        dc.DetectiveCases().reset(**short)
