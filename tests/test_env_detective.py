@@ -277,3 +277,21 @@ def test_a_case_whose_label_or_lists_disagree_with_its_cards_is_refused_in_one_l
                                              "suspect": case["initial_information"]["suspect"][:4]}}
     with pytest.raises(ValueError, match="^a detective case lists 4 suspects in initial_information.suspect"):
         dc.DetectiveCases().reset(**short)
+
+
+def test_a_model_responder_episode_replays_exactly_and_ask_changes_nothing():
+    script = [["Suspect: A\nQuestion: where were you?", "Suspect: B\nQuestion: motive?"],
+              ["Suspect: A\nQuestion: the weapon?", "bad turn"], ["Answer: B", "Answer: A"]]
+
+    def run() -> list:
+        env = dc.DetectiveCases()
+        seen = [env.reset(seed=21, turns=4, responder="some/model")]
+        for responses in script:
+            chats = env.ask(responses)
+            assert env.ask(responses) == chats  # ask is pure: the harness may call it, then step
+            obs, done = env.step(responses, [f"reply to {c[-1]['content']}" for c in chats])
+            seen += [chats, obs, done]
+        return seen + [env.get_reward()]
+
+    first = run()
+    assert first == run() and first[-2] is True
