@@ -56,6 +56,7 @@ INTENTS = {
                     "after", "before", "during", "opportunity", "alone", "room", "leave", "left", "arrive"),
     "evidence": ("evidence", "fingerprint", "fingerprints", "clue", "proof", "found", "blood", "stain"),
     "relation": ("relationship", "know", "knew", "relation", "friend", "colleague", "related", "long", "met"),
+    "guilt": ("kill", "killed", "murder", "murdered", "guilty", "culprit", "responsible", "innocent", "confess"),
 }
 NERVOUS_ASIDES = (
     "Sorry, sorry, I can't think straight. Did you know the clocks in this house all run five minutes fast?",
@@ -116,7 +117,8 @@ def truthful(card: dict, intent: str, k: int, victim: str) -> str:
     fields = {"motive": sentences(card.get("motive")), "weapon": sentences(card.get("access_to_weapon")),
               "whereabouts": sentences(card.get("opportunity")) + timeline,
               "testimony": sentences(card.get("testimony")), "evidence": sentences(card.get("suspicion")),
-              "relation": sentences(card.get("relationship")), "other": sentences(card.get("reason_at_scene"))}
+              "relation": sentences(card.get("relationship")), "other": sentences(card.get("reason_at_scene")),
+              "guilt": [f"No. I did not kill {victim}."]}
     said = nth(fields[intent], k, f"I have nothing to add about that, except that I am sorry about {victim}.")
     return first_person(said, card["name"])
 
@@ -160,6 +162,7 @@ def lie(case: Case, intent: str, k: int) -> str:
         "whereabouts": f"I was nowhere near the scene; I was elsewhere in {case.location} the whole time.",
         "testimony": f"I saw {case.scapegoat} hurrying away from where {case.victim} was found, looking shaken.",
         "evidence": "There is nothing that ties me to this, detective; look elsewhere.",
+        "guilt": f"No. I did not kill {case.victim}.",  # word for word what the innocent say
     }
     if intent in denial:
         return denial[intent]

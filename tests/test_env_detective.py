@@ -185,6 +185,10 @@ def test_rules_answers_follow_each_role():
     assert ask("uninformed", "Where were you?") in dc.UNINFORMED_LINES
     assert dc.intent_of("Where were you at nine?", "brass candlestick") == "whereabouts"
     assert dc.intent_of("Did you ever touch the candlestick?", "brass candlestick") == "weapon"
+    assert dc.intent_of("Where were you at the time of the murder?", "x") == "whereabouts"
+    assert dc.intent_of("Did you kill the victim?", "x") == "guilt"
+    denials = {ask(role, "Did you kill the victim?") for role in ("murderer", "helper", "accomplice")}
+    assert denials == {f"No. I did not kill {case.victim}."}  # a direct question tells the murderer from no one
 
 
 def test_a_row_that_is_neither_a_case_nor_a_seed_is_refused_in_one_line():
