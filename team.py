@@ -3,8 +3,9 @@
 Paper, Section 3: a team of n agents is one factorized policy pi(a|s) = prod_i pi_i(a_i|s); each
 agent's action is a whole response. Protocols: ``independent`` (every agent answers alone; the team
 answer is the majority vote of their answers) and ``chain`` (agent k also sees the extracted answers of
-agents 1..k-1, or with an environment their whole responses; the last agent's answer is the team answer). How an answer is read from a response, how
-answers vote and the team reward R are the task's: the entry point hands them in (``TeamConfig``).
+agents 1..k-1, or with an environment their whole responses; the last agent's answer is the team answer).
+How an answer is read from a response, how answers vote and the team reward R are the task's: the entry
+point hands them in (``TeamConfig``).
 
 A bf16 agent trains on fp32 master weights (``MasterWeightAdamW``). Agents are built, loaded and saved
 by ``harness.loading``; this module holds no file I/O.
