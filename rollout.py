@@ -97,6 +97,12 @@ class TeamBatch:
         return len(self.problems)
 
     @property
+    def has_own_scores(self) -> bool:
+        """Whether ``agent_correct`` holds each agent's own score; an episode's (with an environment) is the team
+        reward, as no share of an episode is one agent's (``score_episodes``)."""
+        return self.rounds is None
+
+    @property
     def responses(self) -> int:
         """Responses generated for the batch: one per agent and round of every trajectory."""
         return len(self.turns) * (sum(self.rounds) if self.rounds is not None else len(self))
@@ -263,9 +269,10 @@ def start_episode(team: Team, problem: Problem) -> Episode:
 
 def episode_context(team: Team, e: Episode, k: int) -> list[int]:
     """Agent k's context for its next turn. The first round: its prompt for the opening observation (chain: with
-    the earlier agents' turns, as without an environment). Later rounds: its view so far, then one user turn with
-    what it has not yet seen (chain: everything said since its last turn; independent: up to the environment's
-    last observation, so agents of one round answer independently), rendered by its own chat template."""
+    the earlier agents' whole responses of the round, ``Team.sees_whole_turns``). Later rounds: its view so far,
+    then one user turn with what it has not yet seen (chain: everything said since its last turn; independent: up
+    to the environment's last observation, so agents of one round answer independently), rendered by its own chat
+    template."""
     if e.rounds == 0:
         earlier = [text for speaker, text in e.said[1:]]  # chain: agents 0..k-1 of this round
         e.ids[k] = team.prompt_ids(k, e.opening, [team.extract(t) for t in earlier], earlier)
