@@ -1,7 +1,8 @@
 """A team that acts, observes and acts again: ``--env FILE.py:NAME`` / ``package.module:NAME``, or a built-in
 ``--task env:NAME``, loaded, checked and probed.
 
-The contract, in the shape of TRL's ``environment_factory``:
+The contract (built like TRL's ``environment_factory``: no constructor arguments, ``reset(**row)``; unlike it, no
+tools: ``step`` takes every agent's whole response of a round, docs/own_task.md says what else differs):
 
     class MyEnv:
         max_rounds = 4                 # T, the most rounds an episode runs (or --max-rounds T)
@@ -11,10 +12,11 @@ The contract, in the shape of TRL's ``environment_factory``:
         def step(self, responses: list[str]) -> tuple[str, bool]: ... # the round's responses, one per agent
         def get_reward(self) -> float: ...                           # read once the episode ends
 
-``row`` holds the data row's columns (``problem`` and ``answer`` when the data has them). An episode that has not
-ended after T rounds ends there. The environment must be deterministic: a function of its row and the responses so
-far, because the paired certificates replay episodes under common random numbers (``probe_environment`` checks it
-before any model loads). Every fault is one ``EnvironmentFault`` line naming the environment, the row and the value.
+``row`` holds the data row's columns (``problem`` and ``answer`` when the data has them; neither is required). An
+episode that has not ended after T rounds ends there. The environment must be deterministic: a function of its row
+and the responses so far, because the paired certificates replay episodes under common random numbers
+(``probe_environment`` checks it before any model loads, in this process and in a second one under another hash
+seed). Every fault is one ``EnvironmentFault`` line naming the environment, the row and the value.
 """
 from __future__ import annotations
 
