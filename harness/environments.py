@@ -218,10 +218,11 @@ def compare(env: Environment, rows: list, per_row: int, first: list, second: lis
 def replay_elsewhere(env: Environment, rows: list, scripts: list) -> tuple[str, list]:
     """(the hash seed, ``replay``'s result) of the same episodes in a fresh Python process (``python -m
     harness.env_replay``: the rows' ids and ``reset`` keywords and the scripts pickled over its stdin) whose
-    PYTHONHASHSEED differs from this one's; it loads the environment from its spec, as this process did."""
+    PYTHONHASHSEED differs from this one's; it loads the environment from its spec, as this process did, on this
+    process's import path."""
     seed = "1" if os.environ.get("PYTHONHASHSEED") == "0" else "0"
     root = str(Path(__file__).resolve().parents[1])  # the project, importable there as it is here
-    path = os.pathsep.join([root, os.getcwd()] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    path = os.pathsep.join([root] + [entry or os.getcwd() for entry in sys.path])
     job = pickle.dumps((env.name, env.max_rounds, [(p.id, row_of(p)) for p in rows], scripts))
     try:
         done = subprocess.run([sys.executable, "-m", "harness.env_replay"], input=job, capture_output=True,

@@ -192,6 +192,23 @@ def test_the_probe_replays_a_class_that_cannot_load_elsewhere_as_one_line(tmp_pa
         probe_environment(env, [Problem("r", "1+1", "2")], n_agents=2)
 
 
+def test_the_probe_replays_a_module_spec_in_its_second_process(tmp_path, monkeypatch):
+    """package.module:NAME, importable here through sys.path only, is importable in the second process too; a
+    deterministic class passes, the same class drawing on hash() does not."""
+    package = tmp_path / "mygames"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fixed.py").write_text(GOOD.format(reward="0.5"))
+    (package / "hashed.py").write_text(GOOD.format(reward="0.5").replace(
+        "return ('ok', False)", "return (str(hash(str(responses)) % 1000), False)"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(ROOT)  # not the package's folder: only sys.path reaches it
+    probe_environment(load_environment("mygames.fixed:Env"), [Problem("r", "1+1", "2")], n_agents=2)
+    with pytest.raises(EnvironmentFault, match=r"^environment mygames.hashed:Env is not deterministic: row 'r': "
+                                               r"observation 1 was '\d+', then in a second process"):
+        probe_environment(load_environment("mygames.hashed:Env"), [Problem("r", "1+1", "2")], n_agents=2)
+
+
 @pytest.mark.parametrize("name", list(games.GAMES))
 def test_the_built_in_games_pass_the_probe(name):
     env = load_environment(f"env:{name}")
@@ -329,7 +346,9 @@ def test_an_environments_rows_need_no_problem_or_answer_column():
 def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_path, capsys):
     """sat.py with --env on rows {"id", "secret"} trains a tiny team one stage: the warm start, with no gold answer
     to train on, is skipped in one line; the first row's opening and what the per-agent figures mean are said once;
-    a sample's transcript holds the environment's words; the baseline is the group's, no credit_correlation."""
+    a sample's transcript holds the environment's words; the baseline is the group's, no credit_correlation; and
+    eval_aime.py evaluates the trained team on such rows."""
+    import eval_aime
     from harness.cli import main
 
     out = tmp_path / "run"
@@ -349,6 +368,10 @@ def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_pa
     assert sample["transcript"].startswith("Environment: I am thinking of a whole number from 1 to 20.")
     assert re.search(r"\n\nEnvironment: Agent 1: (Say a number\.|-?\d+ is (right|too high|too low)\.)\nAgent 2: ",
                      sample["transcript"]), sample["transcript"]
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(  # the same rows evaluate a --ckpt team
+        ["--ckpt", str(out), "--data", str(NUMBER_HELDOUT), "--k", "1", "--limit", "2", "--max-new-tokens", "4",
+         "--out", str(tmp_path / "eval")]), log=lambda *_: None)
+    assert 1 <= summary["benchmarks"]["number_game_heldout"]["rounds"]["mean"] <= 2
 
 
 def test_options_an_environment_cannot_honour_are_refused_and_the_baseline_becomes_group():
