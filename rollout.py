@@ -1,10 +1,10 @@
 """Joint-trajectory generation: the team answers B problems G times each (paper, Section 3; Algorithm 1, ROLLOUT).
 
 A joint trajectory is one response per agent under the team's protocol (independent answers + majority
-vote, or a chain in which agent k sees the answers of agents 1..k-1), with one team reward shared by every
-agent's tokens: the team's reward (``reward.Reward``: a user's function of every agent's response, or the
-built-in one: chain, 1 if the last answer is right; independent, the expected correctness of the vote under a
-uniform tie-break, so that no agent is a dictator).
+vote, or a chain in which agent k sees the answers of agents 1..k-1, with an environment their whole
+responses), with one team reward shared by every agent's tokens: the team's reward (``reward.Reward``: a
+user's function of every agent's response, or the built-in one: chain, 1 if the last answer is right;
+independent, the expected correctness of the vote under a uniform tie-break, so that no agent is a dictator).
 
 The behaviour log-probabilities come from the training model's teacher-forced forward at the sampling
 temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
