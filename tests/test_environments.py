@@ -343,6 +343,7 @@ def test_an_environments_rows_need_no_problem_or_answer_column():
         load_problems(str(NUMBER_ROWS))
 
 
+@pytest.mark.slow  # a whole run and an evaluation: 27 s on two busy cores
 def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_path, capsys):
     """sat.py with --env on rows {"id", "secret"} trains a tiny team one stage: the warm start, with no gold answer
     to train on, is skipped in one line; the first row's opening and what the per-agent figures mean are said once;
