@@ -1,10 +1,10 @@
 """Joint-trajectory generation: the team answers B problems G times each (paper, Section 3; Algorithm 1, ROLLOUT).
 
 A joint trajectory is one response per agent under the team's protocol (independent answers + majority
-vote, or a chain in which agent k sees the answers of agents 1..k-1), with one team reward shared by every
-agent's tokens: the team's reward (``reward.Reward``: a user's function of every agent's response, or the
-built-in one: chain, 1 if the last answer is right; independent, the expected correctness of the vote under a
-uniform tie-break, so that no agent is a dictator).
+vote, or a chain in which agent k sees the answers of agents 1..k-1, with an environment their whole
+responses), with one team reward shared by every agent's tokens: the team's reward (``reward.Reward``: a
+user's function of every agent's response, or the built-in one: chain, 1 if the last answer is right;
+independent, the expected correctness of the vote under a uniform tie-break, so that no agent is a dictator).
 
 The behaviour log-probabilities come from the training model's teacher-forced forward at the sampling
 temperature, so the sampler's numerics never enter the importance ratios. The sampler is a backend object
@@ -95,6 +95,12 @@ class TeamBatch:
 
     def __len__(self) -> int:
         return len(self.problems)
+
+    @property
+    def has_own_scores(self) -> bool:
+        """Whether ``agent_correct`` holds each agent's own score; an episode's (with an environment) is the team
+        reward, as no share of an episode is one agent's (``score_episodes``)."""
+        return self.rounds is None
 
     @property
     def responses(self) -> int:
@@ -263,9 +269,10 @@ def start_episode(team: Team, problem: Problem) -> Episode:
 
 def episode_context(team: Team, e: Episode, k: int) -> list[int]:
     """Agent k's context for its next turn. The first round: its prompt for the opening observation (chain: with
-    the earlier agents' turns, as without an environment). Later rounds: its view so far, then one user turn with
-    what it has not yet seen (chain: everything said since its last turn; independent: up to the environment's
-    last observation, so agents of one round answer independently), rendered by its own chat template."""
+    the earlier agents' whole responses of the round, ``Team.sees_whole_turns``). Later rounds: its view so far,
+    then one user turn with what it has not yet seen (chain: everything said since its last turn; independent: up
+    to the environment's last observation, so agents of one round answer independently), rendered by its own chat
+    template."""
     if e.rounds == 0:
         earlier = [text for speaker, text in e.said[1:]]  # chain: agents 0..k-1 of this round
         e.ids[k] = team.prompt_ids(k, e.opening, [team.extract(t) for t in earlier], earlier)

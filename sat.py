@@ -208,10 +208,13 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
     # the in-loop anchor kept counts as one halving; a rejection as a halving past the last fraction tried
     step_size.update(search.fraction, kq, 0.5 if accepted else 0.5 ** (cfg.max_backtracks + 1))
     lrs = {"lr": lr_used, "lr_next": step_size.lr} if step_size.rule == "adaptive" else {}
+    estimates = step_estimates(inputs, log_rho, kl, batch, j)
+    if not batch.has_own_scores:  # an episode's: corr(advantage, R) would pass for the agent's credit
+        estimates["credit_correlation"] = None
     step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kq,
                      kl_max=float(kl.max()), kl_quantile_dkw=dkw_upper_quantile(kl, cfg.quantile), delta=cfg.delta,
                      beta=beta_used, beta_next=controller.beta, backtracks=search.backtracks, accepted=accepted,
-                     step_fraction=search.fraction, **lrs, **step_estimates(inputs, log_rho, kl, batch, j), train=stats)
+                     step_fraction=search.fraction, **lrs, **estimates, train=stats)
     return step, log_rho
 
 

@@ -40,7 +40,7 @@ class AgentStep:
     ess: float  # the effective sample size of the truncated weights w of the agents promoted before it
     ess_ratio: float  # ess / N
     seq_kl_max: float  # the largest whole-response KL (the sum over its tokens)
-    credit_correlation: float  # correlation of the agent's advantages with its own correctness
+    credit_correlation: float | None  # correlation of its advantages with its own score (None: constant, or an episode)
     train: TrainStats  # the optimiser's figures: loss, clip fraction, ratio statistics, gradient norm, tokens/s
     step_bound: dict | None = None  # the step's paired bound (bounds.paired_change_bound), see step_bounds
     lr: float | None = None  # --step-size adaptive: the lr the step trained with (update.StepSize)

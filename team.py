@@ -3,8 +3,9 @@
 Paper, Section 3: a team of n agents is one factorized policy pi(a|s) = prod_i pi_i(a_i|s); each
 agent's action is a whole response. Protocols: ``independent`` (every agent answers alone; the team
 answer is the majority vote of their answers) and ``chain`` (agent k also sees the extracted answers of
-agents 1..k-1; the last agent's answer is the team answer). How an answer is read from a response, how
-answers vote and the team reward R are the task's: the entry point hands them in (``TeamConfig``).
+agents 1..k-1, or with an environment their whole responses; the last agent's answer is the team answer).
+How an answer is read from a response, how answers vote and the team reward R are the task's: the entry
+point hands them in (``TeamConfig``).
 
 A bf16 agent trains on fp32 master weights (``MasterWeightAdamW``). Agents are built, loaded and saved
 by ``harness.loading``; this module holds no file I/O.
@@ -279,23 +280,36 @@ class Team:
         """The processes the team runs on (every agent's)."""
         return self.agents[0].procs
 
-    def user_message(self, problem: Problem, previous_answers: list[str | None]) -> str:
+    @property
+    def sees_whole_turns(self) -> bool:
+        """Whether a later agent of the chain reads the earlier agents' whole responses of its round rather than
+        their extracted answers: with an environment, whose ``step`` acts on every response of the round on one
+        world, so an agent that saw only "Agent 1: ?" could not know what had been done."""
+        return self.config.environment is not None
+
+    def user_message(self, problem: Problem, previous_answers: list[str | None],
+                     previous_texts: list[str] | None = None) -> str:
         """The text agent k reads without roles; chain: with the earlier agents' extracted answers (a thinking
-        model's whole response can be 30k tokens)."""
+        model's whole response can be 30k tokens), or, with an environment (``sees_whole_turns``), their whole
+        responses, written as the later rounds write them (``round_text``)."""
         text = problem.problem + self.config.instruction
-        if self.config.protocol == "chain" and previous_answers:
-            lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
-            text = f"{text}\n{lines}\n"
-        return text
+        if self.config.protocol != "chain" or not previous_answers:
+            return text
+        if self.sees_whole_turns:
+            return text + "\n\n" + self.turn_lines(list(enumerate(previous_texts or [])))
+        lines = "\n".join(f"Agent {i + 1}: {a if a is not None else '?'}" for i, a in enumerate(previous_answers))
+        return f"{text}\n{lines}\n"
 
     def messages(self, k: int, problem: Problem, previous_answers: list[str | None],
                  previous_texts: list[str] | None = None) -> list[dict]:
-        """Agent k's chat messages: its role's system turn and user template (--roles), else the problem's own
-        system turn, if any, and ``user_message``. ``previous_*``: the earlier agents' turns (chain)."""
+        """Agent k's chat messages: its role's system turn and user template (--roles; with an environment its
+        {previous} holds whole responses), else the problem's own system turn, if any, and ``user_message``.
+        ``previous_*``: the earlier agents' turns (chain)."""
         if self.config.roles is not None:
-            return self.config.roles.messages(k, problem, previous_texts or [], previous_answers)
+            return self.config.roles.messages(k, problem, previous_texts or [], previous_answers,
+                                              "full" if self.sees_whole_turns else None)
         system = [{"role": "system", "content": problem.system}] if problem.system else []
-        return system + [{"role": "user", "content": self.user_message(problem, previous_answers)}]
+        return system + [{"role": "user", "content": self.user_message(problem, previous_answers, previous_texts)}]
 
     def prompt_ids(self, agent_index: int, problem: Problem, previous_answers: list[str | None],
                    previous_texts: list[str] | None = None) -> list[int]:
@@ -306,8 +320,14 @@ class Team:
         """Agent k's user turn in a later round (``round_``: 2, 3, ...): what the other agents said ("Agent i: ..."),
         then the environment's answer (speaker -1, as written), in the order they came; through its role's
         ``next`` template when --roles gives one."""
-        turns = "\n\n".join(text if speaker < 0 else f"Agent {speaker + 1}: {text}" for speaker, text in entries)
+        turns = self.turn_lines(entries)
         return turns if self.config.roles is None else self.config.roles.round_message(k, turns, round_)
+
+    @staticmethod
+    def turn_lines(entries: list[tuple[int, str]]) -> str:
+        """(speaker, text) entries as an agent reads them: "Agent i: ..." for agent i - 1, an environment's
+        observation (speaker -1) as written, blank lines between."""
+        return "\n\n".join(text if speaker < 0 else f"Agent {speaker + 1}: {text}" for speaker, text in entries)
 
     def team_answer(self, answers: list[str | None]) -> str | None:
         """The task's vote (independent) or the last agent's answer (chain)."""

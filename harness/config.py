@@ -23,6 +23,7 @@ from team import PROTOCOLS, AgentSpec
 
 ORDERS = ("static", "random", "greedy")
 REASONING_GYM_PREFIX = "reasoning-gym:"  # --task reasoning-gym:NAME (harness/reasoning_gym_task.py)
+ENV_TASK_PREFIX = "env:"  # --task env:NAME, a built-in environment (harness/env_games.py)
 RATIOS = ("seq", "seq-mean", "token")
 ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
@@ -182,8 +183,10 @@ class Config:
                      ORDERS)
     ratio: str = opt("seq-mean", "r_j: seq (the paper's sequence ratio), seq-mean (GSPO) or token (PPO)", RATIOS)
     adv: str = opt("grpo", "grpo (group-relative, Eq. (2)) or gae (token-level, with a value head)", ADVANTAGES)
-    baseline: str = opt("counterfactual", "counterfactual (independent protocol: R minus the vote with the agent's "
-                        "other answers swapped in) or group (the group mean, Eq. (2))", BASELINES)
+    baseline: str | None = opt(None, "counterfactual (independent protocol: R minus the vote with the agent's "
+                               "other answers swapped in; the default) or group (the group mean, Eq. (2); the "
+                               "default with an environment, whose episodes have no agent's share to swap)",
+                               BASELINES)
     reuse: str | None = opt(None, "weights: one rollout per stage, truncated importance weights (the paper); "
                             "regenerate: redraw the turns each promotion changed", REUSES)
     update: str = opt("sequential", "sequential (SAT) or joint (every agent at once: the baseline)", UPDATES)
@@ -264,11 +267,18 @@ class Config:
     threads: int | None = opt(None, "torch CPU threads (default: $OMP_NUM_THREADS, else every core for a real model "
                               "on CPU and 1 for the tiny team)")
 
+    def environment_spec(self) -> str | None:
+        """The environment the team acts in: --env, else a built-in --task env:NAME (unless --data replaces the
+        task), else None."""
+        builtin = self.task if (self.task or "").startswith(ENV_TASK_PREFIX) and not self.data else None
+        return self.env or builtin
+
     def apply_preset(self) -> "Config":
         """A copy with every ``None`` filled from the preset of the team and device (``preset_for``), then
         device, dtype and backend. A Config never changes once built: each resolving step returns a new one."""
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         preset = {**preset_for(self.agents, device), **task_preset(self.task, self.agents, device)}
+        preset["baseline"] = "group" if self.environment_spec() else "counterfactual"  # EPISODE_OPTIONS
         filled = {k: v for k, v in preset.items() if getattr(self, k) is None}
         # float32 on CPU: at REAL_CPU_PRESET's lr 1e-6 a bf16 team's steps round away (docs/claims.md)
         return replace(self, device=device, **filled,
@@ -325,6 +335,26 @@ class Config:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
+
+
+# With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no
+# agent's turns can be swapped out of it: rollout.score_episodes), so these options would silently mean something
+# else. Asked for, they are refused (check_episode_options); the baseline's default becomes group (apply_preset).
+EPISODE_OPTIONS = {
+    ("baseline", "counterfactual"): "no agent's turns can be swapped out of an episode, so there is no "
+                                    "counterfactual baseline; use --baseline group (the default with an environment)",
+    ("order", "greedy"): "every agent's own score is the team reward, so no agent is the weakest; use --order "
+                         "static or random",
+}
+
+
+def check_episode_options(cfg: "Config") -> None:
+    """Refuse, in one line, an option given explicitly that an environment's episodes cannot honour
+    (EPISODE_OPTIONS); call before ``apply_preset`` fills the defaults."""
+    spec = cfg.environment_spec()
+    for (name, value), why in EPISODE_OPTIONS.items() if spec else ():
+        if getattr(cfg, name) == value:
+            raise ValueError(f"--{name} {value} does not apply with an environment ({spec}): {why}")
 
 
 def preset_for(agents: str, device: str) -> dict:

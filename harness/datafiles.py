@@ -3,7 +3,8 @@
 TRL and verl users bring a dataset file whose columns they name: ``--problem-key`` and ``--answer-key`` (dotted
 names reach nested fields, as verl's ``reward_model.ground_truth``). Every other column travels with its row to
 the reward function (``harness.user_reward``), and a chat prompt (a list of messages) keeps its system turn. A
-missing column, or a row without a problem or answer, is one line naming what the file has.
+missing column, or a row without a problem or answer, is one line naming what the file has. An environment's rows
+(``--env``) need neither: its ``reset`` reads what it needs from the row's columns, and the id keys seeds and pairing.
 """
 from __future__ import annotations
 
@@ -135,11 +136,11 @@ def answer_text(value) -> str | None:
     return json.dumps(value, ensure_ascii=False, sort_keys=True) if value else None
 
 
-def check_keys(spec: str, rows: list[dict], problem_key: str, answer_key: str) -> None:
-    """Refuse, in one line naming the columns the data has, a key no row holds or a column that would take
-    the name of one of the reward's own arguments."""
+def check_keys(spec: str, rows: list[dict], problem_key: str, answer_key: str, required: bool = True) -> None:
+    """Refuse, in one line naming the columns the data has, a key no row holds (unless not ``required``: an
+    environment's rows) or a column that would take the name of one of the reward's own arguments."""
     names = field_names(rows)
-    for option, key in (("--problem-key", problem_key), ("--answer-key", answer_key)):
+    for option, key in (("--problem-key", problem_key), ("--answer-key", answer_key)) if required else ():
         if not any(get_field(row, key)[0] for row in rows[:100]):
             raise ValueError(f"{spec}: no column {key!r} ({option}); it has: {', '.join(names)}; pass {option} "
                              "NAME (a dotted name reaches a nested field, e.g. reward_model.ground_truth)")
@@ -152,38 +153,42 @@ def check_keys(spec: str, rows: list[dict], problem_key: str, answer_key: str) -
                          f"if it holds the gold answers")
 
 
-def problem_of(row: dict, index: int, spec: str, keys: tuple[str, str, str]) -> Problem:
+def problem_of(row: dict, index: int, spec: str, keys: tuple[str, str, str], required: bool = True) -> Problem:
     """One row -> Problem: the problem text (and a chat prompt's system turn), the gold answer as text,
-    the id (the id column, else "<name>-<row>"), every other column raw; one line for a row that lacks one."""
+    the id (the id column, else "<name>-<row>"), every other column raw; one line for a row that lacks one.
+    Not ``required`` (an environment's row): a missing or empty problem or answer is "", and the row's columns
+    are exactly the file's (no ``answer`` added)."""
     problem_key, answer_key, id_key = keys
     where = f"{spec}: row {index + 1}"
     system, text = split_chat(get_field(row, problem_key)[1])
-    if text is None:
+    if text is None and required:
         raise ValueError(f"{where}: {problem_key!r} is empty or not a problem (text, or a chat list of an optional "
                          "system turn and one user turn); fix the row or drop it")
-    gold = get_field(row, answer_key)[1]
-    if answer_text(gold) is None:
+    has_gold, gold = get_field(row, answer_key)
+    if answer_text(gold) is None and required:
         raise ValueError(f"{where}: {answer_key!r} is empty (got {gold!r}); every row needs a gold answer for the "
                          "reward; fix the row or drop it")
     found, raw_id = get_field(row, id_key)
     pid = str(raw_id) if found and raw_id is not None else f"{Path(spec).stem}-{index + 1}"
     columns = {k: v for k, v in row.items() if k != problem_key}
-    columns["answer"] = gold  # the raw value at --answer-key, as TRL hands a column to its reward
-    return Problem(pid, text, answer_text(gold), system, columns)
+    if has_gold:
+        columns["answer"] = gold  # the raw value at --answer-key, as TRL hands a column to its reward
+    return Problem(pid, text or "", answer_text(gold) or "", system, columns)
 
 
 def load_problems(spec: str, problem_key: str | None = None, answer_key: str = "answer",
-                  id_key: str = "id") -> list[Problem]:
+                  id_key: str = "id", environment: bool = False) -> list[Problem]:
     """The problems of a data file or Hub id (``read_rows``). ``problem_key`` None takes "problem", else
-    "prompt" (the JSONL files tasks.load_jsonl reads). Ids must be unique: evaluations key their samples by id."""
+    "prompt" (the JSONL files tasks.load_jsonl reads). Ids must be unique: evaluations key their samples by id.
+    ``environment``: the rows of an environment, whose ``reset`` reads them: no column is required."""
     rows = read_rows(spec)
     if not rows:
         return []
     check_keys(spec, rows, problem_key or ("problem" if any("problem" in row for row in rows[:100]) or not any(
-        "prompt" in row for row in rows[:100]) else "prompt"), answer_key)
+        "prompt" in row for row in rows[:100]) else "prompt"), answer_key, required=not environment)
     default_key = lambda row: "problem" if "problem" in row else "prompt"  # noqa: E731  (per row, as JSONL mixes)
-    problems = [problem_of(row, i, spec, (problem_key or default_key(row), answer_key, id_key))
-                for i, row in enumerate(rows)]
+    problems = [problem_of(row, i, spec, (problem_key or default_key(row), answer_key, id_key),
+                           required=not environment) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, p in enumerate(problems):
         if p.id in seen:

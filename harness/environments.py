@@ -1,7 +1,8 @@
 """A team that acts, observes and acts again: ``--env FILE.py:NAME`` / ``package.module:NAME``, or a built-in
 ``--task env:NAME``, loaded, checked and probed.
 
-The contract, in the shape of TRL's ``environment_factory``:
+The contract (built like TRL's ``environment_factory``: no constructor arguments, ``reset(**row)``; unlike it, no
+tools: ``step`` takes every agent's whole response of a round, docs/own_task.md says what else differs):
 
     class MyEnv:
         max_rounds = 4                 # T, the most rounds an episode runs (or --max-rounds T)
@@ -11,24 +12,35 @@ The contract, in the shape of TRL's ``environment_factory``:
         def step(self, responses: list[str]) -> tuple[str, bool]: ... # the round's responses, one per agent
         def get_reward(self) -> float: ...                           # read once the episode ends
 
-``row`` holds the data row's columns (``problem`` and ``answer`` when the data has them). An episode that has not
-ended after T rounds ends there. The environment must be deterministic: a function of its row and the responses so
-far, because the paired certificates replay episodes under common random numbers (``probe_environment`` checks it
-before any model loads). Every fault is one ``EnvironmentFault`` line naming the environment, the row and the value.
+``row`` holds the data row's columns (``problem`` and ``answer`` when the data has them; neither is required). An
+episode that has not ended after T rounds ends there. The environment must be deterministic: a function of its row
+and the responses so far, because the paired certificates replay episodes under common random numbers
+(``probe_environment`` checks it before any model loads, in this process and in a second one under another hash
+seed). Every fault is one ``EnvironmentFault`` line naming the environment, the row and the value.
 """
 from __future__ import annotations
 
 import inspect
 import math
+import os
+import pickle
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from harness.config import ENV_TASK_PREFIX
 from harness.env_games import GAME_OPTIONS, GAMES
 from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
 
-BUILTIN_PREFIX = "env:"
-PROBE_ROWS = 2  # data rows the environment is probed on before any model loads
-PROBE_RESPONSES = ("", "1234", "pick up the red block")  # scripted replies of the probe's episodes
+BUILTIN_PREFIX = ENV_TASK_PREFIX  # --task env:NAME
+PROBE_ROWS = 3  # data rows the environment is probed on before any model loads
+# Scripted replies of the probe's episodes (``probe_scripts`` varies them across agents and rounds): silence,
+# numbers, the built-in games' moves and plain words.
+PROBE_RESPONSES = ("", "1234", "pick up the red block", "7", "stack the blue block on top of the red block",
+                   "I do not know.")
+PROBE_TIMEOUT = 120  # seconds the probe's second process may take
 
 
 class EnvironmentFault(RewardError):
@@ -155,20 +167,76 @@ def play(env: Environment, problem, replies: list[list[str]]) -> tuple[list[str]
     return seen, env.reward(episode, problem)
 
 
+def opening_line(env: Environment, problem) -> str:
+    """What the agents see at the start, said once per run: the first row's opening observation, whole (each
+    episode's transcript begins with its own)."""
+    _, opening = env.start(problem)
+    return f"environment {env.name}: row {problem.id!r} opens with (each row's reset gives its own):\n{opening}"
+
+
+def probe_scripts(n_agents: int, rounds: int) -> list[list[list[str]]]:
+    """The probe's scripted episodes: one per PROBE_RESPONSES entry, each agent and round of it replying with
+    another entry, so the replies vary across agents, rounds and episodes (randomness drawn from a reply's
+    content shows)."""
+    m = len(PROBE_RESPONSES)
+    return [[[PROBE_RESPONSES[(s + r * n_agents + k) % m] for k in range(n_agents)] for r in range(rounds)]
+            for s in range(m)]
+
+
+def replay(env: Environment, problems: list, scripts: list) -> list[tuple[list[str], float]]:
+    """Every scripted episode of every row: ``play``'s (observations, reward), row by row."""
+    return [play(env, p, replies) for p in problems for replies in scripts]
+
+
 def probe_environment(env: Environment, problems: list, n_agents: int) -> None:
-    """The contract on the data's first rows, before any model loads: each row played twice with the same scripted
-    replies must give the same observations and reward (the paired certificates replay episodes)."""
-    for p in problems[:PROBE_ROWS]:
-        for reply in PROBE_RESPONSES:
-            replies = [[reply] * n_agents] * env.max_rounds
-            first, again = play(env, p, replies), play(env, p, replies)
-            if first != again:
-                i = next((i for i, (a, b) in enumerate(zip(first[0], again[0])) if a != b), None)
-                what = (f"observation {i} was {short(first[0][i])}, then {short(again[0][i])}" if i is not None
-                        else f"the reward was {first[1]}, then {again[1]}")
-                raise EnvironmentFault(f"environment {env.name} is not deterministic: row {p.id!r}: {what} for the "
-                                       "same replies; seed any randomness from the row (the paired certificates "
-                                       "replay episodes)")
+    """The contract on the data's first PROBE_ROWS rows, before any model loads: each row's scripted episodes
+    (``probe_scripts``) give the same observations and reward when played again in this process and when replayed
+    in a second process under another PYTHONHASHSEED (``replay_elsewhere``), so neither randomness drawn while
+    playing nor ``hash()`` of a string passes (the paired certificates replay episodes). A difference is one line
+    naming the environment, the row and the value."""
+    rows, scripts = problems[:PROBE_ROWS], probe_scripts(n_agents, env.max_rounds)
+    first, again = replay(env, rows, scripts), replay(env, rows, scripts)
+    compare(env, rows, len(scripts), first, again, "then")
+    seed, elsewhere = replay_elsewhere(env, rows, scripts)
+    compare(env, rows, len(scripts), first, elsewhere, f"then in a second process (PYTHONHASHSEED={seed})")
+
+
+def compare(env: Environment, rows: list, per_row: int, first: list, second: list, how: str) -> None:
+    """The first difference between two replays of the same episodes, as one ``EnvironmentFault`` line."""
+    for index, (a, b) in enumerate(zip(first, second)):
+        if a == b:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), None)
+        what = (f"observation {i} was {short(a[0][i])}, {how} {short(b[0][i])}" if i is not None
+                else f"the reward was {a[1]}, {how} {b[1]}")
+        raise EnvironmentFault(f"environment {env.name} is not deterministic: row {rows[index // per_row].id!r}: "
+                               f"{what} for the same replies; seed any randomness from the row, and never from "
+                               "hash() of a str, which differs between processes (the paired certificates replay "
+                               "episodes)")
+
+
+def replay_elsewhere(env: Environment, rows: list, scripts: list) -> tuple[str, list]:
+    """(the hash seed, ``replay``'s result) of the same episodes in a fresh Python process (``python -m
+    harness.env_replay``: the rows' ids and ``reset`` keywords and the scripts pickled over its stdin) whose
+    PYTHONHASHSEED differs from this one's; it loads the environment from its spec, as this process did, on this
+    process's import path."""
+    seed = "1" if os.environ.get("PYTHONHASHSEED") == "0" else "0"
+    root = str(Path(__file__).resolve().parents[1])  # the project, importable there as it is here
+    path = os.pathsep.join([root] + [entry or os.getcwd() for entry in sys.path])
+    job = pickle.dumps((env.name, env.max_rounds, [(p.id, row_of(p)) for p in rows], scripts))
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness.env_replay"], input=job, capture_output=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": path}, timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise EnvironmentFault(f"environment {env.name}: its determinism probe's second process took over "
+                               f"{PROBE_TIMEOUT} s to replay {len(rows) * len(scripts)} scripted episodes; make "
+                               "reset and step fast") from None
+    if done.returncode != 0:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise EnvironmentFault(f"environment {env.name}: its determinism probe could not replay it in a second "
+                               f"process (python -m harness.env_replay): {last[:200]}; make the class importable "
+                               "from its spec, and deterministic")
+    return seed, pickle.loads(done.stdout)
 
 
 def game_problems(name: str, options: dict, n: int, seed: int, split: str, rounds: int | None = None) -> list:

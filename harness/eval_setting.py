@@ -106,7 +106,9 @@ def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
                                                  benchmark_environment(cfg).max_rounds)}
     if cfg.data:
         specs = [p.strip() for p in cfg.data.split(",") if p.strip()]
-        benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key) for s in specs}
+        rows_of_env = benchmark_environment(cfg) is not None  # an environment's rows: no column required
+        benches = {Path(s).stem: load_problems(s, cfg.problem_key, cfg.answer_key, environment=rows_of_env)
+                   for s in specs}
     elif gym:  # the held-out split sat.py never trains on (seed 1: as sat.py --seed 0 draws its held-out rows)
         benches = {cfg.bench.strip(): rg.reasoning_gym_problems(gym, rg.parse_options(cfg.task_option),
                                                                 cfg.reasoning_gym_size, 1, split="heldout")}

@@ -234,8 +234,8 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
         for _ in tqdm(range(steps), desc=f"warm start agent {k + 1} (stands in for pretraining)", leave=False,
                       disable=None):  # a bar only on a terminal: a log file gets no carriage-return updates
             items = [rng.choice(problems) for _ in range(batch)]
-            contexts = [team.prompt_ids(k, p, [noisy_label(p.answer, rng, p_wrong, others) for _ in range(k)])
-                        for p in items]
+            earlier = [[noisy_label(p.answer, rng, p_wrong, others) for _ in range(k)] for p in items]
+            contexts = [team.prompt_ids(k, p, labels, labels) for p, labels in zip(items, earlier)]
             targets = [agent.encode_text(noisy_label(p.answer, rng, p_wrong, others)) + [tok.eos_token_id]
                        for p in items]
             ctx, cmask = (t.to(agent.device) for t in left_pad(contexts, tok.pad_token_id))  # [b, Lc]

@@ -15,7 +15,8 @@ protocol only, the earlier agents' turns of the same joint trajectory, one "Agen
 holds their extracted answers, as the chain protocol without roles does (a thinking model's whole response can be
 30k tokens); ``previous: full`` gives their whole responses. Write ``{{`` and ``}}`` for literal braces. An entry
 without ``system`` keeps the row's own system turn (a chat prompt's), if it has one. With an environment
-(``--env``), an entry's optional ``next`` template is the agent's user turn in rounds 2, 3, ...: ``{turns}`` holds
+(``--env``), {previous} always holds the whole responses (the environment acts on them), and an entry's
+optional ``next`` template is the agent's user turn in rounds 2, 3, ...: ``{turns}`` holds
 what the other agents and the environment said since its last turn, ``{round}`` the round's number.
 """
 from __future__ import annotations
@@ -48,13 +49,16 @@ class Roles:
     def role(self, k: int) -> Role:
         return self.agents[k if len(self.agents) > 1 else 0]
 
-    def messages(self, k: int, problem, previous_texts: list[str], previous_answers: list[str | None]) -> list[dict]:
+    def messages(self, k: int, problem, previous_texts: list[str], previous_answers: list[str | None],
+                 previous: str | None = None) -> list[dict]:
         """Agent k's chat messages for ``problem`` (a tasks.Problem; its ``system``, if any, where the role
-        has none), given the earlier agents' responses and extracted answers in the same trajectory."""
+        has none), given the earlier agents' responses and extracted answers in the same trajectory;
+        ``previous`` (a PREVIOUS_MODES entry) overrides the file's mode: an environment's chain shows whole
+        responses."""
         role = self.role(k)
         system = role.system if role.system is not None else getattr(problem, "system", None)
         user = role.user.format(problem=problem.problem,
-                                previous=previous_block(previous_texts, previous_answers, self.previous))
+                                previous=previous_block(previous_texts, previous_answers, previous or self.previous))
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
     def round_message(self, k: int, turns: str, round_: int) -> str:

@@ -22,8 +22,15 @@ import torch
 from advantage import make_value_head
 from harness import reasoning_gym_task, records, run_folder
 from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
-from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
-from harness.environments import Environment, episode_columns, episode_reward, load_environment, probe_environment
+from harness.config import Config, check_episode_options, parse_agents, resolve_agent_spec, threads_from_env
+from harness.environments import (
+    Environment,
+    episode_columns,
+    episode_reward,
+    load_environment,
+    opening_line,
+    probe_environment,
+)
 from harness.loading import check_hub_available, load_agent, warm_start
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
@@ -46,6 +53,10 @@ from trust_region import QuantileController
 from update import StepSize
 
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
+# Said once by a run in an environment (harness.config.EPISODE_OPTIONS): what its per-agent figures mean there.
+EPISODE_CREDIT_LINE = ("environment {name}: each agent's own score is the team reward (an episode cannot be split "
+                       "among its agents), so the baseline is {baseline}, --order greedy is refused and "
+                       "credit_correlation is not logged")
 
 
 class Resolved(NamedTuple):
@@ -60,6 +71,7 @@ def resolve(cfg: Config) -> Resolved:
     """Presets, device, dtype and backend, then one validation, then the processes
     that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``,
     the one block that knows about it (it sets this rank's device and torchrun's defaults)."""
+    check_episode_options(cfg)  # options given explicitly, before the preset fills the defaults
     cfg = cfg.apply_preset()
     cfg.validate()
     validate_run_inputs(cfg)
@@ -146,7 +158,7 @@ def load_problems(cfg: Config) -> tuple[list[Problem], list[Problem], str]:
 
 def team_environment(cfg: Config) -> Environment | None:
     """The environment the team acts in over rounds: --env, else a built-in --task env:NAME, else none."""
-    spec = cfg.env or (cfg.task if env_game(cfg.task) and not cfg.data else None)
+    spec = cfg.environment_spec()
     if spec is None:
         if cfg.max_rounds is not None:
             raise ValueError("--max-rounds applies to an environment's episodes: add --env FILE.py:NAME or "
@@ -210,10 +222,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
-            t0 = time.time()
-            warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
-            log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
-                f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
+            tiny_warm_start(cfg, team, train, log)
     procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
     value_heads = {}
     if cfg.adv == "gae":
@@ -234,6 +243,22 @@ def step_sizes_for(cfg: Config, n: int, saved: dict) -> dict[int, StepSize]:
         if cfg.step_size == s["rule"] == "adaptive":
             sizes[int(k)] = StepSize(rule="adaptive", lr=s["lr"], delta=cfg.delta, lr_start=s["lr_start"])
     return sizes
+
+
+def tiny_warm_start(cfg: Config, team: Team, train: list[Problem], log) -> None:
+    """The tiny agents' supervised warm start (it stands in for pretraining) on the rows' gold answers. An
+    environment's rows need no answer (its reward is its own): when one of them has none there is no target, and
+    the warm start is skipped in one line rather than teaching the agents to say an empty or dummy label."""
+    env = team.config.environment
+    if env is not None and not all(p.answer for p in train[:WARM_START_EPISODES]):
+        log(f"warm start skipped: environment {env.name}'s rows have no gold answer to train the tiny agents on "
+            "(its reward is its own); they start from their initial weights")
+        return
+    t0 = time.time()
+    warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
+    target = f" (environment {env.name}'s openings, its rows' {cfg.answer_key!r} as the target)" if env else ""
+    log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
+        f"{cfg.warmup_p_wrong:.0%} of the time{target} (stands in for pretraining), {time.time() - t0:.1f}s")
 
 
 def opening_problems(team: Team, problems: list[Problem]) -> list[Problem]:
@@ -283,6 +308,8 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     reward, env = team_reward(cfg), team_environment(cfg)
     if env is not None:  # before any model is loaded: the environment's contract, then the reward's on its columns
         probe_environment(env, train, team_size(cfg, resume_from))
+        log(opening_line(env, train[0]))
+        log(EPISODE_CREDIT_LINE.format(name=env.name, baseline=cfg.baseline))
     check_reward(reward, train, team_size(cfg, resume_from), cfg.protocol, episode_columns(env))
     run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log, reward)
     train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written

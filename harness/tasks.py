@@ -323,12 +323,14 @@ def load_dataset_by_name(name: str, split: str | None = None, limit: int | None 
     return rows_to_problems(rows, spec, key, limit)
 
 
-def load_problem_set(spec: str, problem_key: str | None = None, answer_key: str = "answer") -> list[Problem]:
+def load_problem_set(spec: str, problem_key: str | None = None, answer_key: str = "answer",
+                     environment: bool = False) -> list[Problem]:
     """A data file (.jsonl/.json/.csv/.parquet) or Hub id ``org/name[:config][:split]``, its columns named by the
-    keys (``harness.datafiles``); otherwise one of the named math datasets (DATASETS)."""
+    keys (``harness.datafiles``; ``environment``: an environment's rows, no column required); otherwise one of the
+    named math datasets (DATASETS)."""
     if is_named_dataset(spec):
         return load_dataset_by_name(spec)
-    return load_problems(spec, problem_key, answer_key)
+    return load_problems(spec, problem_key, answer_key, environment=environment)
 
 
 def dataset_key(name: str) -> str:
@@ -379,7 +381,7 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
         instruction = user_instruction(cfg.instruction)
     elif not synthetic:
         spec = cfg.data or cfg.task
-        train = load_problem_set(spec, cfg.problem_key, cfg.answer_key)
+        train = load_problem_set(spec, cfg.problem_key, cfg.answer_key, cfg.environment_spec() is not None)
         instruction = BOXED_INSTRUCTION if is_named_dataset(spec) else user_instruction(cfg.instruction)
     elif cfg.task == "arithmetic":
         train = arithmetic_problems(TRAIN_POOL, seed=cfg.seed, split="train")
@@ -388,7 +390,7 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
         train = chat_arithmetic_problems(TRAIN_POOL, seed=cfg.seed, split="train")
         instruction = CHAT_INSTRUCTION
     if cfg.eval_data:
-        heldout = load_problem_set(cfg.eval_data, cfg.problem_key, cfg.answer_key)
+        heldout = load_problem_set(cfg.eval_data, cfg.problem_key, cfg.answer_key, cfg.environment_spec() is not None)
     elif gym:  # questions of the held-out split, never a training one
         heldout = rg.reasoning_gym_problems(gym, rg.parse_options(cfg.task_option), cfg.eval_size, cfg.seed + 1,
                                             split="heldout")

@@ -3,6 +3,7 @@ against their definitions: ARBench's guessing-numbers feedback by brute force ov
 actions against a breadth-first search of the state space, every fault as one line."""
 import itertools
 import json
+import re
 from collections import deque
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from harness.environments import (
     load_environment,
     play,
     probe_environment,
+    row_of,
 )
 from team import Problem
 
@@ -148,12 +150,69 @@ def test_each_fault_is_one_line_naming_the_environment_and_the_row(tmp_path, bod
     assert str(err.value) == f"environment {spec}, row 'row-7': {expected}"
 
 
-def test_a_nondeterministic_environment_is_refused_before_training(tmp_path):
-    body = GOOD.format(reward="0.5").replace("return ('ok', False)",
-                                             "import random; return (str(random.random()), False)")
+@pytest.mark.parametrize("step, expected", [
+    # randomness drawn while playing: caught by playing again in this process
+    ("import random; return (str(random.random()), False)", r"observation 1 was '0\.\d+', then '0\.\d+'"),
+    # randomness only when the agents disagree (the probe's replies vary across agents and rounds)
+    ("import random; return (str(random.random()) if len(set(responses)) > 1 else 'same', False)",
+     r"observation 1 was '0\.\d+', then '0\.\d+'"),
+    # hash() of a str: the same in one process, another under another PYTHONHASHSEED
+    ("return (str(hash(' '.join(responses)) % 1000), False)",
+     r"observation 1 was '\d+', then in a second process \(PYTHONHASHSEED=[01]\) '\d+'"),
+])
+def test_a_nondeterministic_environment_is_refused_before_training(tmp_path, step, expected):
+    body = GOOD.format(reward="0.5").replace("return ('ok', False)", step)
     env = load_environment(env_file(tmp_path, body))
-    with pytest.raises(EnvironmentFault, match=r"is not deterministic: row 'r': observation 1 was '0\.\d+', then"):
+    with pytest.raises(EnvironmentFault) as err:
         probe_environment(env, [Problem("r", "1+1", "2")], n_agents=2)
+    assert re.fullmatch(rf"environment {re.escape(env.name)} is not deterministic: row 'r': {expected} for the same "
+                        r"replies; seed any randomness from the row, and never from hash\(\) of a str, which "
+                        r"differs between processes \(the paired certificates replay episodes\)", str(err.value))
+
+
+def test_the_probe_names_the_row_whose_episode_differs(tmp_path):
+    """Three rows probed; only the third draws from hash(), so the line names that row."""
+    body = GOOD.format(reward="0.5").replace("return 'go'", "self.n = row['n']; return 'go'").replace(
+        "return ('ok', False)", "return (str(hash(str(responses)) % 97) if self.n == 2 else 'ok', False)")
+    env = load_environment(env_file(tmp_path, body))
+    with pytest.raises(EnvironmentFault, match=r"not deterministic: row 'third': observation 1 was '\d+', then in a "
+                                               r"second process"):
+        probe_environment(env, [Problem(name, "", "", None, {"n": n})
+                                for n, name in enumerate(["first", "second", "third"])], n_agents=3)
+
+
+def test_the_probe_replays_a_class_that_cannot_load_elsewhere_as_one_line(tmp_path):
+    """An environment whose file the second process cannot import (here: it was deleted after loading) is named."""
+    spec = env_file(tmp_path, GOOD.format(reward="0.5"))
+    env = load_environment(spec)
+    Path(spec.rpartition(":")[0]).unlink()
+    with pytest.raises(EnvironmentFault, match=r"its determinism probe could not replay it in a second process "
+                                               r"\(python -m harness.env_replay\): FileNotFoundError: .*; make the "
+                                               r"class importable from its spec, and deterministic$"):
+        probe_environment(env, [Problem("r", "1+1", "2")], n_agents=2)
+
+
+def test_the_probe_replays_a_module_spec_in_its_second_process(tmp_path, monkeypatch):
+    """package.module:NAME, importable here through sys.path only, is importable in the second process too; a
+    deterministic class passes, the same class drawing on hash() does not."""
+    package = tmp_path / "mygames"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fixed.py").write_text(GOOD.format(reward="0.5"))
+    (package / "hashed.py").write_text(GOOD.format(reward="0.5").replace(
+        "return ('ok', False)", "return (str(hash(str(responses)) % 1000), False)"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(ROOT)  # not the package's folder: only sys.path reaches it
+    probe_environment(load_environment("mygames.fixed:Env"), [Problem("r", "1+1", "2")], n_agents=2)
+    with pytest.raises(EnvironmentFault, match=r"^environment mygames.hashed:Env is not deterministic: row 'r': "
+                                               r"observation 1 was '\d+', then in a second process"):
+        probe_environment(load_environment("mygames.hashed:Env"), [Problem("r", "1+1", "2")], n_agents=2)
+
+
+@pytest.mark.parametrize("name", list(games.GAMES))
+def test_the_built_in_games_pass_the_probe(name):
+    env = load_environment(f"env:{name}")
+    probe_environment(env, game_problems(name, {}, 3, seed=0, split="train", rounds=env.max_rounds), n_agents=3)
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -258,3 +317,74 @@ def test_the_trackers_table_carries_an_episodes_whole_transcript():
               "team_answer": None, "reward": 0.5, "rounds": 50, "transcript": transcript}
     columns, rows = sample_table([sample])
     assert columns[-2:] == ["rounds", "transcript"] and rows[0][-2:] == [50, transcript]
+
+
+# -- An environment owns its rows: no problem or answer column ---------------------------------------------------
+NUMBER_GAME = f"{ROOT / 'examples' / 'number_game_env.py'}:NumberGuess"
+NUMBER_ROWS = ROOT / "examples" / "number_game.jsonl"
+NUMBER_HELDOUT = ROOT / "examples" / "number_game_heldout.jsonl"
+
+
+def test_an_environments_rows_need_no_problem_or_answer_column():
+    """Rows {"id", "secret"}: read for an environment they load as they are (the id kept, reset's keywords exactly
+    the row), pass the probe and play; read as a math task they are refused as before."""
+    from harness.datafiles import load_problems
+
+    rows = load_problems(str(NUMBER_ROWS), environment=True)
+    assert [p.id for p in rows[:2]] == ["secret-0", "secret-1"] and rows[0].problem == rows[0].answer == ""
+    assert row_of(rows[0]) == json.loads(NUMBER_ROWS.read_text().splitlines()[0])
+    env = load_environment(NUMBER_GAME)
+    probe_environment(env, rows, n_agents=2)
+    secret = str(rows[0].columns["secret"])
+    seen, reward = play(env, rows[0], [["I do not know", "0"], ["maybe", secret]])
+    assert seen[0].startswith("I am thinking of a whole number from 1 to 20")
+    assert seen[1] == "Agent 1: Say a number.\nAgent 2: 0 is too low." and reward == 1.0 and len(seen) == 3
+    with pytest.raises(ValueError, match=r"no column 'problem' \(--problem-key\); it has: id, secret"):
+        load_problems(str(NUMBER_ROWS))
+
+
+@pytest.mark.slow  # a whole run and an evaluation: 27 s on two busy cores
+def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_path, capsys):
+    """sat.py with --env on rows {"id", "secret"} trains a tiny team one stage: the warm start, with no gold answer
+    to train on, is skipped in one line; the first row's opening and what the per-agent figures mean are said once;
+    a sample's transcript holds the environment's words; the baseline is the group's, no credit_correlation; and
+    eval_aime.py evaluates the trained team on such rows."""
+    import eval_aime
+    from harness.cli import main
+
+    out = tmp_path / "run"
+    argv = TINY + ["--env", NUMBER_GAME, "--data", str(NUMBER_ROWS), "--eval-data", str(NUMBER_HELDOUT),
+                   "--max-rounds", "2", "--stages", "1", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(f"warm start skipped: environment {NUMBER_GAME}'s rows have no gold answer") == 1
+    assert "supervised steps" not in printed
+    assert printed.count(f"environment {NUMBER_GAME}: row 'secret-0' opens with (each row's reset gives its own):\n"
+                         "I am thinking of a whole number from 1 to 20.") == 1
+    assert printed.count(f"environment {NUMBER_GAME}: each agent's own score is the team reward") == 1
+    assert json.loads((out / "config.json").read_text())["baseline"] == "group"
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
+    assert [a["credit_correlation"] for a in row["agents"]] == [None, None]
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["transcript"].startswith("Environment: I am thinking of a whole number from 1 to 20.")
+    assert re.search(r"\n\nEnvironment: Agent 1: (Say a number\.|-?\d+ is (right|too high|too low)\.)\nAgent 2: ",
+                     sample["transcript"]), sample["transcript"]
+    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(  # the same rows evaluate a --ckpt team
+        ["--ckpt", str(out), "--data", str(NUMBER_HELDOUT), "--k", "1", "--limit", "2", "--max-new-tokens", "4",
+         "--out", str(tmp_path / "eval")]), log=lambda *_: None)
+    assert 1 <= summary["benchmarks"]["number_game_heldout"]["rounds"]["mean"] <= 2
+
+
+def test_options_an_environment_cannot_honour_are_refused_and_the_baseline_becomes_group():
+    from harness.config import Config, check_episode_options
+
+    assert Config(agents="tiny x2", env=NUMBER_GAME).apply_preset().baseline == "group"
+    assert Config(agents="tiny x2", task="env:blocksworld").apply_preset().baseline == "group"
+    assert Config(agents="tiny x2").apply_preset().baseline == "counterfactual"  # the default run: unchanged
+    assert Config(agents="tiny x2", task="env:blocksworld", data="x.jsonl").apply_preset().baseline == \
+        "counterfactual"  # --data replaces the task: no environment
+    check_episode_options(Config(order="greedy", baseline="counterfactual"))  # without an environment: fine
+    check_episode_options(Config(env=NUMBER_GAME, order="random", baseline="group"))
+    for option, value in (("baseline", "counterfactual"), ("order", "greedy")):
+        with pytest.raises(ValueError, match=rf"^--{option} {value} does not apply with an environment \(env:"):
+            check_episode_options(Config(task="env:guess-numbers", **{option: value}))

@@ -444,6 +444,42 @@ def test_independent_views_hold_every_earlier_turn_of_the_others():
     assert "Agent 1: x1" in views[1]
 
 
+def test_round_one_views_chain_whole_responses_independent_none(game):
+    """Round 1 with an environment. Chain: agent 2 decides on a context that holds agent 1's whole response of the
+    round (the environment then applies both on one world), not the answer a math extractor reads from it (here
+    none: "Agent 1: ?"). Independent: on the opening alone, whatever agent 1 said. Every round-1 decision of agent 2
+    in the enumerated game, against its own chat template rendering what it should read."""
+    team = game.team
+    tok = team.agents[1].tokenizer
+    for s, problem in enumerate(PROBLEMS):
+        contexts = set()
+        for v in range(VOCAB):
+            agent, context = game.decisions[s][(v,)]
+            said = tok.decode([v], skip_special_tokens=True)
+            chain = team.protocol == "chain" and said
+            expected = f"{problem.problem}\n\nAgent 1: {said}" if chain else problem.problem
+            rendered = tok.apply_chat_template([{"role": "user", "content": expected}], tokenize=False,
+                                               add_generation_prompt=True)
+            assert agent == 1
+            assert context == tok(rendered, add_special_tokens=False)["input_ids"], (v, tok.decode(context))
+            contexts.add(tuple(context))
+        assert len(contexts) == (3 if team.protocol == "chain" else 1)  # chain: after "a", "b" and a special
+
+
+def test_chain_round_one_scripted_view_names_agent_one_s_words():
+    """The same on the project's character tokenizer, scripted: agent 1 says "x1 then y2" (no number a math
+    extractor would read as its answer), and agent 2's first prompt holds those words."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, layers=1, hidden=32)
+    team = Team([Agent(resolve_agent_spec("tiny"), model, tok) for _ in range(2)],
+                math_team_config(protocol="chain", reward=REWARD, environment=ENV))
+    e = start_episode(team, PROBLEMS[0])
+    episode_context(team, e, 0)
+    speak(e, 0, tok("x1 then y2")["input_ids"] + [tok.eos_token_id], tok)
+    view = tok.decode(episode_context(team, e, 1))
+    assert view.endswith("Agent 1: x1 then y2<|assistant|>"), view
+
+
 # -- 2: the round game as a tabular MDP over transcripts --------------------------------------------------------
 def round_game(seed: int, n_actions: tuple[int, ...], rounds: int, gamma: float, p_end: float):
     """(ToyMDP, its transcripts) of a deterministic game: a state is the history of joint actions so far (one per
