@@ -22,6 +22,7 @@ that to pair the held-out evaluations of consecutive stages and a step's before/
 from __future__ import annotations
 
 import hashlib
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -311,9 +312,11 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             seeds = response_seeds(seed, len(flat), k, r)
             for i, response in zip(live, backend.generate(agent, contexts, sampling, [seeds[i] for i in live])):
                 speak(episodes[i], k, response, agent.tokenizer)
+        responses = {i: [text for _, text in episodes[i].said[-n:]] for i in live}
+        replies = responder_replies(team, episodes, responses, r, sampling, backend)
         for i in live:
             e = episodes[i]
-            observation, done = env.step(e.state, e.problem, [text for _, text in e.said[-n:]])
+            observation, done = env.step(e.state, e.problem, responses[i], replies.get(i))
             e.said.append((ENVIRONMENT, observation))
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
@@ -323,6 +326,38 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
     return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
                      transcripts=transcripts, rounds=[e.rounds for e in episodes],
                      solved=[float(r) >= env.range[1] for r in rewards])
+
+
+RESPONDER_TEMPERATURE = 0.7  # the responder's sampling temperature (AR-Bench's response model samples at 0.7)
+
+
+def responder_seed(row_id: str, round_: int, question: int) -> int:
+    """The seed of one responder reply: of its row, round and question alone (crc32, the same in every process),
+    so an episode's replies are a function of its row and the responses so far, as the contract asks."""
+    return zlib.crc32(f"{row_id}\x00{round_}\x00{question}".encode())
+
+
+def responder_replies(team: Team, episodes: list[Episode], responses: dict[int, list[str]], round_: int,
+                      sampling: SamplingConfig, backend) -> dict[int, list[str]]:
+    """The responder model's replies to the questions every live episode's round put to it (``Environment.ask``),
+    all in ONE batched generate, episode by episode in order. The responder is frozen and never trained: its
+    words reach the agents as the environment's observation, context only."""
+    env, responder = team.config.environment, team.config.responder
+    asked = {i: env.ask(episodes[i].state, episodes[i].problem, texts) for i, texts in responses.items()}
+    flat = [(i, q, chat) for i, chats in asked.items() for q, chat in enumerate(chats)]
+    if not flat:
+        return {i: [] for i in asked}
+    if responder is None:
+        raise ValueError(f"environment {env.name} asks a responder model questions, but none was given: pass "
+                         "--env-model NAME (any spec --agents takes), or a built-in game's --task-option "
+                         "responder=NAME")
+    reply_sampling = SamplingConfig(RESPONDER_TEMPERATURE, 1.0, team.config.responder_max_tokens,
+                                    sampling.token_budget)
+    contexts = [responder.encode_prompt(chat) for _, _, chat in flat]
+    seeds = [responder_seed(episodes[i].problem.id, round_, q) for i, q, _ in flat]
+    decoded = iter(responder.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                   for ids in backend.generate(responder, contexts, reply_sampling, seeds))
+    return {i: [next(decoded) for _ in chats] for i, chats in asked.items()}
 
 
 def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:

@@ -255,6 +255,8 @@ class TeamConfig:
     instruction: str = ""  # appended to every problem, e.g. "put your final answer within \\boxed{}"
     roles: object | None = None  # harness.roles.Roles: a system turn and user template per agent (None: the paper's)
     environment: object | None = None  # harness.environments.Environment: rounds of act, observe, act again
+    responder: object | None = None  # an Agent the environment asks questions (Environment.ask): frozen, never trained
+    responder_max_tokens: int = 64  # the most new tokens of one responder reply
 
 
 class Team:

@@ -174,6 +174,10 @@ class Config:
                                 "ones: --task env:guess-numbers, env:blocksworld")
     max_rounds: int | None = opt(None, "T: the most rounds an episode of --env runs (default: the class's "
                                        "max_rounds)")
+    env_model: str | None = opt(None, "the responder model an environment asks questions (its class defines ask; "
+                                      "built in: env:detective-cases, env:situation-puzzles): any spec --agents "
+                                      "takes; frozen, never trained; default none (a built-in game's rules)")
+    env_model_max_tokens: int = opt(64, "the most new tokens of one responder reply")
     roles: str | None = opt(None, "a YAML or JSON file: a system turn and user template per agent (harness/roles.py);"
                                   " default none, as in the paper")
     report_to: str = opt("none", "experiment trackers, comma-separated: tensorboard, wandb (offline), trackio, "

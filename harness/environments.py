@@ -40,6 +40,7 @@ PROBE_ROWS = 3  # data rows the environment is probed on before any model loads
 # numbers, the built-in games' moves and plain words.
 PROBE_RESPONSES = ("", "1234", "pick up the red block", "7", "stack the blue block on top of the red block",
                    "I do not know.")
+PROBE_REPLY = "I cannot say."  # the scripted responder's reply to each question of a probe's episodes
 PROBE_TIMEOUT = 120  # seconds the probe's second process may take
 
 
@@ -69,11 +70,34 @@ class Environment:
                                    "opening observation as a str")
         return episode, opening
 
-    def step(self, episode, problem, responses: list[str]) -> tuple[str, bool]:
-        """The environment's answer to one round: (observation, whether the episode ended)."""
+    @property
+    def asks(self) -> bool:
+        """Whether the class can ask a responder model questions (it defines ``ask``)."""
+        return callable(getattr(self.factory, "ask", None))
+
+    def ask(self, episode, problem, responses: list[str]) -> list[list[dict]]:
+        """The chats this round's responses put to the responder model, checked: a list of chats, each a list of
+        {"role", "content"} messages ([] for an environment without ``ask``)."""
+        if not self.asks:
+            return []
         where = f"environment {self.name}, row {problem.id!r}"
         try:
-            out = episode.step(list(responses))
+            chats = episode.ask(list(responses))
+        except Exception as e:
+            raise EnvironmentFault(f"{where}: ask raised {describe(e)}") from None
+        if not (isinstance(chats, list) and all(isinstance(c, list) and c and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in c) for c in chats)):
+            raise EnvironmentFault(f"{where}: ask returned {short(chats)}; return a list of chats, each a non-empty "
+                                   'list of {"role": str, "content": str} messages')
+        return chats
+
+    def step(self, episode, problem, responses: list[str], replies: list[str] | None = None) -> tuple[str, bool]:
+        """The environment's answer to one round: (observation, whether the episode ended); ``replies`` are the
+        responder's answers to the round's ``ask`` chats, in order (passed to an environment that asks)."""
+        where = f"environment {self.name}, row {problem.id!r}"
+        try:
+            out = episode.step(list(responses)) if not self.asks else episode.step(list(responses), list(replies or []))
         except Exception as e:
             raise EnvironmentFault(f"{where}: step raised {describe(e)}") from None
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str)
@@ -160,7 +184,8 @@ def play(env: Environment, problem, replies: list[list[str]]) -> tuple[list[str]
     episode, opening = env.start(problem)
     seen = [opening]
     for responses in replies[: env.max_rounds]:
-        observation, done = env.step(episode, problem, responses)
+        asked = env.ask(episode, problem, responses)  # a scripted responder: one fixed reply per question
+        observation, done = env.step(episode, problem, responses, [PROBE_REPLY] * len(asked))
         seen.append(observation)
         if done:
             break
@@ -247,7 +272,8 @@ def game_problems(name: str, options: dict, n: int, seed: int, split: str, round
     if unknown:
         raise EnvironmentFault(f"--task-option {unknown[0]}: env:{name} takes "
                                f"{', '.join(GAME_OPTIONS[name])}")
-    values = {**GAME_OPTIONS[name], **{k: int(v) for k, v in options.items()}, **({"rounds": rounds} if rounds else {})}
+    given = {k: int(v) if isinstance(GAME_OPTIONS[name][k], int) else v for k, v in options.items()}
+    values = {**GAME_OPTIONS[name], **given, **({"rounds": rounds} if rounds else {})}
     base = 2 * (seed * 100_003) + (split == "heldout")
     rows = [{**values, "seed": base + 2 * i} for i in range(n)]
     return [Problem(f"{name}-{r['seed']}", "", "", None, r) for r in rows]
@@ -265,3 +291,29 @@ def episode_reward(env: Environment) -> CheckedReward:
 def episode_columns(env: Environment | None) -> dict | None:
     """The columns an episode adds to the reward's (``rollout.score_episodes``), with a value to probe it on."""
     return None if env is None else {"env_reward": env.range[0], "transcript": ""}
+
+
+def game_options(name: str, task_option: list[str], env_model: str | None) -> dict:
+    """A built-in game's row options from --task-option KEY=VALUE, with --env-model as its ``responder``."""
+    options = dict(o.split("=", 1) for o in task_option)
+    if env_model and "responder" in GAME_OPTIONS[name]:
+        options.setdefault("responder", env_model)
+    return options
+
+
+def responder_spec(env: Environment | None, options: dict, env_model: str | None) -> str | None:
+    """The model an environment asks (``--env-model NAME``, or a built-in game's ``--task-option responder=NAME``),
+    any spec --agents takes; None for none (a built-in game's rules responder). An environment without ``ask``
+    given one is refused, as is a game whose two flags disagree."""
+    option = options.get("responder")
+    option = None if option in (None, "rules") else option
+    if env_model and option and env_model != option:
+        raise ValueError(f"--env-model {env_model} and --task-option responder={option} name two responders; give one")
+    spec = env_model or option
+    if spec and env is None:
+        raise ValueError(f"--env-model {spec}: there is no environment to ask it questions; add --env FILE.py:NAME "
+                         "or --task env:detective-cases (or env:situation-puzzles), or drop the option")
+    if spec and not env.asks:
+        raise ValueError(f"--env-model {spec}: environment {env.name} asks a responder no questions (its class has no "
+                         "ask); drop --env-model, or give the class ask(responses)")
+    return spec

@@ -21,7 +21,14 @@ import torch
 from harness import reasoning_gym_task as rg
 from harness.config import BACKENDS, opt, parse_agents
 from harness.datafiles import load_problems
-from harness.environments import Environment, episode_reward, game_problems, load_environment
+from harness.environments import (
+    Environment,
+    episode_reward,
+    game_options,
+    game_problems,
+    load_environment,
+    responder_spec,
+)
 from harness.loading import check_hub_available, load_agent, load_saved_team
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.roles import parse_roles
@@ -45,6 +52,8 @@ class EvalConfig:
     env: str | None = opt(None, "the environment the team acts in over rounds, FILE.py:NAME (as in sat.py); "
                                 "default: a --ckpt team's own, if it was trained in one")
     max_rounds: int | None = opt(None, "T, the most rounds of an episode (default: the environment's)")
+    env_model: str | None = opt(None, "the responder model an environment asks (any --agents spec; as in sat.py)")
+    env_model_max_tokens: int = opt(64, "the most new tokens of one responder reply")
     data: str | None = opt(None, "comma-separated data files (.jsonl/.json/.csv/.parquet) or Hub ids instead of "
                                  "--bench (each file stem names a benchmark)")
     problem_key: str | None = opt(None, "the problem column of --data (as in sat.py)")
@@ -101,7 +110,7 @@ def load_benchmarks(cfg: EvalConfig) -> dict[str, list[Problem]]:
     """{benchmark name: every problem} from --data files or --bench names."""
     gym, game = gym_bench(cfg), env_game(cfg.bench.strip()) if not cfg.data else None
     if game:  # the held-out episodes of sat.py --seed 0
-        options = dict(o.split("=", 1) for o in cfg.task_option)
+        options = game_options(game, cfg.task_option, cfg.env_model)
         return {cfg.bench.strip(): game_problems(game, options, cfg.reasoning_gym_size, 0, "heldout",
                                                  benchmark_environment(cfg).max_rounds)}
     if cfg.data:
@@ -272,14 +281,21 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     team_cfg = math_team_config(protocol=identity["protocol"], enable_thinking=identity["enable_thinking"],
                                 instruction=identity["instruction"], roles=roles, reward=benchmark_reward(cfg),
                                 environment=benchmark_environment(cfg))
+    env = team_cfg.environment
+    game = env_game(cfg.bench.strip()) if env is not None and not cfg.data else None
+    responder = responder_spec(env, game_options(game, cfg.task_option, cfg.env_model) if game else {},
+                               cfg.env_model)
+    team_cfg.responder_max_tokens = cfg.env_model_max_tokens
     if cfg.ckpt:
         team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question
-        return team
-    # seed * 100 + k: the same tiny weights as sat.py's initial team
-    agents = [load_agent(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
-              for k, spec in enumerate(parse_agents(cfg.agents))]
-    return Team(agents, team_cfg)
+    else:  # seed * 100 + k: the same tiny weights as sat.py's initial team
+        team = Team([load_agent(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
+                     for k, spec in enumerate(parse_agents(cfg.agents))], team_cfg)
+    if responder:  # tiny weights of the slot after the team's last
+        team_cfg.responder = load_agent(parse_agents(responder)[0], device=device, dtype=dtype,
+                                        seed=cfg.seed * 100 + len(team))
+    return team
 
 
 def check_context(team: Team, benches: dict[str, list[Problem]], max_new_tokens: int) -> None:

@@ -27,9 +27,11 @@ from harness.environments import (
     Environment,
     episode_columns,
     episode_reward,
+    game_options,
     load_environment,
     opening_line,
     probe_environment,
+    responder_spec,
 )
 from harness.loading import check_hub_available, load_agent, warm_start
 from harness.math_grading import DEFAULT_REWARD, math_team_config
@@ -196,9 +198,30 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, r
     specs = parse_agents(cfg.agents)
     agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
               for k, spec in enumerate(specs)]
-    return Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
+    team = Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
                                          roles=team_roles(cfg, len(specs)), reward=reward,
                                          environment=team_environment(cfg)))
+    attach_responder(cfg, team)
+    return team
+
+
+def team_responder_spec(cfg: Config, env: Environment | None) -> str | None:
+    """The responder's spec: --env-model, or a built-in game's --task-option responder=NAME (``responder_spec``)."""
+    game = env_game(cfg.task) if env is not None and not cfg.data else None
+    return responder_spec(env, game_options(game, cfg.task_option, cfg.env_model) if game else {}, cfg.env_model)
+
+
+def attach_responder(cfg: Config, team: Team) -> None:
+    """The responder model the team's environment asks (``responder_spec``), loaded once on the run's device and
+    held frozen in the team's config (never trained, never checkpointed: its spec is in the run's config); tiny
+    weights are those of the slot after the team's last."""
+    spec = team_responder_spec(cfg, team.config.environment)
+    team.config.responder_max_tokens = cfg.env_model_max_tokens
+    if spec:
+        responder = load_agent(parse_agents(spec)[0], cfg.device, getattr(torch, cfg.dtype),
+                               seed=cfg.seed * 100 + len(team))
+        responder.model.requires_grad_(False)
+        team.config.responder = responder
 
 
 def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
@@ -210,6 +233,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
         team.config.reward, team.config.environment = reward, team_environment(cfg)
+        attach_responder(cfg, team)
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -306,6 +330,7 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     if (too_few := records.heldout_warning(len(heldout), cfg.eval_samples, cfg.delta_conf)) is not None:
         log(too_few)
     reward, env = team_reward(cfg), team_environment(cfg)
+    team_responder_spec(cfg, env)  # an --env-model the environment cannot ask: refused before any model loads
     if env is not None:  # before any model is loaded: the environment's contract, then the reward's on its columns
         probe_environment(env, train, team_size(cfg, resume_from))
         log(opening_line(env, train[0]))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness import reasoning_gym_task as rg
 from harness.datafiles import load_problems
-from harness.environments import BUILTIN_PREFIX, game_problems
+from harness.environments import BUILTIN_PREFIX, game_options, game_problems
 from team import Problem
 
 # -- Synthetic addition task -----------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def load_task(cfg) -> tuple[list[Problem], list[Problem], str]:
     """(train problems, held-out problems, instruction appended to each problem) for a run's Config."""
     game = env_game(cfg.task) if not cfg.data else None
     if game:  # an environment's rows: one seed each, training and held-out seeds apart
-        options = dict(o.split("=", 1) for o in cfg.task_option)
+        options = game_options(game, cfg.task_option, cfg.env_model)
         train = game_problems(game, options, TRAIN_POOL, cfg.seed, "train", cfg.max_rounds)
         heldout = game_problems(game, options, cfg.eval_size, cfg.seed, "heldout", cfg.max_rounds)
         return train, heldout, user_instruction(cfg.instruction)
