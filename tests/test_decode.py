@@ -76,6 +76,7 @@ def test_a_truncated_response_keeps_its_sampled_pad_ids():
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new)
         turn = rollout(team, arithmetic_problems(64, seed=max_new), 8, sampling, HF).turns[0]
         lengths = turn.response_mask.sum(1)  # [N]
+        assert (lengths >= 1).all()  # a response holds at least the one token it sampled
         last = turn.response_ids.gather(1, (lengths - 1)[:, None])[:, 0]  # [N] each row's last kept id
         on_pad = last == tok.pad_token_id  # [N]
         assert on_pad.any()
