@@ -281,13 +281,16 @@ def make_value_head(agent: Agent) -> torch.nn.Linear:
     """Agent's GAE value head, hidden state -> V: weight 0 and bias 0.5 (a neutral prior for a {0, 1} reward).
 
     Built on the meta device and filled explicitly, so that it draws nothing from torch's global RNG: a resumed
-    run builds its heads after the checkpoint restored that RNG, and a draw here would shift every later one."""
+    run builds its heads after the checkpoint restored that RNG, and a draw here would shift every later one.
+    Returned frozen, the state a head is in between its agent's updates in a straight run: the forward in
+    ``gae_advantages`` rounds differently (in the last bits) when the weight requires grad, so a resumed run whose
+    heads were not frozen would leave the straight run's path."""
     hidden = agent.model.config.hidden_size
     head = torch.nn.Linear(hidden, 1, device="meta", dtype=torch.float32).to_empty(device=agent.device)
     with torch.no_grad():
         head.weight.zero_()  # [1, H]
         head.bias.fill_(0.5)  # [1]
-    return head
+    return head.requires_grad_(False)  # frozen between its agent's updates (update._start_training thaws it)
 
 
 ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this fraction of N

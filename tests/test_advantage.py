@@ -170,6 +170,7 @@ def test_make_value_head_draws_nothing_from_the_global_rng():
     head = adv.make_value_head(agent)
     assert torch.equal(torch.get_rng_state(), before)
     assert head.weight.dtype == torch.float32 and head.weight.shape == (1, 16)
+    assert not any(p.requires_grad for p in head.parameters())  # frozen, as between its agent's updates
     assert torch.equal(head.weight, torch.zeros(1, 16)) and torch.equal(head.bias, torch.tensor([0.5]))
     hidden = torch.randn(2, 3, 16)  # [b, L, H]
     assert torch.equal(head(hidden), torch.full((2, 3, 1), 0.5))  # V = 0.5 everywhere before training
