@@ -66,12 +66,14 @@ def test_only_attention_caches_drop_rows():
 def test_a_truncated_response_keeps_its_sampled_pad_ids():
     """A response without eos keeps every id it sampled, pad ids included (the tiny tokenizer's pad is not its eos,
     as Qwen's <|endoftext|> is not its <|im_end|>): each is an action, a factor of the ratio and the KL, so the
-    turn's response mask covers it and its behaviour log-prob is the teacher-forced one. 512 one- and two-token
-    rows of an untrained tiny agent: about 1 in 30 ends on a sampled pad (never none on any CPU)."""
+    turn's response mask covers it and its behaviour log-prob is the teacher-forced one. 512 one-token and 512
+    two-token rows of an untrained tiny agent (102 ids): about 1 in 100 ends on a sampled pad, 11 here (the draws
+    are seeded: the same on any CPU but for near-ties)."""
     agent = load_agent("tiny", seed=0)
     tok = agent.tokenizer
     assert tok.pad_token_id != tok.eos_token_id
     team = Team([agent, load_agent("tiny", seed=1)], math_team_config())
+    found = 0
     for max_new in (1, 2):
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new)
         turn = rollout(team, arithmetic_problems(64, seed=max_new), 8, sampling, HF).turns[0]
@@ -79,11 +81,14 @@ def test_a_truncated_response_keeps_its_sampled_pad_ids():
         assert (lengths >= 1).all()  # a response holds at least the one token it sampled
         last = turn.response_ids.gather(1, (lengths - 1)[:, None])[:, 0]  # [N] each row's last kept id
         on_pad = last == tok.pad_token_id  # [N]
-        assert on_pad.any()
+        found += int(on_pad.sum())
         assert (lengths[on_pad] == max_new).all() and turn.truncated[on_pad].all()  # truncated, kept whole
         assert (turn.response_mask.sum(1) == turn.response_mask.cumprod(1).sum(1)).all()  # the mask is a prefix
         rows = on_pad.nonzero()[:, 0]  # [n]
+        if len(rows) == 0:
+            continue
         fresh = behaviour_logprobs(agent, turn.tensors.rows(rows), sampling)  # [n, Lr] teacher forced
         kept = turn.behaviour_logprobs[rows].gather(1, (lengths[rows] - 1)[:, None])  # [n, 1] the pad's log-prob
         assert torch.isfinite(kept).all() and (kept < 0).all()
         torch.testing.assert_close(kept, fresh.gather(1, (lengths[rows] - 1)[:, None]))
+    assert found > 0
