@@ -210,7 +210,8 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
     min(1, rho_t), from their cached log-ratios (empty for the first agent, with
     --reuse regenerate, and with --update joint). Group advantages use w as
     weights, so the baseline is an estimate under pi_hat^{i-1}, not under the
-    stale pi_cur."""
+    stale pi_cur. With --adv gae the advantages are ``gae_advantages``' instead:
+    w is not in them, it weights the row's surrogate only (see there)."""
     n = len(batch)
     log_w = truncated_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
     log_w_full = full_log_weights(cached_log_ratios, batch_size=n).float()  # [N]
@@ -232,8 +233,18 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
 
 @torch.no_grad()
 def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level GAE(lambda) advantages (whitened over valid tokens, clipped
-    like the group advantages) and value targets, the reward on the last token."""
+    """Token-level GAE(lambda) advantages (gamma = 1, whitened over agent j's tokens, clipped like the group
+    advantages) and value targets: ``gae`` over the agent's own tokens, the team reward on its last one, V from
+    ``value_head`` on the agent's current hidden states. -> ([N, Lr], [N, Lr]).
+
+    What this estimates, exactly: no traces are passed to ``gae`` (c = 1 at every token). Agent j's own tokens
+    have rho = 1 under pi_hat^{i-1} (j is not yet updated), so c = 1 is exact on them; the drift of the agents
+    promoted before j (their tokens precede, follow or lie between j's, and the reward depends on them) is not
+    corrected token by token. It enters only as the row weight w = prod min(1, rho) that multiplies the row's
+    clipped surrogate in ``update.negative_objective``; the whitening here is unweighted. The returns
+    (advantages + V) are lambda-returns of the rollouts of pi_cur and the value loss regresses on them unweighted
+    (``update._micro_batch_loss``), so V estimates agent j's values under the behaviour team pi_cur, not under
+    pi_hat^{i-1}."""
     values = torch.zeros_like(turn.behaviour_logprobs)  # [N, Lr]
     for s in range(0, len(rewards), cfg.minibatch_size):
         sl = slice(s, s + cfg.minibatch_size)
@@ -267,11 +278,19 @@ def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 
 def make_value_head(agent: Agent) -> torch.nn.Linear:
+    """Agent's GAE value head, hidden state -> V: weight 0 and bias 0.5 (a neutral prior for a {0, 1} reward).
+
+    Built on the meta device and filled explicitly, so that it draws nothing from torch's global RNG: a resumed
+    run builds its heads after the checkpoint restored that RNG, and a draw here would shift every later one.
+    Returned frozen, the state a head is in between its agent's updates in a straight run: the forward in
+    ``gae_advantages`` rounds differently (in the last bits) when the weight requires grad, so a resumed run whose
+    heads were not frozen would leave the straight run's path."""
     hidden = agent.model.config.hidden_size
-    head = torch.nn.Linear(hidden, 1).to(agent.device, torch.float32)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.constant_(head.bias, 0.5)  # a neutral prior for a {0, 1} reward
-    return head
+    head = torch.nn.Linear(hidden, 1, device="meta", dtype=torch.float32).to_empty(device=agent.device)
+    with torch.no_grad():
+        head.weight.zero_()  # [1, H]
+        head.bias.fill_(0.5)  # [1]
+    return head.requires_grad_(False)  # frozen between its agent's updates (update._start_training thaws it)
 
 
 ESS_WARN_RATIO = 0.1  # warn when an agent's ESS of the weights falls below this fraction of N

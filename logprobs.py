@@ -75,14 +75,13 @@ def chunks_by_budget(lengths: list[int], budget: int) -> list[slice]:
     return out
 
 
-def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
+def cut_at_eos(tokens: list[int], eos_id: int) -> list[int]:
     """Keep tokens up to and including the first eos (the eos is an action too: its probability is
-    part of the policy's likelihood). Without eos (truncated by max_new_tokens) trailing pads go."""
-    if eos_id in tokens:
-        return tokens[: tokens.index(eos_id) + 1]
-    while tokens and tokens[-1] == pad_id and pad_id != eos_id:
-        tokens = tokens[:-1]
-    return tokens
+    part of the policy's likelihood); what a sampler writes after it is padding. A response without eos
+    (truncated by max_new_tokens) keeps every id: each was sampled, a pad id too where pad != eos (the tiny
+    tokenizer's pad; Qwen's <|endoftext|> beside its eos <|im_end|>), and each is a factor of the ratio and
+    the KL."""
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else list(tokens)
 
 
 # ---------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def generate_hf(agent, contexts: list[list[int]], sampling: SamplingConfig, seed
             ids, mask = left_pad([contexts[i] for i in idx], tok.pad_token_id)  # [n, Lc]
             new = gen(ids, mask, [seeds[i] for i in idx])  # [n, <= max_new_tokens]
             for row, i in enumerate(idx):
-                responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id, tok.pad_token_id)
+                responses[i] = cut_at_eos(new[row].tolist(), tok.eos_token_id)
     return responses
 
 

@@ -155,19 +155,19 @@ def check_lengths(contexts, max_new_tokens: int, max_model_len: int) -> None:
 
 
 # -- Outputs (pure): RequestOutput -> response ids / log-probabilities -----------------------------------
-def response_ids_from_completion(token_ids, finish_reason, stop_reason, eos_id: int, pad_id: int) -> list[int]:
+def response_ids_from_completion(token_ids, finish_reason, stop_reason, eos_id: int) -> list[int]:
     """One completion's ids, cut after the first eos like ``generate_hf``; an eos the engine stopped on
     but left out is put back (its probability is part of the policy's likelihood)."""
     ids = [int(t) for t in token_ids]
     if finish_reason == "stop" and stop_reason == eos_id and eos_id not in ids:
         ids.append(int(eos_id))
-    return cut_at_eos(ids, eos_id, pad_id)
+    return cut_at_eos(ids, eos_id)
 
 
-def outputs_to_responses(outputs, eos_id: int, pad_id: int) -> list[list[int]]:
+def outputs_to_responses(outputs, eos_id: int) -> list[list[int]]:
     """``LLM.generate`` outputs (in request order) -> response ids."""
     return [response_ids_from_completion(o.outputs[0].token_ids, o.outputs[0].finish_reason,
-                                         getattr(o.outputs[0], "stop_reason", None), eos_id, pad_id)
+                                         getattr(o.outputs[0], "stop_reason", None), eos_id)
             for o in outputs]
 
 
@@ -422,7 +422,7 @@ class VLLMBackend:
         params = [SamplingParams(**sampling_kwargs(sampling, s, tok.eos_token_id, self.health_logprobs))
                   for s in request_seeds(seeds)]
         outputs = eng.llm.generate(build_requests(contexts), params, use_tqdm=False)
-        responses = outputs_to_responses(outputs, tok.eos_token_id, tok.pad_token_id)
+        responses = outputs_to_responses(outputs, tok.eos_token_id)
         if self.health_logprobs:
             self.logprobs[id(agent)] = outputs_to_logprobs(outputs, responses)
         return responses

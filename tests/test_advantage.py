@@ -1,6 +1,7 @@
 """Tests for advantage.py, each against a direct Python-loop reference."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -158,6 +159,21 @@ def test_gae_special_cases():
     # a zero trace cuts the tail exactly there
     a, _ = adv.gae(r, v, m, gamma=1.0, lam=1.0, traces=torch.tensor([[1.0, 0.0, 1.0]], dtype=D))
     torch.testing.assert_close(a, torch.tensor([[0.5 - 0.2, 0.5, 0.3]], dtype=D))
+
+
+def test_make_value_head_draws_nothing_from_the_global_rng():
+    """A resumed --adv gae run builds its value heads after the checkpoint restored torch's global RNG: a draw
+    there would shift every later sample and the run would leave the straight run's path."""
+    agent = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(hidden_size=16)), device="cpu")
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    head = adv.make_value_head(agent)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert head.weight.dtype == torch.float32 and head.weight.shape == (1, 16)
+    assert not any(p.requires_grad for p in head.parameters())  # frozen, as between its agent's updates
+    assert torch.equal(head.weight, torch.zeros(1, 16)) and torch.equal(head.bias, torch.tensor([0.5]))
+    hidden = torch.randn(2, 3, 16)  # [b, L, H]
+    assert torch.equal(head(hidden), torch.full((2, 3, 1), 0.5))  # V = 0.5 everywhere before training
 
 
 # ---------------------------------------------------------------------------

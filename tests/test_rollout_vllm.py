@@ -157,23 +157,24 @@ def test_outputs_to_responses_cut_like_generate_hf():
         request_output([7, 8, 9, 9], "length"),  # truncated: keep everything
         request_output([4, EOS, 4, 4], "length"),  # anything after an eos is not part of the response
         request_output((2, 3, EOS), "stop", EOS),  # token ids as a tuple
+        request_output([7, PAD, PAD], "length"),  # truncated on sampled pad ids (pad != eos): they are actions
     ]
-    got = rv.outputs_to_responses(outs, EOS, PAD)
-    assert got == [[5, 6, EOS], [5, 6, EOS], [7, 8, 9, 9], [4, EOS], [2, 3, EOS]]
-    for out, resp in zip(outs[2:4], got[2:4]):  # identical to the HF path's cut
-        assert resp == cut_at_eos(list(out.outputs[0].token_ids), EOS, PAD)
-    # ... and they pad into the tensors a Turn / TeamBatch holds
+    got = rv.outputs_to_responses(outs, EOS)
+    assert got == [[5, 6, EOS], [5, 6, EOS], [7, 8, 9, 9], [4, EOS], [2, 3, EOS], [7, PAD, PAD]]
+    for out, resp in zip(outs[2:4] + outs[5:], got[2:4] + got[5:]):  # identical to the HF path's cut
+        assert resp == cut_at_eos(list(out.outputs[0].token_ids), EOS)
+    # ... and they pad into the tensors a Turn / TeamBatch holds; the mask covers the sampled pads
     ids, mask = right_pad(got, PAD)
-    assert ids.shape == (5, 4) and mask.sum(1).tolist() == [3, 3, 4, 2, 3]
+    assert ids.shape == (6, 4) and mask.sum(1).tolist() == [3, 3, 4, 2, 3, 3]
     truncated = torch.tensor([EOS not in r for r in got])
-    assert truncated.tolist() == [False, False, True, False, False]
+    assert truncated.tolist() == [False, False, True, False, False, True]
 
 
 def test_outputs_to_logprobs_and_health():
     lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731  (vLLM's Logprob has a .logprob field)
     outs = [request_output([5, 6, EOS], "stop", EOS, [{5: lp(-0.5)}, {6: lp(-1.0), 9: lp(-3.0)}, {EOS: lp(-0.1)}]),
             request_output([7, 8], "stop", EOS, [{7: -0.2}, {8: -0.3}])]
-    resps = rv.outputs_to_responses(outs, EOS, PAD)
+    resps = rv.outputs_to_responses(outs, EOS)
     got = rv.outputs_to_logprobs(outs, resps)
     assert got[0] == [-0.5, -1.0, -0.1]
     assert got[1][:2] == [-0.2, -0.3] and math.isnan(got[1][2])  # the eos put back has no vLLM log-prob

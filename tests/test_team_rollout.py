@@ -243,7 +243,7 @@ def test_behaviour_logprobs_equal_sampling_distribution(tiny_agents):
     sampled = out.sequences[:, ids.shape[1]:]  # [N, T]
     step_logp = torch.stack([torch.log_softmax(x.float() / 0.7, -1) for x in out.logits], 1)  # [N, T, V]
     gen_logp = step_logp.gather(-1, sampled[..., None]).squeeze(-1)  # [N, T]
-    responses = [cut_at_eos(r.tolist(), tok.eos_token_id, tok.pad_token_id) for r in sampled]
+    responses = [cut_at_eos(r.tolist(), tok.eos_token_id) for r in sampled]
     from logprobs import right_pad
     resp, rmask = right_pad(responses, tok.pad_token_id)
     ours = batched_response_logprobs(agent.model, TurnTensors(ids, mask, resp, rmask), 0.7, token_budget=10_000)
@@ -296,5 +296,6 @@ def test_sampling_config_rejects_bad_values():
 
 
 def test_cut_at_eos():
-    assert cut_at_eos([5, 6, 1, 0, 0], eos_id=1, pad_id=0) == [5, 6, 1]
-    assert cut_at_eos([5, 6, 7], eos_id=1, pad_id=0) == [5, 6, 7]
+    assert cut_at_eos([5, 6, 1, 0, 0], eos_id=1) == [5, 6, 1]  # what follows the first eos is padding
+    assert cut_at_eos([5, 6, 7], eos_id=1) == [5, 6, 7]
+    assert cut_at_eos([5, 0, 0], eos_id=1) == [5, 0, 0]  # truncated: sampled pad ids (pad 0 != eos 1) stay
