@@ -51,7 +51,7 @@ from team import Agent, Problem, Team
 from update import _micro_batch_loss, _Tally
 
 # -- A team small enough to enumerate ---------------------------------------------------------------------------
-# eos doubles as pad, so a sampled token is never dropped as trailing padding (``logprobs.cut_at_eos``); the
+# eos doubles as pad (one special token fewer to enumerate); the
 # role markers are what the tiny chat template writes; with no <|unk|>, any other character encodes to nothing.
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
 CHARS = ["a", "b"]
