@@ -31,17 +31,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from harness.config import add_options, default_backend
+from harness.environments import BUILTIN_PREFIX
 from harness.eval_folder import (
     append_rows,
     check_identity,
@@ -306,6 +309,46 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
     return summary
 
 
+# -- Several settings and their composite (the paper's Table 3: AIME24, AIME25 and ARBench-DC) ---------------
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def bench_settings(cfg: EvalConfig) -> list[EvalConfig]:
+    """A --bench list that names an env:NAME beside other benchmarks, as settings evaluated apart, each in its own
+    subfolder of --out: the named datasets together, the data files among the names (e.g. data/aime24.jsonl, the
+    offline copies) together, and each env:NAME on its own (its team acts over rounds in that environment)."""
+    names = [b.strip() for b in cfg.bench.split(",") if b.strip()]
+    envs = [b for b in names if b.startswith(BUILTIN_PREFIX)]
+    if cfg.data or not envs or len(names) == 1:
+        return [cfg]
+    files = [b for b in names if b.endswith(DATA_SUFFIXES)]
+    rest = [b for b in names if b not in envs and b not in files]
+    sub = lambda name, **kw: replace(cfg, out=str(Path(cfg.out) / name), **kw)  # noqa: E731
+    plain = dict(task_option=[], env_model=None)  # an environment's options stay with it
+    return ([sub("datasets", bench=",".join(rest), **plain)] if rest else []) + \
+        ([sub("files", data=",".join(files), **plain)] if files else []) + \
+        [sub(e.replace(":", "_"), bench=e) for e in envs]
+
+
+def evaluate(cfg: EvalConfig, log=print) -> dict:
+    """``evaluate_benchmarks`` once per setting (``bench_settings``); with several, then the team's avg@K of every
+    benchmark and their mean, the composite (the paper's Table 3 composite is the mean of AIME24, AIME25 and
+    ARBench-DC accuracy), written to composite.json and printed as a table."""
+    settings = bench_settings(cfg)
+    if len(settings) == 1:
+        return evaluate_benchmarks(cfg, log)
+    benchmarks = {}
+    for sub in settings:
+        benchmarks.update(evaluate_benchmarks(sub, log)["benchmarks"])
+    team = {name: b["metrics"]["team"][f"avg@{cfg.k}"]["value"] for name, b in benchmarks.items()}
+    composite = {"benchmarks": team, "composite": sum(team.values()) / len(team), "k": cfg.k}
+    Path(cfg.out, "composite.json").write_text(json.dumps(composite, indent=2) + "\n")
+    log(f"team avg@{cfg.k} %, and their mean:\n| " + " | ".join([*team, "composite"]) + " |\n|"
+        + "---|" * (len(team) + 1) + "\n| " + " | ".join(f"{100 * v:.1f}" for v in [*team.values(),
+                                                                                    composite["composite"]]) + " |")
+    return composite
+
+
 # -- CLI -------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> EvalConfig:
     p = argparse.ArgumentParser(prog="eval_aime.py", description=__doc__,
@@ -319,7 +362,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     start = time.time()
     try:
-        evaluate_benchmarks(cfg)
+        evaluate(cfg)
     except (ValueError, FileNotFoundError, RuntimeError) as err:  # one line; 2: a bad option or input
         print(f"eval_aime.py: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1

@@ -48,7 +48,9 @@ class EvalConfig:
                            "team folder")
     bench: str = opt("aime24,aime25", "comma-separated dataset names: aime24, aime25, math500, one "
                                       "reasoning-gym:NAME (its held-out questions, scored by its own verifier), or "
-                                      "one env:NAME (guess-numbers, blocksworld: held-out episodes)")
+                                      "env:NAME (a built-in environment's held-out episodes); an env:NAME beside other "
+                                      "benchmarks (or data files) evaluates each setting apart and prints their "
+                                      "composite, the mean of the team's avg@K (the paper's Table 3)")
     env: str | None = opt(None, "the environment the team acts in over rounds, FILE.py:NAME (as in sat.py); "
                                 "default: a --ckpt team's own, if it was trained in one")
     max_rounds: int | None = opt(None, "T, the most rounds of an episode (default: the environment's)")

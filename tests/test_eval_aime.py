@@ -220,3 +220,24 @@ def test_offline_bench_says_how_to_pass_a_local_file(tmp_path):
     err = proc.stderr.strip()
     assert proc.returncode != 0 and "\n" not in err, err
     assert err.startswith("eval_aime.py: error:") and "--data data/aime24.jsonl" in err
+
+
+@pytest.mark.slow
+def test_a_composite_of_datasets_and_an_environment_is_their_mean(tmp_path):
+    """--bench data files plus env:NAME: each setting in its own subfolder (its summary.json as it would be alone),
+    and the composite the mean of the team's avg@K over every benchmark (the paper's Table 3 composite)."""
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = tmp_path / "t3"
+    cfg = eval_aime.parse_args(["--agents", "tiny x2", "--bench",
+                                f"{data / 'aime24.jsonl'},{data / 'aime25.jsonl'},env:detective-cases",
+                                "--k", "2", "--limit", "1", "--max-new-tokens", "3", "--task-option", "turns=2",
+                                "--out", str(out)])
+    composite = eval_aime.evaluate(cfg, log=lambda *_: None)
+    subs = {name: json.loads((out / folder / "summary.json").read_text())["benchmarks"][name]
+            for folder, names in (("files", ["aime24", "aime25"]), ("env_detective-cases", ["env:detective-cases"]))
+            for name in names}
+    team = {name: b["metrics"]["team"]["avg@2"]["value"] for name, b in subs.items()}
+    assert composite["benchmarks"] == team and list(team) == ["aime24", "aime25", "env:detective-cases"]
+    assert composite["composite"] == pytest.approx(sum(team.values()) / 3)
+    assert json.loads((out / "composite.json").read_text()) == composite
+    assert subs["env:detective-cases"]["rounds"]["max"] == 2  # the environment's episodes, over its rounds

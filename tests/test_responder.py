@@ -7,7 +7,7 @@ import torch
 from harness.environments import Environment, EnvironmentFault, play, responder_spec
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
-from rollout import SamplingConfig, responder_replies, responder_seed, rollout
+from rollout import SamplingConfig, responder_seed, rollout
 from scale.rollout_hf import HF
 from team import Problem, Team
 
@@ -116,8 +116,8 @@ def test_ask_must_return_chats():
 def test_the_probe_scripts_the_responder_and_the_spec_is_refused_without_ask():
     seen, _ = play(ORACLE, ROWS[0], [["a", "b"]] * 2)
     assert seen[1] == "Oracle to agent 1: I cannot say.\nOracle to agent 2: I cannot say."
-    plain = Environment(type("Plain", (), {"reset": Oracle.reset, "step": Oracle.step, "get_reward": Oracle.get_reward}),
-                        "plain", 2, (0.0, 1.0))
+    methods = {"reset": Oracle.reset, "step": Oracle.step, "get_reward": Oracle.get_reward}
+    plain = Environment(type("Plain", (), methods), "plain", 2, (0.0, 1.0))
     with pytest.raises(ValueError, match=r"^--env-model tiny: environment plain asks a responder no questions "
                                          r"\(its class has no ask\)"):
         responder_spec(plain, {}, "tiny")
