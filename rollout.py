@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,7 @@ class TeamBatch:
     transcripts: list[str] | None = None  # [N] with an environment: each episode, every round, as text
     rounds: list[int] | None = None  # [N] with an environment: the rounds each episode ran
     solved: list[bool] | None = None  # [N] with an environment: its reward at the top of the environment's range
+    per_round: list[dict] | None = None  # with an environment: ``round_stats``, round by round
 
     def __len__(self) -> int:
         return len(self.problems)
@@ -258,6 +259,8 @@ class Episode:
     truncated: list[bool]  # per agent: some turn hit --max-new-tokens
     rounds: int = 0
     done: bool = False
+    spoken: list[list[tuple[int, bool]]] = field(default_factory=list)  # per round, per agent: (tokens, cut)
+    turn_scores: list[float] = field(default_factory=list)  # per round: the environment's turn_score(), if any
 
 
 def start_episode(team: Team, problem: Problem) -> Episode:
@@ -318,6 +321,8 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             e = episodes[i]
             observation, done = env.step(e.state, e.problem, responses[i], replies.get(i))
             e.said.append((ENVIRONMENT, observation))
+            if (score_of := env.turn_score(e.state, e.problem)) is not None:
+                e.turn_scores.append(score_of)
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
     turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
@@ -325,7 +330,7 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
     answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, transcripts)
     return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
                      transcripts=transcripts, rounds=[e.rounds for e in episodes],
-                     solved=[float(r) >= env.range[1] for r in rewards])
+                     solved=[float(r) >= env.range[1] for r in rewards], per_round=round_stats(episodes, n))
 
 
 RESPONDER_TEMPERATURE = 0.7  # the responder's sampling temperature (AR-Bench's response model samples at 0.7)
@@ -365,6 +370,9 @@ def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
     e.ids[k] += response
     e.own[k] += [1] * len(response)
     e.ended_with_eos[k] = tokenizer.eos_token_id in response
+    if k == 0:
+        e.spoken.append([])
+    e.spoken[-1].append((len(response), not e.ended_with_eos[k]))
     e.truncated[k] = e.truncated[k] or not e.ended_with_eos[k]
     e.said.append((k, tokenizer.decode(response, skip_special_tokens=True)))
 
@@ -396,6 +404,22 @@ def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], trans
     texts = [[t.texts[i] for t in turns] for i in range(len(episodes))]
     rewards = torch.tensor(score(reward, [e.opening for e in episodes], texts, answers, protocol, extra)).float()
     return [team.team_answer(a) for a in answers], rewards, rewards.expand(len(turns), -1).clone(), None
+
+
+def round_stats(episodes: list[Episode], n: int) -> list[dict]:
+    """Per round: the episodes still going, and per agent its mean response tokens and the share cut at
+    --max-new-tokens; with an environment's ``turn_score``, its mean that round (logged, never trained on)."""
+    out = []
+    for r in range(max(e.rounds for e in episodes)):
+        live = [e for e in episodes if e.rounds > r]
+        row = {"round": r + 1, "episodes": len(live),
+               "tokens": [sum(e.spoken[r][k][0] for e in live) / len(live) for k in range(n)],
+               "cut": [sum(e.spoken[r][k][1] for e in live) / len(live) for k in range(n)]}
+        scores = [e.turn_scores[r] for e in live if len(e.turn_scores) > r]
+        if scores:
+            row["turn_score"] = sum(scores) / len(scores)
+        out.append(row)
+    return out
 
 
 def transcript(e: Episode) -> str:

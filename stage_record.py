@@ -73,11 +73,12 @@ class StageRecord:
     vllm_logprob_abs_diff: list[float] | None = None  # --backend vllm: mean |log pi_vllm - log pi_train| per agent
     episode_rounds: float | None = None  # an environment's episodes: the mean rounds they ran
     success: float | None = None  # an environment's episodes: the share solved (team reward at the top of its range)
+    per_round: list[dict] | None = None  # an environment's episodes, round by round (rollout.round_stats)
 
     def row(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["agents"] = [a.row() for a in self.agents]
-        for optional in ("vllm_logprob_abs_diff", "episode_rounds", "success"):
+        for optional in ("vllm_logprob_abs_diff", "episode_rounds", "success", "per_round"):
             if out[optional] is None:
                 del out[optional]
         return out
@@ -90,7 +91,8 @@ def rollout_record(batch: TeamBatch, rollout_seconds: float, health=None) -> dic
               "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
               "mean_response_tokens": batch.num_tokens / batch.responses}
     if batch.rounds is not None:  # an environment's episodes: how long they ran, how many reached the top reward
-        record.update(episode_rounds=sum(batch.rounds) / len(batch), success=sum(batch.solved) / len(batch))
+        record.update(episode_rounds=sum(batch.rounds) / len(batch), success=sum(batch.solved) / len(batch),
+                      per_round=batch.per_round)
     if health is not None:  # mean |log pi_vllm - log pi_train| per agent: sampler numerics, never in the ratios
         record["vllm_logprob_abs_diff"] = health
     return record

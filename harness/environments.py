@@ -105,6 +105,20 @@ class Environment:
             raise EnvironmentFault(f"{where}: step returned {short(out)}; return (observation: str, done: bool)")
         return out[0], bool(out[1])
 
+    def turn_score(self, episode, problem) -> float | None:
+        """The environment's own score of the round just played (an optional ``turn_score()``, as verl's
+        turn_scores): logged per round, never trained on; None for a class without one."""
+        if not callable(getattr(self.factory, "turn_score", None)):
+            return None
+        where = f"environment {self.name}, row {problem.id!r}"
+        try:
+            value = episode.turn_score()
+        except Exception as e:
+            raise EnvironmentFault(f"{where}: turn_score raised {describe(e)}") from None
+        if isinstance(value, (bool, str, bytes)) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise EnvironmentFault(f"{where}: turn_score returned {short(value)}; return a finite number")
+        return float(value)
+
     def reward(self, episode, problem) -> float:
         """The ended episode's team reward, checked to be a finite number inside the range."""
         where = f"environment {self.name}, row {problem.id!r}"

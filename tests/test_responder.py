@@ -123,3 +123,23 @@ def test_the_probe_scripts_the_responder_and_the_spec_is_refused_without_ask():
         responder_spec(plain, {}, "tiny")
     assert responder_spec(ORACLE, {"responder": "rules"}, None) is None
     assert responder_spec(ORACLE, {"responder": "tiny"}, None) == "tiny"
+
+
+class Scored(Oracle):
+    """The oracle with a per-round score: the replies heard so far."""
+
+    def turn_score(self) -> float:
+        return float(len(self.heard))
+
+
+def test_per_round_figures_per_agent_and_the_environments_turn_score(responder):
+    config = math_team_config(protocol="independent", environment=Environment(Scored, "scored", 2, (0.0, 1.0)))
+    config.responder, config.responder_max_tokens = responder, 5
+    team = Team([load_agent("tiny", seed=k) for k in range(2)], config)
+    batch = rollout(team, ROWS, 2, SAMPLING, HF, score=False, seed=1)
+    assert [r["round"] for r in batch.per_round] == [1, 2] and all(r["episodes"] == 6 for r in batch.per_round)
+    assert [r["turn_score"] for r in batch.per_round] == [2.0, 4.0]  # 2 replies heard per round
+    for k, turn in enumerate(batch.turns):  # the rounds' own tokens add up to the agent's whole own tokens
+        total = sum(r["tokens"][k] for r in batch.per_round) * len(batch)
+        assert total == pytest.approx(float(turn.response_mask.sum()))
+        assert all(0 <= r["cut"][k] <= 1 for r in batch.per_round)
