@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=400, help="held-out episodes a cell")
     args = ap.parse_args(argv)
-    print(f"| game | policy | episodes | mean reward (s.e.) | solved | solved at reset |")
+    print("| game | policy | episodes | mean reward (s.e.) | solved | solved at reset |")
     print("|---|---|---|---|---|---|")
     for game, options, policies in cells():
         label = game + "".join(f", {k} {v}" for k, v in options.items())
