@@ -304,3 +304,22 @@ def test_a_random_walk_earns_no_partial_credit(blocks):
                for i in range(EPISODES)]
     unsolved = [r for r, solved, _ in results if not solved]
     assert sum(unsolved) / len(unsolved) < 0.0
+
+
+# -- Success is the headline --------------------------------------------------------------------------------------
+def test_success_heads_the_stage_lines_and_the_eval_table():
+    from harness import records
+    from harness.eval_folder import markdown_table
+
+    agent = {"kl_quantile": 0.01, "backtracks": 0, "accepted": True}
+    rec = {"stage": 2, "team_reward": 0.1, "agents": [agent], "seconds": 3.0, "success": 0.125, "eval_success": 0.25}
+    assert records.stage_line(rec).endswith("  solved train 0.125 held-out 0.250")
+    assert "solved" not in records.stage_line({k: v for k, v in rec.items() if "success" not in k})
+    zero = {"eval_success": 0.0625, "eval_accuracy": 0.1, "eval_agent_accuracy": [0.1]}
+    assert records.stage_zero_line(zero).startswith("stage 0 (before SAT): solved 0.062 held-out team accuracy 0.100")
+    metric = {"value": 0.25, "ci95": [0.1, 0.4]}
+    bench = {"metrics": {"team": {n: metric for n in ("avg@2", "pass@1", "pass@2", "maj@2")}},
+             "lengths": {"team": {"mean_tokens": 3, "median_tokens": 3, "max_tokens": 4, "truncated": 0.0}},
+             "rounds": {"mean": 2.0, "max": 2}, "success": metric}
+    assert "| env:blocksworld | **success** (episodes solved) | 25.0 [10.0, 40.0] |" in markdown_table(
+        {"env:blocksworld": bench}, 2).splitlines()
