@@ -115,7 +115,7 @@ class GuessNumbers:
 
     def get_reward(self) -> float:
         """1 when the final guess is the secret. Otherwise, when the final guess could still be the secret given the
-        feedback of the earlier rounds, GN_PARTIAL times the share of the uncertainty that feedback removed
+        feedback of the earlier rounds (its digits distinct, each earlier guess's feedback the same against it), GN_PARTIAL times the share of the uncertainty that feedback removed
         (``gn_information``); else 0. A final guess drawn without reading the feedback is consistent with
         probability N / N0, so it earns at most GN_PARTIAL * max_x x log(1/x) / log N0 = GN_PARTIAL / (e ln N0) in
         expectation (0.022 at 4 digits), and nothing without feedback."""
@@ -125,7 +125,7 @@ class GuessNumbers:
         if final == self.secret:
             return 1.0
         earlier = [pair for answered in self.history[:-1] for pair in answered]
-        if not gn_consistent(final, earlier):
+        if len(set(final)) < self.digits or not gn_consistent(final, earlier):  # never the secret: no credit
             return 0.0
         return GN_PARTIAL * gn_information(earlier, self.digits)
 

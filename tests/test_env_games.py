@@ -69,6 +69,7 @@ def test_gn_partial_credit_is_the_information_a_consistent_final_guess_carries()
     _, reward, _ = gn_play("12", [["34"], ["56"]], budget=2)
     assert reward == pytest.approx(0.5 * math.log(90 / 56) / math.log(90))
     assert gn_play("12", [["34"], ["35"]], budget=2)[1] == 0.0  # a final guess the feedback ruled out
+    assert gn_play("12", [["34"], ["55"]], budget=2)[1] == 0.0  # consistent with "34", but never a secret
     # "13" -> 1 in place, 0 elsewhere: either the 1 is in place (second digit not 1 or 3: 8 secrets) or the 3 is
     # (first digit not 1 or 3: 8 secrets): 16 left, and "15" is one of them.
     _, reward, _ = gn_play("12", [["13"], ["15"]], budget=2)
