@@ -3,9 +3,9 @@
     python bench/game_baselines.py                 # 400 episodes a cell: guess-numbers and blocksworld 3/4/5 blocks
     python bench/game_baselines.py --episodes 100  # quicker
 
-Each game is played as a run's held-out split plays it (``sat.py --seed 0``: rows on the odd seeds 1, 3, 5, ...; the
-built-in options; 3 agents; the class's round budget), through the environment class alone (reset, step,
-get_reward). The policies:
+Each game is played as a run's held-out split plays it (``sat.py --seed 0``: procedural rows on the odd seeds 1, 3,
+5, ...; PlanBench's instances at the odd positions, 250 of them; 3 agents; the class's round budget), through the
+environment class alone (reset, step, get_reward). The policies:
 
 - ``idle``: every agent replies with the empty string every round.
 - ``random``: guess-numbers: each agent guesses a uniformly random string of distinct digits; blocksworld: each agent
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness.env_games import GAMES  # noqa: E402
+from harness.env_games import GAMES, game_rows  # noqa: E402
 
 AGENTS = 3
 FACT = re.compile(r"the (\w+) block is (clear|on the table|on top of the (\w+) block)|"
@@ -116,11 +116,11 @@ def play(game: str, row: dict, policy: str, rng: random.Random) -> tuple[float, 
 
 
 def cells() -> list[tuple[str, dict, list[str]]]:
-    """(game, row options, policies) of the table."""
-    out = [("guess-numbers", {"digits": 4}, ["idle", "random"])]
-    for blocks in (3, 4, 5):
-        out.append(("blocksworld", {"blocks": blocks}, ["idle", "random", "random-valid", "lift-and-replace"]))
-    return out
+    """(game, --task-option values, policies) of the table."""
+    walks = ["idle", "random", "random-valid", "lift-and-replace"]
+    return ([("guess-numbers", {"digits": 4}, ["idle", "random"])]
+            + [("blocksworld", {"blocks": blocks}, walks) for blocks in (3, 4, 5)]
+            + [("blocksworld", {"instances": "planbench"}, walks)])
 
 
 def main(argv=None) -> int:
@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         label = game + "".join(f", {k} {v}" for k, v in options.items())
         for policy in policies:
             rng = random.Random(f"{game} {policy}")
-            results = [play(game, {**options, "seed": 1 + 2 * i}, policy, rng) for i in range(args.episodes)]
+            rows = [row for _, row in game_rows(game, options, args.episodes, 0, "heldout")]
+            results = [play(game, row, policy, rng) for row in rows]
             rewards = [r for r, _, _ in results]
             se = statistics.stdev(rewards) / len(rewards) ** 0.5
             solved = sum(s for _, s, _ in results) / len(results)

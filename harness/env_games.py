@@ -115,10 +115,11 @@ class GuessNumbers:
 
     def get_reward(self) -> float:
         """1 when the final guess is the secret. Otherwise, when the final guess could still be the secret given the
-        feedback of the earlier rounds (its digits distinct, each earlier guess's feedback the same against it), GN_PARTIAL times the share of the uncertainty that feedback removed
-        (``gn_information``); else 0. A final guess drawn without reading the feedback is consistent with
-        probability N / N0, so it earns at most GN_PARTIAL * max_x x log(1/x) / log N0 = GN_PARTIAL / (e ln N0) in
-        expectation (0.022 at 4 digits), and nothing without feedback."""
+        feedback of the earlier rounds (its digits distinct, each earlier guess's feedback the same against it),
+        GN_PARTIAL times the share of the uncertainty that feedback removed (``gn_information``); else 0. A final
+        guess of distinct digits drawn without reading the feedback is consistent with probability N / N0, so it
+        earns at most GN_PARTIAL * max_x x log(1/x) / log N0 = GN_PARTIAL / (e ln N0) in expectation (0.022 at 4
+        digits), and nothing without feedback."""
         final = self.final_guess()
         if final is None:
             return 0.0

@@ -287,22 +287,24 @@ def test_no_episode_is_solved_at_reset(blocks):
     ("guess-numbers", {"digits": 4}, "idle"), ("guess-numbers", {"digits": 4}, "random"),
     ("guess-numbers", {"digits": 3}, "random"),
     *[("blocksworld", {"blocks": b}, p) for b in (3, 4, 5) for p in ("idle", "random", "lift-and-replace")],
+    *[("blocksworld", {"instances": "planbench"}, p) for p in ("idle", "random", "lift-and-replace")],
 ])
 def test_an_idle_or_random_team_earns_under_the_bound(game, options, policy):
     rng = random.Random(f"{game} {policy}")
-    results = [baselines.play(game, {**options, "seed": 1 + 2 * i}, policy, rng) for i in range(EPISODES)]
+    rows = [row for _, row in games.game_rows(game, options, EPISODES, 0, "heldout")]
+    results = [baselines.play(game, row, policy, rng) for row in rows]
     rewards = [r for r, _, _ in results]
     assert sum(rewards) / len(rewards) < BOUND
     assert not any(at_reset for _, _, at_reset in results)
 
 
-@pytest.mark.parametrize("blocks", [3, 4, 5])
-def test_a_random_walk_earns_no_partial_credit(blocks):
+@pytest.mark.parametrize("options", [{"blocks": 3}, {"blocks": 4}, {"blocks": 5}, {"instances": "planbench"}])
+def test_a_random_walk_earns_no_partial_credit(options):
     """A team that takes random applicable actions reaches the goal by chance on small problems (a real solve); the
     episodes it does not solve earn under 0 on average: wandering is not progress."""
-    rng = random.Random(f"walk {blocks}")
-    results = [baselines.play("blocksworld", {"blocks": blocks, "seed": 1 + 2 * i}, "random-valid", rng)
-               for i in range(EPISODES)]
+    rng = random.Random(f"walk {options}")
+    rows = [row for _, row in games.game_rows("blocksworld", options, EPISODES, 0, "heldout")]
+    results = [baselines.play("blocksworld", row, "random-valid", rng) for row in rows]
     unsolved = [r for r, solved, _ in results if not solved]
     assert sum(unsolved) / len(unsolved) < 0.0
 
