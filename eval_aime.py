@@ -221,8 +221,9 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
             lengths[who] = length_stats([r["tokens"] for r in picked], [r["truncated"] for r in picked])
         out[bench] = {"n_problems": len(problems), "k": k, "metrics": metrics, "lengths": lengths}
         rounds = [r["rounds"] for r in mine if "rounds" in r]
-        if rounds:  # an environment's episodes: the rounds the team used
+        if rounds:  # an environment's episodes: the rounds the team used, the share solved (team reward at the top)
             out[bench]["rounds"] = {"mean": float(np.mean(rounds)), "max": int(max(rounds))}
+            out[bench]["success"] = metrics["team"]["pass@1"]
     return out
 
 

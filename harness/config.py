@@ -151,7 +151,9 @@ class Config:
                                  "(logic and planning, generated offline) or env:NAME (an interactive "
                                  "environment: guess-numbers, blocksworld)")
     task_option: list[str] = opt([], "KEY=VALUE: the config of --task reasoning-gym:NAME's dataset (repeatable), "
-                                     "e.g. --task-option n_people=2")
+                                     "e.g. --task-option n_people=2, or of an env:NAME game: guess-numbers digits=4 "
+                                     "or secrets=FILE.json (AR-Bench's), blocksworld blocks=3 or "
+                                     "instances=planbench|FOLDER (PlanBench's PDDL problems)")
     task_prompt: str | None = opt(None, "the system prompt of --task reasoning-gym:NAME, one of reasoning-gym's "
                                         "(reasoning_gym.utils.SYSTEM_PROMPTS): default (think step by step, then "
                                         "the answer in <answer> tags), direct (the tagged answer alone), ...; "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config import ENV_TASK_PREFIX
-from harness.env_games import GAME_OPTIONS, GAMES
+from harness.env_games import GAME_OPTIONS, GAMES, game_rows
 from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
 
@@ -279,18 +279,14 @@ def replay_elsewhere(env: Environment, rows: list, scripts: list) -> tuple[str, 
 
 
 def game_problems(name: str, options: dict, n: int, seed: int, split: str, rounds: int | None = None) -> list:
-    """Rows of a built-in game: one seed each, the held-out split on odd seeds and training on even ones, so the two
-    never share an episode whatever the run's seed; ``rounds`` (T, when --max-rounds sets it) goes in each row, so
-    the opening tells the agents how many rounds they have."""
-    unknown = sorted(set(options) - set(GAME_OPTIONS[name]))
-    if unknown:
-        raise EnvironmentFault(f"--task-option {unknown[0]}: env:{name} takes "
-                               f"{', '.join(GAME_OPTIONS[name])}")
-    given = {k: int(v) if isinstance(GAME_OPTIONS[name][k], int) else v for k, v in options.items()}
-    values = {**GAME_OPTIONS[name], **given, **({"rounds": rounds} if rounds else {})}
-    base = 2 * (seed * 100_003) + (split == "heldout")
-    rows = [{**values, "seed": base + 2 * i} for i in range(n)]
-    return [Problem(f"{name}-{r['seed']}", "", "", None, r) for r in rows]
+    """Rows of a built-in game as problems (``env_games.game_rows``: seeds or a benchmark's own instances, the
+    training and held-out splits apart); ``rounds`` (T, when --max-rounds sets it) goes in each row, so the opening
+    tells the agents how many rounds they have."""
+    try:
+        rows = game_rows(name, options, n, seed, split, rounds)
+    except ValueError as e:
+        raise EnvironmentFault(str(e)) from None
+    return [Problem(f"{name}-{key}", "", "", None, row) for key, row in rows]
 
 
 def episode_reward(env: Environment) -> CheckedReward:

@@ -109,6 +109,10 @@ def markdown_table(summary: dict, k: int) -> str:
             lengths = f"{ln['mean_tokens']:.0f} / {ln['median_tokens']:.0f} / {ln['max_tokens']}"
             lines.append("| " + " | ".join([bench, who, *cells, lengths, f"{100 * ln['truncated']:.1f}%"]) + " |")
         if "rounds" in b:  # an environment's episodes: avg@K is the mean reward, pass@K the share at its maximum
+            if "success" in b:  # the headline: episodes solved, the team's pass@1
+                lo, hi = b["success"]["ci95"]
+                lines.append(f"| {bench} | **success** (episodes solved) | {100 * b['success']['value']:.1f} "
+                             f"[{100 * lo:.1f}, {100 * hi:.1f}] |")
             lines.append(f"| {bench} | rounds used | mean {b['rounds']['mean']:.2f}, max {b['rounds']['max']} |")
     return "\n".join(lines)
 

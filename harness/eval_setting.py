@@ -62,8 +62,10 @@ class EvalConfig:
     answer_key: str = opt("answer", "the gold-answer column of --data (as in sat.py)")
     reward: str | None = opt(None, "score samples with this team reward, FILE.py:NAME or package.module:NAME (as in "
                                    "sat.py); default: answer matching, or a reasoning-gym task's own scorer")
-    task_option: list[str] = opt([], "KEY=VALUE: the config of a reasoning-gym:NAME benchmark (repeatable)")
-    reasoning_gym_size: int = opt(100, "held-out questions generated for a reasoning-gym:NAME benchmark")
+    task_option: list[str] = opt([], "KEY=VALUE: the config of a reasoning-gym:NAME or env:NAME benchmark "
+                                     "(repeatable; e.g. instances=planbench for env:blocksworld)")
+    reasoning_gym_size: int = opt(100, "held-out questions generated for a reasoning-gym:NAME benchmark, or "
+                                       "episodes of an env:NAME one")
     k: int = opt(64, "samples (joint trajectories) per problem (paper: 64 on AIME, 4 on MATH-500)")
     protocol: str | None = opt(None, "default: the checkpoint's, else independent", PROTOCOLS)
     thinking: bool | None = opt(None, "Qwen3's thinking mode (default: the checkpoint's, else off)")

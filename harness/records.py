@@ -182,4 +182,20 @@ def stage_line(rec: dict) -> str:
     lr_next = "/".join(f"{a['lr_next']:.2g}" for a in ag if "lr_next" in a)  # --step-size adaptive: next lrs
     lrs = f" lr {lr_next}" if lr_next else ""
     return (f"{rec['stage']:>5} {rec['team_reward']:>7.3f} {evaluated[0]} {kl_q:>14} {backtracks:>6} {accepted:>6} "
-            f"{evaluated[1]} {rec['seconds']:>5.1f}{lrs}")
+            f"{evaluated[1]} {rec['seconds']:>5.1f}{lrs}{success_words(rec)}")
+
+
+def success_words(rec: dict) -> str:
+    """An environment's headline on the stage line: the share of episodes solved (reward at the top of the range),
+    in training and held out; empty without an environment."""
+    parts = [f"{label} {rec[key]:.3f}" for label, key in (("train", "success"), ("held-out", "eval_success"))
+             if rec.get(key) is not None]
+    return "  solved " + " ".join(parts) if parts else ""
+
+
+def stage_zero_line(rec: dict) -> str:
+    """Stage 0's console line (before SAT): the held-out team reward, each agent's, and with an environment the
+    share of episodes solved; then STAGE_HEADER."""
+    solved = f" solved {rec['eval_success']:.3f}" if rec.get("eval_success") is not None else ""
+    return (f"stage 0 (before SAT):{solved} held-out team accuracy {rec['eval_accuracy']:.3f} agents "
+            f"{fmt_list(rec['eval_agent_accuracy'])}\n{STAGE_HEADER}")

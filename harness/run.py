@@ -451,9 +451,7 @@ class RunRecorder:
             self.trackers.log_stage(row, list(samples))
         run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {},
                                    step_sizes=run.step_sizes)
-        run.log(records.stage_line(row) if row["stage"] else f"stage 0 (before SAT): held-out team accuracy "
-                f"{row['eval_accuracy']:.3f} agents {records.fmt_list(row['eval_agent_accuracy'])}\n"
-                f"{records.STAGE_HEADER}")
+        run.log(records.stage_line(row) if row["stage"] else records.stage_zero_line(row))
 
 
 def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,

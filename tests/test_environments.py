@@ -1,15 +1,10 @@
-"""The environment contract (harness/environments.py) and the two built-in games (harness/env_games.py), checked
-against their definitions: ARBench's guessing-numbers feedback by brute force over digit pairs, blocksworld's
-actions against a breadth-first search of the state space, every fault as one line."""
-import itertools
+"""The environment contract (harness/environments.py): loading, probing, the built-in games' rows, every fault as one
+line, and whole runs at tiny size (the games themselves: tests/test_env_games.py)."""
 import json
 import re
-from collections import deque
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from harness import env_games as games
 from harness.environments import (
@@ -23,98 +18,7 @@ from harness.environments import (
 from team import Problem
 
 
-# -- Guessing numbers -------------------------------------------------------------------------------------------
-@settings(max_examples=200, deadline=None)
-@given(st.permutations("0123456789"), st.lists(st.sampled_from("0123456789"), min_size=4, max_size=4),
-       st.integers(2, 4))
-def test_gn_feedback_is_the_count_over_digit_pairs(perm, guess, digits):
-    secret, guess = "".join(perm[:digits]), "".join(guess[:digits])
-    in_place = sum(secret[i] == guess[i] for i in range(digits))
-    # a guess digit counts elsewhere when it is in the secret at another position and not itself in place
-    # (the secret's digits are distinct; a repeated guess digit counts once per secret occurrence)
-    matched = sum(min(secret.count(d), guess.count(d)) for d in set(guess))
-    assert games.gn_feedback(secret, guess) == (in_place, matched - in_place)
-
-
-def test_gn_secret_is_distinct_digits_and_a_function_of_the_seed():
-    for seed in range(50):
-        s = games.gn_secret(seed, 4)
-        assert len(set(s)) == 4 and s == games.gn_secret(seed, 4)
-    assert len({games.gn_secret(seed, 4) for seed in range(50)}) > 40
-
-
-def test_gn_episode_solves_on_the_secret_and_grades_a_miss():
-    env = load_environment("env:guess-numbers")
-    p = game_problems("guess-numbers", {"digits": "3"}, 1, seed=0, split="train")[0]
-    secret = games.gn_secret(p.columns["seed"], 3)
-    wrong = next("".join(c) for c in itertools.permutations("0123456789", 3)
-                 if not set(c) & set(secret))
-    seen, reward = play(env, p, [[wrong]] * 2)
-    assert reward == 0.0 and "0 right and in place, 0 in the secret" in seen[1] and len(seen) == 3
-    seen, reward = play(env, p, [[wrong], ["x", secret]])
-    assert reward == 1.0 and "Solved" in seen[-1]
-    shuffled = secret[1:] + secret[0]  # every digit present, none in place
-    assert play(env, p, [[shuffled]])[1] == pytest.approx(0.5 * 0.5)
-
-
-# -- Blocksworld ------------------------------------------------------------------------------------------------
-def plan_by_search(env) -> list[str]:
-    """A shortest plan from the episode's state to its goal, by breadth-first search over bw_apply."""
-    blocks = list(env.on)
-    actions = ([("pick up", x, None) for x in blocks] + [("put down", x, None) for x in blocks]
-               + [(v, x, y) for v in ("stack", "unstack") for x in blocks for y in blocks if x != y])
-    start = (tuple(sorted(env.on.items())), None)
-    parent, queue = {start: None}, deque([start])
-    while queue:
-        state = queue.popleft()
-        on, held = dict(state[0]), state[1]
-        if held is None and all(on.get(b) == s for b, s in env.goal.items()):
-            plan = []
-            while parent[state] is not None:
-                state, action = parent[state]
-                plan.append(action)
-            return plan[::-1]
-        for verb, x, y in actions:
-            new_on, new_held = games.bw_apply(on, held, verb, x, y)
-            if new_on is not None:
-                nxt = (tuple(sorted(new_on.items())), new_held)
-                if nxt not in parent:
-                    parent[nxt] = (state, f"{verb} the {x} block" + (
-                        f" {'on top of' if verb == 'stack' else 'from on top of'} the {y} block" if y else ""))
-                    queue.append(nxt)
-    raise AssertionError("no plan")
-
-
-@pytest.mark.parametrize("blocks", [3, 4, 5])
-def test_blocksworld_searched_plan_solves_every_episode_and_earns_one(blocks):
-    env = load_environment("env:blocksworld")
-    for p in game_problems("blocksworld", {"blocks": str(blocks)}, 6, seed=1, split="heldout"):
-        episode, _ = env.start(p)
-        plan = plan_by_search(episode)
-        assert plan, "a goal that already holds is never generated"
-        seen, reward = play(env, p, [["\n".join(plan)]])
-        assert reward == 1.0 and seen[-1].endswith("solved."), seen
-
-
-def test_blocksworld_refuses_an_action_whose_precondition_fails_and_says_why():
-    on = {"red": "table", "blue": "red", "orange": "table"}
-    assert games.bw_apply(on, None, "pick up", "red", None) == (None, "the red block is not clear")
-    assert games.bw_apply(on, None, "unstack", "blue", "red") == ({**on, "blue": "held"}, "blue")
-    assert games.bw_apply(on, "blue", "pick up", "orange", None)[1].startswith("my hand is not empty")
-    assert games.bw_apply(on, None, "put down", "red", None) == (None, "I am not holding the red block")
-    assert games.bw_apply(on, None, "pick up", "green", None) == (None, "there is no green block")
-
-
-def test_blocksworld_partial_credit_counts_valid_actions_and_progress():
-    env = load_environment("env:blocksworld")
-    p = game_problems("blocksworld", {}, 1, seed=3, split="train")[0]
-    assert play(env, p, [["I do not know"]])[1] == 0.0  # no action: nothing earned
-    episode, _ = env.start(p)
-    plan = plan_by_search(episode)
-    reward = play(env, p, [[plan[0]]])[1]
-    assert 0.25 <= reward < 1.0  # one valid action: the valid share is 1
-
-
+# -- The built-in games' rows (the games themselves: tests/test_env_games.py) ----------------------------------
 def test_game_rows_split_train_and_heldout_apart_whatever_the_seed():
     for name in games.GAMES:
         train = {p.columns["seed"] for s in range(3) for p in game_problems(name, {}, 50, s, "train")}
@@ -306,7 +210,11 @@ def test_a_roles_next_template_addresses_the_later_rounds():
 def test_a_built_in_opening_states_the_rounds_the_run_gives():
     env = load_environment("env:blocksworld", max_rounds=3)
     p = game_problems("blocksworld", {}, 1, seed=0, split="heldout", rounds=env.max_rounds)[0]
-    assert "You have 3 rounds" in env.start(p)[1]
+    assert "We act over 3 rounds" in env.start(p)[1]
+    env = load_environment("env:guess-numbers", max_rounds=3)
+    p = game_problems("guess-numbers", {}, 1, seed=0, split="heldout", rounds=env.max_rounds)[0]
+    assert "You have 3 rounds" in env.start(p)[1] and "The last guess of round 3 is your final answer" in \
+        env.start(p)[1]
 
 
 def test_the_trackers_table_carries_an_episodes_whole_transcript():
