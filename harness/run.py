@@ -24,7 +24,8 @@ from harness import reasoning_gym_task, records, run_folder
 from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.environments import Environment, episode_columns, episode_reward, load_environment, probe_environment
-from harness.loading import check_hub_available, load_agent, warm_start
+from harness.loading import check_hub_available, load_agent, load_agents, warm_start
+from harness.lora import check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
@@ -45,6 +46,8 @@ from team import Agent, Problem, Team
 from trust_region import QuantileController
 from update import StepSize
 
+WARM_START_LR = 1e-3  # the tiny warm start's AdamW lr (harness.loading.warm_start's default)
+LORA_LR_SCALE = 10  # --lora: the warm start's lr multiple (warm_start_lr)
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
 
 
@@ -114,6 +117,12 @@ def validate_run_inputs(cfg: "Config") -> None:
         raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
         team_roles(cfg, len(parse_agents(cfg.agents)))
+    if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ValueError("--lora runs on one process: launch with python, not torchrun, and drop --shard-rollouts "
+                         "(one GPU holds a team of adapters on a shared base: python -m scale.memory ... --lora R)")
+    if cfg.resume:
+        check_resume_lora(run_folder.latest_checkpoint(cfg.resume), lora_settings(cfg.lora, cfg.lora_alpha,
+                                                                                   cfg.lora_targets))
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:
@@ -182,8 +191,9 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, r
                ) -> Team:
     dtype = getattr(torch, cfg.dtype)
     specs = parse_agents(cfg.agents)
-    agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
-              for k, spec in enumerate(specs)]
+    agents = load_agents(specs, cfg.device, dtype, [cfg.seed * 100 + k for k in range(len(specs))],
+                         lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets),
+                         lambda spec, device, dt, seed: procs.load_agent(load_agent, spec, device, dt, seed=seed))
     return Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
                                          roles=team_roles(cfg, len(specs)), reward=reward,
                                          environment=team_environment(cfg)))
@@ -211,7 +221,8 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
             t0 = time.time()
-            warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
+            warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed,
+                       lr=warm_start_lr(cfg))
             log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
                 f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
     procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
@@ -224,6 +235,13 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
                 value_heads[k].load_state_dict(saved[k])
     step_sizes = step_sizes_for(cfg, len(team), state.get("step_sizes", {}))
     return RunState(team, controllers, step_sizes, value_heads, rng, HF, log=log), state, rows
+
+
+def warm_start_lr(cfg: Config) -> float:
+    """The tiny warm start's lr: WARM_START_LR, x LORA_LR_SCALE when it fits adapters (--lora: the base stays as
+    built, so a checkpoint rebuilds it from its seed; an adapter's useful lr is about an order of magnitude above
+    a whole model's, SAT.md Section 14)."""
+    return WARM_START_LR * (LORA_LR_SCALE if cfg.lora is not None else 1)
 
 
 def step_sizes_for(cfg: Config, n: int, saved: dict) -> dict[int, StepSize]:
