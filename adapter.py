@@ -27,11 +27,13 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class Adapter:
-    """What makes an agent a base plus its own adapter: the adapter's settings and the seed its base was built
-    from (a tiny base is rebuilt from it; a loaded base ignores it)."""
+    """What makes an agent a base plus its own adapter: the adapter's settings, the seed its base was built from (a
+    tiny base is rebuilt from it; a loaded base ignores it), and whether the run trained the base itself (the tiny
+    warm start, standing in for pretraining: such a base has no other home, so checkpoints carry it)."""
 
     settings: LoraSettings
     base_seed: int
+    base_trained: bool = False
 
 
 ADAPTER_PARAMETER = ".lora_"  # in the name of every PEFT LoRA parameter (...q_proj.lora_A.default.weight)

@@ -66,6 +66,7 @@ class Agent:
                  adapter: Adapter | None = None):
         self.spec = spec
         self.adapter = adapter
+        self.base: Agent | None = None  # --lora: the whole agent whose weights this one's model shares
         self.model = model
         self.tokenizer = tokenizer
         self.procs = procs  # the processes its computation is spread over (processes.py: the scale-out seam)

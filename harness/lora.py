@@ -8,12 +8,13 @@ names, and an adapter's files in PEFT's own layout (``adapter_config.json`` + ``
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from adapter import Adapter, LoraSettings, own_named_parameters
-from team import Agent, AgentSpec
+from team import Agent, AgentSpec, Team
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the LM head
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -64,9 +65,10 @@ def shared_skeleton(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo={id(t): t for t in tensors})
 
 
-def with_adapter(base: Agent, adapter: Adapter, seed: int) -> Agent:
-    """An agent of ``base``'s spec and tokenizer whose model is ``base``'s weights (the same tensors) plus a fresh
-    LoRA adapter (B = 0: the agent starts as the base; A drawn from ``seed``, outside the run's random stream)."""
+def with_adapter(base: Agent, adapter: Adapter, seed: int, spec: AgentSpec | None = None) -> Agent:
+    """An agent of ``spec`` (default ``base``'s) and ``base``'s tokenizer whose model is ``base``'s weights (the same
+    tensors) plus a fresh LoRA adapter (B = 0: the agent starts as the base; A drawn from ``seed``, outside the run's
+    random stream)."""
     from peft import inject_adapter_in_model
 
     check_targets(base.model, adapter.settings, base.spec.name)
@@ -75,7 +77,23 @@ def with_adapter(base: Agent, adapter: Adapter, seed: int) -> Agent:
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config(adapter.settings), model)
     model.requires_grad_(False)
-    return Agent(base.spec, model, base.tokenizer, base.procs, adapter=adapter)
+    agent = Agent(spec or base.spec, model, base.tokenizer, base.procs, adapter=adapter)
+    agent.base = base
+    return agent
+
+
+def bases_team(team: Team) -> Team:
+    """The team of the agents' bases, slot by slot (one object for the slots of one base): what the tiny warm start
+    trains under --lora, so that a shared base stands in for a pretrained model and every adapter starts at B = 0 on
+    it. Its agents are marked as owning a trained base (``Adapter.base_trained``): checkpoints carry it."""
+    for agent in team.agents:
+        agent.adapter = replace(agent.adapter, base_trained=True)
+    return Team([agent.base for agent in team.agents], team.config)
+
+
+def base_folder_name(adapter: Adapter) -> str:
+    """The folder next to the agents' in a team folder that holds a base the run trained (``bases_team``)."""
+    return f"base_{adapter.base_seed}"
 
 
 def base_key(spec: AgentSpec) -> tuple:
@@ -89,6 +107,7 @@ def adapter_meta(agent: Agent) -> dict:
     s = agent.adapter.settings
     return {"name": agent.spec.name, "kind": agent.spec.kind, "source": agent.spec.source,
             "tiny_layers": agent.spec.tiny_layers, "base_seed": agent.adapter.base_seed,
+            "base_trained": agent.adapter.base_trained,
             "lora": {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets)}}
 
 
@@ -98,12 +117,14 @@ def adapter_of(meta: dict) -> tuple[AgentSpec, Adapter] | None:
         return None
     lora = meta["lora"]
     spec = AgentSpec(name=meta["name"], kind=meta["kind"], source=meta["source"], tiny_layers=meta["tiny_layers"])
-    return spec, Adapter(LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"])), meta["base_seed"])
+    settings = LoraSettings(lora["rank"], lora["alpha"], tuple(lora["targets"]))
+    return spec, Adapter(settings, meta["base_seed"], meta["base_trained"])
 
 
 def save_adapter(agent: Agent, path: str | Path) -> None:
     """The agent's adapter in PEFT's layout (``peft.PeftModel.from_pretrained(base, path)`` loads it) and
-    agent.json; the base is not written: its spec names it."""
+    agent.json; the base is not written (its spec names it), unless the run trained it (``bases_team``: then once
+    per team folder, ``base_folder_name``)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -118,6 +139,10 @@ def save_adapter(agent: Agent, path: str | Path) -> None:
     save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     (path / "agent.json").write_text(json.dumps(adapter_meta(agent)))
+    base_folder = path.parent / base_folder_name(agent.adapter)
+    if agent.adapter.base_trained and not base_folder.is_dir():
+        agent.base.model.save_pretrained(base_folder)
+        agent.base.tokenizer.save_pretrained(base_folder)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness.config import Config, parse_agents, resolve_agent_spec, threads_from_env
 from harness.environments import Environment, episode_columns, episode_reward, load_environment, probe_environment
 from harness.loading import check_hub_available, load_agent, load_agents, warm_start
-from harness.lora import check_resume_lora, lora_settings
+from harness.lora import bases_team, check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
@@ -46,8 +46,6 @@ from team import Agent, Problem, Team
 from trust_region import QuantileController
 from update import StepSize
 
-WARM_START_LR = 1e-3  # the tiny warm start's AdamW lr (harness.loading.warm_start's default)
-LORA_LR_SCALE = 10  # --lora: the warm start's lr multiple (warm_start_lr)
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
 
 
@@ -221,8 +219,8 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
                        for k in range(len(team))}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
             t0 = time.time()
-            warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed,
-                       lr=warm_start_lr(cfg))
+            warm_start(bases_team(team) if cfg.lora is not None else team, opening_problems(team, train),
+                       cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
             log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
                 f"{cfg.warmup_p_wrong:.0%} of the time (stands in for pretraining), {time.time() - t0:.1f}s")
     procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
@@ -235,13 +233,6 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
                 value_heads[k].load_state_dict(saved[k])
     step_sizes = step_sizes_for(cfg, len(team), state.get("step_sizes", {}))
     return RunState(team, controllers, step_sizes, value_heads, rng, HF, log=log), state, rows
-
-
-def warm_start_lr(cfg: Config) -> float:
-    """The tiny warm start's lr: WARM_START_LR, x LORA_LR_SCALE when it fits adapters (--lora: the base stays as
-    built, so a checkpoint rebuilds it from its seed; an adapter's useful lr is about an order of magnitude above
-    a whole model's, SAT.md Section 14)."""
-    return WARM_START_LR * (LORA_LR_SCALE if cfg.lora is not None else 1)
 
 
 def step_sizes_for(cfg: Config, n: int, saved: dict) -> dict[int, StepSize]:

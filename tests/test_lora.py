@@ -5,11 +5,15 @@ the trust region's quantities (per-state KL, the line search's fractions and ver
 the adapter stands for; a rejected step restores the adapter bit for bit; a checkpoint holds adapters that load
 unchanged in PEFT; each bad input is one line."""
 import copy
+import json
 
 import pytest
 import torch
+from test_sat import small_config, strip_timing
 
+import eval_aime
 import harness.cli
+import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
 from harness.config import Config, parse_agents
@@ -208,3 +212,25 @@ def test_lora_settings_reach_the_peft_config():
     assert (config.r, config.lora_alpha, sorted(config.target_modules), config.lora_dropout) == (8, 16.0,
                                                                                                 ["q_proj", "v_proj"], 0)
     assert lora.lora_settings(None, 32.0, "all-linear") is None
+
+
+@pytest.mark.slow  # a straight run of 3 stages and a resumed twin: about a minute on two busy cores
+def test_a_resumed_lora_run_equals_a_straight_one_and_its_checkpoint_holds_adapters(tmp_path):
+    lora_run = dict(lora=4, warmup_steps=20)
+    straight = harness.run.run(small_config(tmp_path / "a", stages=3, **lora_run), log=lambda *_: None)
+    harness.run.run(small_config(tmp_path / "b", stages=2, **lora_run), log=lambda *_: None)
+    resumed_cfg = harness.cli.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "3"])  # its --lora
+    resumed = harness.run.run(resumed_cfg, log=lambda *_: None)
+    assert strip_timing(resumed) == strip_timing(straight)
+    assert any(a["kl_quantile"] > 0 for r in straight[1:] for a in r["agents"])  # the adapters did move
+    team = tmp_path / "a" / "run" / "checkpoints" / "stage_0003" / "team"
+    assert sorted(p.name for p in team.iterdir()) == ["agent_0", "agent_1", "base_0", "team.json"]
+    assert not (team / "agent_0" / "model.safetensors").exists()  # the warm-started tiny base once, adapters apart
+    with pytest.raises(ValueError, match="holds LoRA adapters: resume it with --lora 4 --lora-alpha 32.0"):
+        harness.run.resolve(harness.cli.parse_args(["--resume", str(tmp_path / "a" / "run"), "--lora", "8"]))
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{k}+1", "answer": str(k + 1)}) + "\n" for k in range(2)))
+    out = tmp_path / "ev"
+    assert eval_aime.main(["--ckpt", str(tmp_path / "a" / "run"), "--data", str(data), "--k", "2", "--max-new-tokens",
+                           "4", "--device", "cpu", "--out", str(out)]) == 0
+    assert set(json.loads((out / "summary.json").read_text())["benchmarks"]) == {"two"}
