@@ -234,3 +234,37 @@ def test_a_resumed_lora_run_equals_a_straight_one_and_its_checkpoint_holds_adapt
     assert eval_aime.main(["--ckpt", str(tmp_path / "a" / "run"), "--data", str(data), "--k", "2", "--max-new-tokens",
                            "4", "--device", "cpu", "--out", str(out)]) == 0
     assert set(json.loads((out / "summary.json").read_text())["benchmarks"]) == {"two"}
+
+
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "down_proj")])
+def test_the_planner_counts_an_adapter_as_peft_builds_it(targets):
+    from scale import memory
+
+    agent = tiny_adapters(1, LoraSettings(rank=3, alpha=32.0, targets=targets))[0]
+    built = sum(p.numel() for p in own_parameters(agent.model))
+    assert memory.adapter_parameters(agent.model.config, 3, targets) == built
+
+
+def test_the_planner_holds_one_base_and_adapter_sized_training_state():
+    from scale import memory
+
+    config = memory.QWEN3_DIMS["qwen3-4b"]
+    full = memory.estimate_memory(config, 3, backend="hf")
+    adapters = memory.estimate_memory(config, 3, backend="hf", lora_rank=64)
+    base, adapter = memory.count_parameters(config), memory.adapter_parameters(config, 64)
+    assert adapters["weights"] == 2 * (base + 3 * adapter) and full["weights"] == 2 * 3 * base
+    assert adapters["master_weights"] == 4 * adapter and adapters["reference"] == 2 * adapter
+    assert adapters["trust_region_copies"] == 2 * 2 * adapter
+    assert adapters["activations"] == full["activations"] and adapters["kv_cache"] == full["kv_cache"]
+    assert adapters["peak_training"] < full["peak_training"] / 2
+
+
+def test_the_planner_prints_the_lora_table_and_refuses_what_lora_cannot_run(capsys):
+    from scale import memory
+
+    memory.main(["--model", "qwen3-4b", "--rows", "2", "--max-seq-len", "33792", "--lora", "64"])
+    out = capsys.readouterr().out
+    assert "--lora 64: one base shared by the 3 agents, each a LoRA adapter of 132.1 M parameters" in out
+    with pytest.raises(SystemExit):
+        memory.main(["--lora", "64", "--gpus", "1,2"])
+    assert "--lora plans one process on one GPU" in capsys.readouterr().err
