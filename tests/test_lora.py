@@ -6,6 +6,8 @@ the adapter stands for; a rejected step restores the adapter bit for bit; a chec
 unchanged in PEFT; each bad input is one line."""
 import copy
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +19,9 @@ import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
 from harness.config import Config, parse_agents
-from harness.loading import load_agents, load_saved_agents, save_agent
+from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
 from harness.processes import ONE_PROCESS
+from harness.run_folder import latest_checkpoint
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
 
 SETTINGS = LoraSettings(rank=4, alpha=32.0, targets=("all-linear",))
@@ -228,6 +231,7 @@ def test_a_resumed_lora_run_equals_a_straight_one_and_its_checkpoint_holds_adapt
     assert not (team / "agent_0" / "model.safetensors").exists()  # the warm-started tiny base once, adapters apart
     with pytest.raises(ValueError, match="holds LoRA adapters: resume it with --lora 4 --lora-alpha 32.0"):
         harness.run.resolve(harness.cli.parse_args(["--resume", str(tmp_path / "a" / "run"), "--lora", "8"]))
+    check_exported_adapter(tmp_path / "a" / "run", tmp_path / "export")
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{k}+1", "answer": str(k + 1)}) + "\n" for k in range(2)))
     out = tmp_path / "ev"
@@ -268,3 +272,20 @@ def test_the_planner_prints_the_lora_table_and_refuses_what_lora_cannot_run(caps
     with pytest.raises(SystemExit):
         memory.main(["--lora", "64", "--gpus", "1,2"])
     assert "--lora plans one process on one GPU" in capsys.readouterr().err
+
+
+def check_exported_adapter(run, out):
+    """tools/export_adapter.py: agent 2 of ``run`` as a folder PEFT loads unchanged, on the base its config names."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from export_adapter import main
+
+    assert main([str(run), "--agent", "2", "--out", str(out)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(json.loads((out / "adapter_config.json").read_text())
+                                                ["base_model_name_or_path"])
+    exported = PeftModel.from_pretrained(base, str(out))
+    team = load_saved_team(latest_checkpoint(run) / "team")
+    assert torch.allclose(logits(exported, inputs(4)), logits(team.agents[1].model, inputs(4)), atol=1e-6)
+    assert main([str(run), "--agent", "3", "--out", str(out)]) == 2  # a two-agent team
