@@ -193,6 +193,9 @@ def test_targets_the_model_lacks_are_one_line():
                       "train whole weights"),
     (["--lora-alpha", "8"], "--lora-alpha applies to adapters: add --lora RANK, or drop the option"),
     (["--lora", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0 (got 0.0)"),
+    (["--lora", "4", "--shard-rollouts"], "--lora runs on one process: launch with python, not torchrun, and drop "
+                                          "--shard-rollouts (one GPU holds a team of adapters on a shared base: "
+                                          "python -m scale.memory ... --lora R)"),
     (["--lora", "4", "--upgrade", "2=tiny"], "--upgrade with --lora: plug-and-play of an adapter team is not built "
                                              "yet; resume without --upgrade, or upgrade a team trained without --lora"),
 ])
