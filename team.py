@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from adapter import Adapter, own_parameters
 from harness.processes import ONE_PROCESS, OneProcess
 from reward import Reward
 
@@ -59,10 +60,14 @@ def param_groups(params: list, extra: list, lr: float) -> list[dict]:
 
 class Agent:
     """One team member: a causal LM, its tokenizer, and (only while it is the agent being trained)
-    an optimizer. Frozen agents hold no gradients and no optimizer state: SAT's memory advantage."""
+    an optimizer. Frozen agents hold no gradients and no optimizer state: SAT's memory advantage. With an
+    ``adapter`` (--lora) the model is a shared base plus this agent's LoRA layers, and only those train."""
 
-    def __init__(self, spec: AgentSpec, model, tokenizer, procs: OneProcess = ONE_PROCESS):
+    def __init__(self, spec: AgentSpec, model, tokenizer, procs: OneProcess = ONE_PROCESS,
+                 adapter: Adapter | None = None):
         self.spec = spec
+        self.adapter = adapter
+        self.base: Agent | None = None  # --lora: the whole agent whose weights this one's model shares
         self.model = model
         self.tokenizer = tokenizer
         self.procs = procs  # the processes its computation is spread over (processes.py: the scale-out seam)
@@ -86,7 +91,7 @@ class Agent:
         """The tensors holding this agent's gradients (for clipping): a bf16 agent's fp32 masters, else its own."""
         if isinstance(self.optimizer, MasterWeightAdamW):
             return self.optimizer.master
-        return list(self.model.parameters())
+        return own_parameters(self.model)
 
     def freeze(self, offload_optimizer: bool = False) -> None:
         """No gradients, no optimizer on the accelerator; ``offload_optimizer`` keeps the moments on the host."""
@@ -102,9 +107,10 @@ class Agent:
     def start_training(self, lr: float, weight_decay: float = 0.0, extra_params=None) -> torch.optim.Optimizer:
         """Give this agent gradients and an AdamW (its offloaded moments if it has them); the others
         stay frozen. ``extra_params`` (e.g. a value head) form a second group (``param_groups``)."""
-        self.model.requires_grad_(True)
+        params = own_parameters(self.model)  # the whole model, or its adapter (a shared base stays frozen)
+        for p in params:
+            p.requires_grad_(True)
         self.model.train()
-        params = list(self.model.parameters())
         extra = list(extra_params) if extra_params is not None else []
         if params[0].dtype == torch.float32:
             self.optimizer = torch.optim.AdamW(param_groups(params, extra, lr), lr=lr, weight_decay=weight_decay,

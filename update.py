@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from adapter import own_parameters
 from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
 from harness.config import STEP_RULES
 from logprobs import measure_kl, turn_forward, turn_rows
@@ -260,7 +261,7 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
 
 
 def _copy_parameters(agent: Agent) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in agent.model.parameters()]
+    return [p.detach().clone() for p in own_parameters(agent.model)]
 
 
 def _start_training(agent: Agent, head, cfg, lr: float) -> torch.optim.Optimizer:

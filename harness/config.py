@@ -222,6 +222,15 @@ class Config:
     dtype: str | None = opt(None, "agent weights (default: bfloat16 on CUDA, float32 on CPU); bfloat16 trains the "
                             "active agent on fp32 master weights", DTYPES)
     backend: str | None = opt(None, "rollouts: hf or vllm (default: vllm on CUDA when installed, else hf)", BACKENDS)
+    # The adapter's defaults: every linear layer but the LM head, since adapters on the attention alone fall short of
+    # full fine-tuning where all-linear ones match it (QLoRA, Dettmers et al. 2023; "LoRA Without Regret", Schulman
+    # et al. 2025, for RL too); alpha a constant 32, not a multiple of the rank, so that under PEFT's alpha / rank
+    # scaling the useful lr barely moves with the rank (the latter's finding): --lora 8 and --lora 64 share an --lr.
+    lora: int | None = opt(None, "train each agent as a PEFT LoRA adapter of this rank; agents that name the same "
+                           "base share one copy of its weights (default: every agent's whole weights)")
+    lora_alpha: float = opt(32.0, "--lora: the adapter's alpha (its update is scaled by alpha / rank)")
+    lora_targets: str = opt("all-linear", "--lora: the layers given adapters, comma-separated module names (e.g. "
+                            "q_proj,v_proj) or all-linear (every linear layer but the LM head)")
     upgrade: list[str] = opt([], "SLOT=MODEL: replace agent SLOT (1-based) by MODEL (Stage-0), then continue SAT")
     stage0_delta: float = opt(0.01, "Stage-0 radius delta_0 on the per-state KL quantile to the incumbent")
     stage0_max_passes: int = opt(200, "Stage-0 passes over its states before giving up")
@@ -339,8 +348,31 @@ class Config:
             raise ValueError(f"--max-rounds must be >= 1 (got {self.max_rounds})")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0 (got {self.warmup_steps})")
+        self.validate_lora()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
+
+    def validate_lora(self) -> None:
+        """--lora and its options: a rank >= 1, a positive alpha, and the options only with --lora."""
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.lora is None:
+            for name in ("lora_alpha", "lora_targets"):
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"--{name.replace('_', '-')} applies to adapters: add --lora RANK, or drop the "
+                                     "option")
+            return
+        if self.lora < 1:
+            raise ValueError(f"--lora must be >= 1 (got {self.lora}): it is the adapter's rank, e.g. --lora 16; "
+                             "drop --lora to train whole weights")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
+        if not self.lora_targets.strip(", "):
+            raise ValueError("--lora-targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
+        if self.backend == "vllm":
+            raise ValueError("--lora with --backend vllm: the vLLM engines do not serve adapters yet; use --backend hf")
+        if self.upgrade:
+            raise ValueError("--upgrade with --lora: plug-and-play of an adapter team is not built yet; resume without "
+                             "--upgrade, or upgrade a team trained without --lora")
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+from adapter import Adapter, LoraSettings
 from advantage import masked_mean
+from harness import lora
 from harness.config import resolve_agent_spec
 from harness.math_grading import math_team_config
 from harness.roles import parse_roles
@@ -261,8 +263,29 @@ def load_agent(spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = 
     return Agent(spec, model, prepare_tokenizer(tokenizer, spec.name, spec.source))
 
 
+def load_agents(specs: list[AgentSpec], device: str, dtype: torch.dtype, seeds: list[int],
+                settings: LoraSettings | None = None, load=None) -> list[Agent]:
+    """One agent per spec (``load(spec, device, dtype, seed=...)``: ``load_agent`` or the processes' own). With
+    ``settings`` (--lora) each is a base plus its own adapter, and specs that name one base share one copy of it
+    (``lora.base_key``; a tiny base is built from the first such slot's seed)."""
+    load = load or load_agent
+    if settings is None:
+        return [load(spec, device, dtype, seed=seed) for spec, seed in zip(specs, seeds)]
+    bases: dict[tuple, tuple[Agent, int]] = {}
+    agents = []
+    for spec, seed in zip(specs, seeds):
+        if lora.base_key(spec) not in bases:
+            bases[lora.base_key(spec)] = (load(spec, device, dtype, seed=seed), seed)
+        base, base_seed = bases[lora.base_key(spec)]
+        agents.append(lora.with_adapter(base, Adapter(settings, base_seed), seed))
+    return agents
+
+
 def save_agent(agent: Agent, path: str | Path) -> None:
-    """The agent as a Hugging Face folder (what vLLM engines and eval_aime.py load) and its name in agent.json."""
+    """The agent as a Hugging Face folder (what vLLM engines and eval_aime.py load) and its name in agent.json; an
+    adapter agent (--lora) as its adapter only (``lora.save_adapter``)."""
+    if agent.adapter is not None:
+        return lora.save_adapter(agent, path)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     agent.model.save_pretrained(path)
@@ -276,6 +299,34 @@ def load_saved_agent(path: str | Path, device: str = "cpu", dtype: torch.dtype =
     path = Path(path)
     meta = json.loads((path / "agent.json").read_text()) if (path / "agent.json").exists() else {"name": str(path)}
     return load_agent(AgentSpec(name=meta["name"], kind="local", source=str(path)), device, dtype)
+
+
+def saved_adapter(path: str | Path) -> tuple[AgentSpec, Adapter] | None:
+    """(base spec, adapter) of a folder ``save_agent`` wrote for an adapter agent; None for a whole model's."""
+    meta_file = Path(path) / "agent.json"
+    return lora.adapter_of(json.loads(meta_file.read_text())) if meta_file.exists() else None
+
+
+def load_saved_agents(folders: list[Path], device: str, dtype: torch.dtype, load=None) -> list[Agent]:
+    """The agents ``save_agent`` wrote in ``folders`` (``load``: ``load_saved_agent`` or the processes' own); the
+    adapters among them (--lora) on their bases, one copy of each base (``lora.base_key``)."""
+    load = load or load_saved_agent
+    bases: dict[tuple, Agent] = {}
+    agents = []
+    for folder in folders:
+        saved = saved_adapter(folder)
+        if saved is None:
+            agents.append(load(folder, device, dtype))
+            continue
+        spec, adapter = saved
+        if lora.base_key(spec) not in bases:  # a base the run trained: from the team folder, else from its spec
+            trained = Path(folder).parent / lora.base_folder_name(adapter)
+            bases[lora.base_key(spec)] = load_agent(AgentSpec(spec.name, "local", str(trained)) if adapter.base_trained
+                                                    else spec, device, dtype, seed=adapter.base_seed)
+        agent = lora.with_adapter(bases[lora.base_key(spec)], adapter, adapter.base_seed, spec)
+        lora.load_adapter_weights(agent, folder)
+        agents.append(agent)
+    return agents
 
 
 def save_team(team: Team, path: str | Path) -> None:
@@ -303,4 +354,4 @@ def save_team_meta(team: Team, path: str | Path) -> None:
 def load_saved_team(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Team:
     """A team saved by ``save_team``, each agent whole (sharded: ``read_team``'s folders)."""
     folders, cfg = read_team(path)
-    return Team([load_saved_agent(f, device, dtype) for f in folders], cfg)
+    return Team(load_saved_agents(folders, device, dtype), cfg)

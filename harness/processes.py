@@ -11,11 +11,11 @@ reverse.
 """
 from __future__ import annotations
 
-import copy
 from contextlib import nullcontext
 
 import torch
 
+from adapter import copy_sharing_base, own_parameters
 from harness import training_state
 
 
@@ -55,12 +55,13 @@ class OneProcess:
 
     # -- models ----------------------------------------------------------------------------------------
     def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A copy that no update touches (the reference pi_j,cur)."""
-        return copy.deepcopy(model)
+        """A copy that no update touches (the reference pi_j,cur); an adapter's copy shares its base."""
+        return copy_sharing_base(model)
 
     def parameters(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The parameters an interpolation writes (views: the model reads them at its next forward)."""
-        return list(model.parameters())
+        """The parameters an interpolation writes (views: the model reads them at its next forward): the whole
+        model's, or its adapter's."""
+        return own_parameters(model)
 
     def release(self, model: torch.nn.Module) -> None:
         """Drop whatever a forward kept gathered, so the next forward reads the current weights."""

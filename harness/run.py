@@ -33,7 +33,8 @@ from harness.environments import (
     probe_environment,
     responder_spec,
 )
-from harness.loading import check_hub_available, load_agent, warm_start
+from harness.loading import check_hub_available, load_agent, load_agents, warm_start
+from harness.lora import bases_team, check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
@@ -128,6 +129,12 @@ def validate_run_inputs(cfg: "Config") -> None:
         raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
         team_roles(cfg, len(parse_agents(cfg.agents)))
+    if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise ValueError("--lora runs on one process: launch with python, not torchrun, and drop --shard-rollouts "
+                         "(one GPU holds a team of adapters on a shared base: python -m scale.memory ... --lora R)")
+    if cfg.resume:
+        check_resume_lora(run_folder.latest_checkpoint(cfg.resume), lora_settings(cfg.lora, cfg.lora_alpha,
+                                                                                   cfg.lora_targets))
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
     if cfg.upgrade:
@@ -196,8 +203,9 @@ def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, r
                ) -> Team:
     dtype = getattr(torch, cfg.dtype)
     specs = parse_agents(cfg.agents)
-    agents = [procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + k)
-              for k, spec in enumerate(specs)]
+    agents = load_agents(specs, cfg.device, dtype, [cfg.seed * 100 + k for k in range(len(specs))],
+                         lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets),
+                         lambda spec, device, dt, seed: procs.load_agent(load_agent, spec, device, dt, seed=seed))
     team = Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
                                          roles=team_roles(cfg, len(specs)), reward=reward,
                                          environment=team_environment(cfg)))
@@ -279,7 +287,8 @@ def tiny_warm_start(cfg: Config, team: Team, train: list[Problem], log) -> None:
             "(its reward is its own); they start from their initial weights")
         return
     t0 = time.time()
-    warm_start(team, opening_problems(team, train), cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)
+    warm_start(bases_team(team) if cfg.lora is not None else team, opening_problems(team, train),
+               cfg.warmup_steps, cfg.warmup_p_wrong, cfg.seed)  # --lora: the shared base stands in for pretraining
     target = f" (environment {env.name}'s openings, its rows' {cfg.answer_key!r} as the target)" if env else ""
     log(f"warm start: {cfg.warmup_steps} supervised steps per tiny agent on labels wrong "
         f"{cfg.warmup_p_wrong:.0%} of the time{target} (stands in for pretraining), {time.time() - t0:.1f}s")

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from harness.loading import load_saved_agent, read_team, save_agent, save_team_meta
+from harness.loading import load_saved_agent, load_saved_agents, read_team, save_agent, save_team_meta
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.training_state import optimizer_skeleton
 from team import Agent, Team
@@ -294,7 +294,8 @@ def load_checkpoint(folder: Path, device: str, dtype: torch.dtype,
     state = read_state(folder)
     try:
         folders, team_config = read_team(folder / "team")
-        team = Team([procs.load_agent(load_saved_agent, f, device, dtype) for f in folders], team_config)
+        team = Team(load_saved_agents(folders, device, dtype, lambda *a: procs.load_agent(load_saved_agent, *a)),
+                    team_config)
     except (ValueError, FileNotFoundError):
         raise
     except Exception as err:  # safetensors / json / tokenizer errors of a damaged file

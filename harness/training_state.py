@@ -13,13 +13,15 @@ from pathlib import Path
 
 import torch
 
+from adapter import own_named_parameters, own_parameters
+
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, shaped like the parameter
 
 
 def kept_moments(agent) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
     """(key, value or None, parameter shape) of each kept AdamW moment of the agent's parameters (state
     index i is parameter i); a value head's stay in state.pt."""
-    saved, shapes = agent.saved_optimizer_state, [p.shape for p in agent.model.parameters()]
+    saved, shapes = agent.saved_optimizer_state, [p.shape for p in own_parameters(agent.model)]
     if saved is None:
         return []
     return [(f"optimizer.{idx}.{k}", v, shapes[int(idx)]) for idx, st in saved["state"].items() for k, v in st.items()
@@ -35,13 +37,14 @@ def optimizer_skeleton(agent) -> dict:
 
 
 def parameter_names(agent) -> list[str]:
-    """The plain model's parameter names (a torchrun-sharded model's are those of the LM inside)."""
-    return [n for n, _ in getattr(agent.model, "lm", agent.model).named_parameters()]
+    """The names of the plain model's own parameters (``team.own_named_parameters``: an adapter's under --lora; a
+    torchrun-sharded model's are those of the LM inside)."""
+    return [n for n, _ in own_named_parameters(getattr(agent.model, "lm", agent.model))]
 
 
 def fp32_state(agent) -> dict[str, torch.Tensor]:
     """{parameter name: fp32 tensor} (the master weights of a bf16 agent where it has them) and the moments."""
-    params = [p.detach() for p in agent.model.parameters()]
+    params = [p.detach() for p in own_parameters(agent.model)]
     kept = agent.master_weights or [p.float() for p in params]
     if [k.shape for k in kept] != [p.shape for p in params]:  # a bug: the masters belong to other weights
         raise RuntimeError(f"agent {agent.spec.name}: its fp32 master weights do not match its parameters "
@@ -65,7 +68,7 @@ def load(folder: Path, team) -> None:
     import torch.distributed.checkpoint as dcp
 
     for k, agent in enumerate(team.agents):
-        params = [p.detach() for p in agent.model.parameters()]
+        params = [p.detach() for p in own_parameters(agent.model)]
         state = {n: p.float().cpu().clone() for n, p in zip(parameter_names(agent), params, strict=True)}
         state.update({key: torch.zeros(shape) for key, value, shape in kept_moments(agent) if value is None})
         with single_process_quiet():

@@ -113,6 +113,22 @@ def count_parameters(config) -> int:
     return d["vocab"] * h + d["layers"] * (attention + mlp + norms) + h + head  # embeddings, layers, final norm, head
 
 
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a Qwen3-layout decoder layer, by module name."""
+    d = model_dims(config)
+    h, q_dim, kv_dim, inter = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"], d["intermediate"]
+    return {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim), "o_proj": (q_dim, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def adapter_parameters(config, rank: int, targets: tuple[str, ...] = ("all-linear",)) -> int:
+    """Exact parameter count of a LoRA adapter of ``rank`` (A: rank x in, B: out x rank) on the ``targets`` of every
+    decoder layer ("all-linear": all seven; a name no layer has counts nothing)."""
+    shapes = linear_shapes(config)
+    names = list(shapes) if tuple(targets) == ("all-linear",) else [t for t in targets if t in shapes]
+    return model_dims(config)["layers"] * sum(rank * sum(shapes[n]) for n in names)
+
+
 def root_and_layer(config) -> tuple[int, int]:
     """Parameters of FSDP2's root unit (embeddings, final norm, an untied head) and of one decoder layer."""
     d = model_dims(config)
@@ -191,7 +207,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
                     micro_batch_tokens: int = 8192, max_seq_len: int = 4096, gradient_checkpointing: bool = True,
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
                     optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
-                    engine_tensor_parallel: int = 1, shard_frozen: bool = False) -> dict[str, int]:
+                    engine_tensor_parallel: int = 1, shard_frozen: bool = False, lora_rank: int | None = None,
+                    lora_targets: tuple[str, ...] = ("all-linear",), n_bases: int = 1) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring), per rank.
 
     micro_batch_tokens: tokens of one gradient micro-batch. max_seq_len: the longest context + response.
@@ -199,7 +216,9 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     logits_chunk_tokens: positions through the LM head at once (``head_chunk_tokens``). dtype_bytes < 4 adds the
     fp32 masters. gpus: torchrun ranks (the trained agent's fp32 state / gpus; the rest whole on every rank unless
     ``shard_frozen``: weights, reference and snapshots / gpus, plus ``gathered``). engine_tensor_parallel: K of
-    ``--vllm-tensor-parallel`` (a rank holds 1/K of every engine)."""
+    ``--vllm-tensor-parallel`` (a rank holds 1/K of every engine). lora_rank (--lora): ``n_bases`` bases shared by
+    the agents plus an adapter each (``adapter_parameters``); masters, gradients, AdamW, the reference and the
+    snapshots cover an adapter, and an engine holds a base with the adapters (one engine per base)."""
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
     if backend not in ("hf", "vllm"):
@@ -207,18 +226,24 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     for name, value in (("n_agents", n_agents), ("gpus", gpus), ("engine_tensor_parallel", engine_tensor_parallel)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1 (got {value})")
-    params = count_parameters(model_config)
+    d = model_dims(model_config)
+    if lora_rank is None:
+        params = count_parameters(model_config)  # what one agent trains and the trust region copies
+        all_weights = n_agents * params * dtype_bytes
+        largest_tensor = max(d["vocab"] * d["hidden"], d["hidden"] * d["intermediate"])  # embedding or an MLP matrix
+    else:
+        params = adapter_parameters(model_config, lora_rank, lora_targets)
+        all_weights = (n_bases * count_parameters(model_config) + n_agents * params) * dtype_bytes
+        largest_tensor = lora_rank * max(d["hidden"], d["intermediate"])  # an adapter's A or B
     trained = n_agents if update == "joint" else 1  # agents holding grads + optimizer state at once
     weight_bytes = params * dtype_bytes
-    d = model_dims(model_config)
-    largest_tensor = max(d["vocab"] * d["hidden"], d["hidden"] * d["intermediate"])  # embedding or an MLP matrix
     transient_grad = largest_tensor * dtype_bytes if dtype_bytes < 4 else 0  # a bf16 grad before its fp32 add
     rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
     chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, LOGITS_CHUNK_TOKENS)
     train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
     kl_check = 1024 * 2 * logits_bytes_per_token(model_config)  # the exact KL: 1024 positions of two models (no grad)
     estimate = {
-        "weights": n_agents * weight_bytes,
+        "weights": all_weights,
         "master_weights": trained * params * 4 if dtype_bytes < 4 and gpus == 1 else 0,
         "grads_optimizer": (trained * params * (4 + optimizer_bytes_per_param) + transient_grad if gpus == 1
                             else _ceil_div(trained * params * (4 + 4 + optimizer_bytes_per_param), gpus)),
@@ -227,7 +252,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         "activations": max(train_act + chunk * logits_bytes_per_token(model_config), kl_check)
         + head_fp32_bytes(model_config),
         "kv_cache": max(rollout_tokens, max_seq_len) * kv_bytes_per_token(model_config, dtype_bytes),
-        "engine_weights": _ceil_div(n_agents * weight_bytes, engine_tensor_parallel) if backend == "vllm" else 0,
+        "engine_weights": _ceil_div(all_weights, engine_tensor_parallel) if backend == "vllm" else 0,
         "gathered": 0,
         "gathered_rollout": 0,
     }
@@ -417,13 +442,26 @@ def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=head_chunk_tokens(rows, seq),
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=gpus, engine_tensor_parallel=cfg.vllm_tensor_parallel,
-                          shard_frozen=bool(cfg.shard_frozen))
+                          shard_frozen=bool(cfg.shard_frozen), **lora_plan(cfg))
     if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
         est.update(stage0_rank_bytes(model_config, model_config, n_agents, gpus=gpus,
                                      dtype_bytes=dtype_bytes, micro_batch_tokens=cfg.token_budget,
                                      gradient_checkpointing=cfg.gradient_checkpointing,
                                      shard_frozen=bool(cfg.shard_frozen)))
     return est
+
+
+def lora_plan(cfg) -> dict:
+    """``estimate_memory``'s adapter arguments of a run (--lora): the rank, the targets and how many bases its agents
+    share (``harness.lora.base_key``); none without --lora."""
+    if cfg.lora is None:
+        return {}
+    from harness.config import parse_agents
+    from harness.lora import base_key, lora_settings
+
+    settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets)
+    return {"lora_rank": settings.rank, "lora_targets": settings.targets,
+            "n_bases": len({base_key(s) for s in parse_agents(cfg.agents)})}
 
 
 def _stage0_error(memory: str, est: dict[str, int], available: int) -> ValueError:
@@ -602,7 +640,15 @@ def main(argv=None) -> None:
     p.add_argument("--shard-frozen", action=argparse.BooleanOptionalAction, default=True,
                    help="per-rank plan (gpus > 1) with the agents, the reference and the line-search snapshots as "
                         "FSDP2 shards, as a torchrun run on CUDA holds them (--no-shard-frozen: whole on every rank)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="agents as LoRA adapters of this rank (all linear layers) on one shared base, as sat.py --lora "
+                        "RANK holds them (one process only)")
     args = p.parse_args(argv)
+    if args.lora is not None and args.lora < 1:
+        p.exit(2, f"{p.prog}: error: --lora must be >= 1 (got {args.lora})\n")
+    if args.lora is not None and (args.stage0 or str(args.gpus) != "1"):
+        p.exit(2, f"{p.prog}: error: --lora plans one process on one GPU (sat.py --lora refuses torchrun and "
+                  "--upgrade): use --gpus 1 and no --stage0\n")
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
             p.exit(2, f"{p.prog}: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
@@ -618,13 +664,18 @@ def main(argv=None) -> None:
     kw = dict(update=args.update, micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
               gradient_checkpointing=checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
               logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
-              engine_tensor_parallel=args.vllm_tensor_parallel)
+              engine_tensor_parallel=args.vllm_tensor_parallel,
+              **({"lora_rank": args.lora} if args.lora is not None else {}))
     if len(gpus) > 1 or gpus[0] > 1:
         print(plan_table(args.model, args.n_agents, gpus, gib, shard_frozen=args.shard_frozen, **kw))
         return
     est = estimate_memory(QWEN3_DIMS[args.model], args.n_agents, **kw)
     print(f"{args.model} x{args.n_agents}, {args.update} update, backend {args.backend}: "
           f"{count_parameters(QWEN3_DIMS[args.model]) / 1e9:.3f} B parameters per agent")
+    if args.lora is not None:
+        print(f"--lora {args.lora}: one base shared by the {args.n_agents} agents, each a LoRA adapter of "
+              f"{adapter_parameters(QWEN3_DIMS[args.model], args.lora) / 1e6:.1f} M parameters on all linear layers"
+              " (what trains, the reference, the snapshots)")
     print(format_table(est, int(args.available_gib * GiB) if args.available_gib else None))
 
 

@@ -32,6 +32,8 @@ RUNS = {
     "reasoning_gym_start.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--team", "2", "--tasks",
                                 "knights_knaves;tower_of_hanoi:max_disks=3"],
                                r"(?m)^tower_of_hanoi:max_disks=3 +2( +[\d.]+){6} +\d+$"),
+    "lora_checkpoint.py": (["lora", "ckpt", "--agents", "tiny-2L x2", "--rank", "2"],
+                           r"(?m)^lora: team \d+ bytes, sharded \d+ bytes, peak RSS \d+ MiB, loaded in [\d.]+ s$"),
     "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
                         r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }
