@@ -34,6 +34,12 @@ RUNS = {
                                r"(?m)^tower_of_hanoi:max_disks=3 +2( +[\d.]+){6} +\d+$"),
     "lora_checkpoint.py": (["lora", "ckpt", "--agents", "tiny-2L x2", "--rank", "2"],
                            r"(?m)^lora: team \d+ bytes, sharded \d+ bytes, peak RSS \d+ MiB, loaded in [\d.]+ s$"),
+    "arbench_policies.py": (["--episodes", "4", "--turns", "4"],
+                            r"(?m)^DC generated random +accuracy [\d.]+ \+- [\d.]+ \(n=4\) +chance 0\.200\n(?:.*\n)*?"
+                            r"SP generated keys +word F1 +[\d.]+ \+- [\d.]+ \(n=4\)$"),
+    "game_baselines.py": (["--episodes", "4"],
+                          r"(?m)^\| blocksworld, instances planbench \| lift-and-replace \| 4 \| "
+                          r"\+0\.000 \(0\.000\) \| 0\.0% \| 0\.0% \|$"),
     "smollm2_task.py": (["--model", "tiny", "--n", "2", "--max-new-tokens", "4", "--temperatures", "1.0"],
                         r"(?m)^1\.00 +mean +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$"),
 }
