@@ -1,6 +1,6 @@
 """An agent's own parameters: the whole model, or (``--lora``) its LoRA adapter on a base shared with other agents.
 
-SAT.md, Section 14: nothing in the trust region, the per-state KL or the certificate depends on how a policy is
+Nothing in the trust region, the per-state KL or the certificate depends on how a policy is
 parametrised, so the code path is one. What an agent trains, what the line search interpolates and restores, what
 its fp32 masters and AdamW moments cover and what a checkpoint's training state holds are its *own* parameters
 (``own_parameters``); the reference pi_cur is a copy that shares whatever is not its own (``copy_sharing_base``).

@@ -26,6 +26,13 @@ import re
 from harness.dc_cases import card_of, generate_case, is_case, roles_of
 
 RULES = "rules"
+
+
+def check_replies(responder: str, questions: int, replies: list[str] | None) -> None:
+    """A model responder's replies must be one per question the round's ``ask`` put (the rules need none)."""
+    if responder != RULES and (replies is None or len(replies) != questions):
+        raise ValueError(f"responder {responder}: step needs {questions} replies (one per chat of ask), got "
+                         f"{'none' if replies is None else len(replies)}")
 LETTERS = "ABCDE"
 TURNS = 25  # AR-Bench's budget of questions
 OPENING = (
@@ -342,10 +349,7 @@ class DetectiveCases:
     def question_lines(self, responses: list[str], replies: list[str] | None) -> list[str]:
         """Answer each turn of the round (rules, or the model's replies in order) and write the observation."""
         turns = self.turns_of(responses)
-        wanted = sum(t is not None for _, t in turns) if self.responder != RULES else 0
-        if self.responder != RULES and (replies is None or len(replies) != wanted):
-            raise ValueError(f"responder {self.responder}: step needs {wanted} replies (one per chat of ask), got "
-                             f"{'none' if replies is None else len(replies)}")
+        check_replies(self.responder, sum(t is not None for _, t in turns), replies)
         lines, used = [], 0
         for k, turn in turns:
             self.turns_left -= 1

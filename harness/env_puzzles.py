@@ -19,9 +19,9 @@ import re
 import string
 from collections import Counter
 
+from harness.env_detective import RULES, check_replies
 from harness.sp_puzzles import generate_puzzle
 
-RULES = "rules"
 TURNS = 25
 YES, NO, UNKNOWN = "Yes", "No", "Unknown"
 REFUSAL = "I only answer yes-or-no questions about the story, and I will not tell you the answer; ask another."
@@ -188,10 +188,7 @@ class SituationPuzzles:
             self.answer = next((a for a in map(answer_of, reversed(responses)) if a), None)
             return f"The team's answer: {self.answer or 'none'}.\nThe story: {self.puzzle['bottom']}", True
         asked = self.questions_of(responses)
-        wanted = sum(q is not None for _, q in asked) if self.responder != RULES else 0
-        if self.responder != RULES and (replies is None or len(replies) != wanted):
-            raise ValueError(f"responder {self.responder}: step needs {wanted} replies (one per chat of ask), got "
-                             f"{'none' if replies is None else len(replies)}")
+        check_replies(self.responder, sum(q is not None for _, q in asked), replies)
         lines, used = [], 0
         for k, question in asked:
             self.turns_left, self.asked = self.turns_left - 1, self.asked + 1

@@ -1,4 +1,4 @@
-"""--lora: agents as PEFT LoRA adapters on one shared base (SAT.md, Section 14).
+"""--lora: agents as PEFT LoRA adapters on one shared base.
 
 What must hold: agents of one base hold one copy of its tensors; training one agent never moves another's policy;
 the trust region's quantities (per-state KL, the line search's fractions and verdicts) are those of the dense model
