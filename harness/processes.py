@@ -5,9 +5,9 @@ only what Algorithm 1 needs from them: which rows of a batch are this process's,
 over processes, a frozen copy pi_j,cur, the agent's parameters to interpolate, a backward pass, the
 rollout's rows, lockstep for models whose forwards are collectives. ``OneProcess`` gives the answers
 of a single process, so on one process every core function reads as if scale-out did not exist.
-``scale.torchrun.Torchrun`` gives torchrun's (FSDP2 shards, seeded rollout blocks, gathers); only the
-entry points (``sat.py``, ``eval_aime.py``) import it, and ``scale/`` imports the core, never the
-reverse.
+``scale.torchrun.Torchrun`` gives torchrun's (FSDP2 shards, seeded rollout blocks, gathers); of the
+core and the product wing only ``harness/run.py`` imports it (``resolve`` picks the processes), and
+``scale/`` imports the core, never the reverse.
 """
 from __future__ import annotations
 
