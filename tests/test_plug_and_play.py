@@ -97,16 +97,6 @@ def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
     assert len(more[-1]["agents"]) == 2
 
 
-@pytest.mark.slow  # over 10 s on two busy cores: a run before the refusals
-def test_upgrade_needs_resume_and_a_valid_slot(tmp_path, capsys):
-    assert harness.cli.main(["--upgrade", "2=tiny", "--stages", "1", "--out", str(tmp_path / "x"), "--warmup-steps",
-                             "0", "--batch-size", "8", "--group-size", "4", "--eval-size", "4"]) == 2  # refused first
-    assert "--upgrade needs --resume" in capsys.readouterr().err
-    harness.run.run(small_config(tmp_path, stages=1), **QUIET)
-    assert harness.cli.main(["--resume", str(tmp_path / "run"), "--upgrade", "5=tiny"]) == 2
-    assert "out of range" in capsys.readouterr().err
-
-
 # ---------------------------------------------------------------------------
 # Stage-0 on small random models, where Eq. (7) is computable exactly
 # ---------------------------------------------------------------------------

@@ -259,12 +259,20 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
             assert (a["answer"] == s["gold"]) <= a["correct"] <= (a["answer"] is not None)
 
 
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory):
+    """A straight 4-stage run, and a 2-stage run resumed to 4 stages: (straight folder, its records, resumed
+    records). Both tests below read them: one pair of runs for the module."""
+    root = tmp_path_factory.mktemp("resume")
+    straight = harness.run.run(small_config(root / "a", stages=4), log=lambda *_: None)
+    harness.run.run(small_config(root / "b", stages=2), log=lambda *_: None)
+    resumed_cfg = harness.cli.parse_args(["--resume", str(root / "b" / "run"), "--stages", "4"])
+    return root / "a" / "run", straight, harness.run.run(resumed_cfg, log=lambda *_: None)
+
+
 @pytest.mark.slow  # over half a minute: a straight run and its resumed twin
-def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
-    straight = harness.run.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
-    harness.run.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)
-    resumed_cfg = harness.cli.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "4"])
-    resumed = harness.run.run(resumed_cfg, log=lambda *_: None)
+def test_resume_gives_the_same_metrics_as_a_straight_run(straight_and_resumed):
+    _, straight, resumed = straight_and_resumed
     assert strip_timing(resumed) == strip_timing(straight)
 
 
@@ -281,13 +289,11 @@ def test_gae_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
     assert strip_timing(resumed) == strip_timing(straight)
 
 
-@pytest.mark.slow  # over 10 s on two busy cores: a whole run
-def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
-    cfg = small_config(tmp_path, stages=1)
-    harness.run.run(cfg, log=lambda *_: None)
-    run_dir = tmp_path / "run"
+@pytest.mark.slow  # reads the runs of the resume test above
+def test_checkpoint_is_atomic_and_latest_points_to_it(straight_and_resumed):
+    run_dir = straight_and_resumed[0]
     latest = latest_checkpoint(run_dir)
-    assert latest.name == "stage_0001" and (latest / "state.pt").exists()
+    assert latest.name == "stage_0004" and (latest / "state.pt").exists()
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
 
 
