@@ -168,6 +168,7 @@ def inline_fit_piece(head_new, head_pre, head_cur, h_new, h_pre, h_cur, t, tempe
     return (target.exp() * (target - logp_new)).sum()
 
 
+@pytest.mark.slow  # a Stage-0 fit of up to 300 passes
 def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states():
     """pi_pre and pi_cur share a trunk and differ in the LM head, so Eq. (7)'s
     targets are (nearly) representable; after Stage-0 the per-state
