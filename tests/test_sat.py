@@ -226,7 +226,7 @@ def default_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides", [
-    None,  # the module's default_run
+    pytest.param(None, id="overrides0"),  # the module's default_run
     pytest.param(dict(protocol="chain", order="greedy"), marks=pytest.mark.slow),  # over 10 s on two busy cores
     pytest.param(dict(update="joint", order="random"), marks=pytest.mark.slow),  # the fast tier keeps the first
     pytest.param(dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"), marks=pytest.mark.slow),
