@@ -1,6 +1,7 @@
 """Plug-and-play: Stage-0 alignment of a replacement agent and continuing SAT (paper, Section 5, Eqs. (6)-(7))."""
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -69,9 +70,9 @@ def test_vocabulary_mismatch_is_refused():
 
 
 @pytest.mark.slow  # over 10 s on two busy cores: a run, an upgrade and a resume
-def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path):
-    harness.run.run(small_config(tmp_path, stages=1), **QUIET)
+def test_upgrade_run_keeps_others_bit_identical_records_and_resumes(tmp_path, one_stage_tiny_run):
     run_dir = tmp_path / "run"
+    shutil.copytree(one_stage_tiny_run, run_dir)  # the run of small_config(stages=1), made once in conftest
     assert json.loads((run_dir / "config.json").read_text())["agents"] == small_config(tmp_path).agents  # as given
     before = load_saved_team(latest_checkpoint(run_dir) / "team")
     cfg = harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",

@@ -173,12 +173,9 @@ def untimed(record):
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accept") / "base"
-    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
-                     warmup_steps=30, eval_size=16, out=str(out), device="cpu").apply_preset()
-    harness.run.run(cfg, **QUIET)
-    return out
+def base_run(one_stage_tiny_run):
+    """conftest's 1-stage run (each upgrade below resumes it into an --out of its own)."""
+    return one_stage_tiny_run
 
 
 def upgrade_run(base, out, *options):
