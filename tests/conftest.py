@@ -16,6 +16,21 @@ settings.register_profile("dev", max_examples=300, deadline=None, print_blob=Tru
 settings.load_profile(os.environ.get("SAT_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session")
+def one_stage_tiny_run(tmp_path_factory):
+    """The folder of a finished 1-stage run of two tiny agents (32 trajectories, 30 warm-start steps): the run
+    that test_upgrade_accept and test_plug_and_play upgrade, once for the session. Read it, resume it into
+    another --out, or copy it before changing it."""
+    import harness.run
+    import sat
+
+    out = tmp_path_factory.mktemp("one_stage") / "run"
+    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
+                     warmup_steps=30, eval_size=16, out=str(out), device="cpu").apply_preset()
+    harness.run.run(cfg, log=lambda *_: None)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def single_thread():
     """Tiny models and [5, 3]-sized tensors: one intra-op thread avoids OpenMP

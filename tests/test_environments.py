@@ -141,6 +141,7 @@ TINY = ["--agents", "tiny x2", "--batch-size", "8", "--group-size", "4", "--epoc
         "--eval-size", "6", "--warmup-steps", "20", "--max-new-tokens", "4"]
 
 
+@pytest.mark.slow  # whole runs: sat.py, its resume and eval_aime.py
 def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_path, capsys):
     import eval_aime
     from harness.cli import main
@@ -163,6 +164,7 @@ def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_p
     assert 0 <= bench["metrics"]["team"]["avg@2"]["value"] <= 1
 
 
+@pytest.mark.slow  # whole runs: sat.py and eval_aime.py on two games
 def test_the_built_in_games_train_and_evaluate(tmp_path):
     """Each built-in game through sat.py (one stage; guess-numbers with two digits) and eval_aime.py, tiny and short:
     their openings are long for a character tokenizer, so no warm start and few rows."""

@@ -139,6 +139,7 @@ def test_end_to_end_tiny_team(tmp_path, protocol, capsys):
     assert "to generate" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # two evaluations of sampled chunks
 @needs_aime
 def test_resume_after_interruption_gives_the_same_summary(tmp_path):
     full, expected = run_cli(tmp_path, "full", "--sample-chunk", "1")
@@ -212,6 +213,7 @@ def test_unknown_bench_is_one_line(tmp_path, capsys):
     assert "\n" not in err and "unknown dataset 'aime26'" in err and "aime24" in err
 
 
+@pytest.mark.slow  # a process importing torch, transformers and datasets
 def test_offline_bench_says_how_to_pass_a_local_file(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "OMP_NUM_THREADS": "1"}

@@ -54,6 +54,7 @@ def svj(tmp_path_factory):
     return out, argv
 
 
+@pytest.mark.slow  # the module's sequential_vs_joint run: five tiny runs
 def test_sequential_vs_joint_writes_its_table_and_plot(svj):
     out, _ = svj
     rows = table_rows(out)
@@ -68,6 +69,7 @@ def test_sequential_vs_joint_writes_its_table_and_plot(svj):
     assert config["update"] == "joint" and config["batch_size"] == 32 and config["seed"] == 0
 
 
+@pytest.mark.slow  # the module's sequential_vs_joint run: five tiny runs
 def test_a_second_invocation_skips_finished_runs(svj, capsys, monkeypatch):
     out, argv = svj
     before = {c: read_metrics(out / "independent-n2" / c / "seed0") for c in sequential_vs_joint.CONDITIONS}
@@ -82,6 +84,7 @@ def test_a_second_invocation_skips_finished_runs(svj, capsys, monkeypatch):
     assert {c: read_metrics(out / "independent-n2" / c / "seed0") for c in before} == before
 
 
+@pytest.mark.slow  # the module's sequential_vs_joint run: five tiny runs
 def test_partial_runs_resume_and_debris_restarts(svj, capsys):
     out, argv = svj
     folder = out / "independent-n2" / "sat-weights" / "seed0"

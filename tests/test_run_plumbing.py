@@ -146,6 +146,7 @@ def test_cli_rejects_zero_threads(capsys):
     assert "--threads must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole run through sat.py's command line
 def test_output_sent_to_a_file_has_the_stage_lines_and_no_progress_bars(tmp_path, capfd):
     """Output that is not a terminal (pytest's capture files, like ``python sat.py > log 2>&1``) gets the stage
     lines but none of the progress bars' carriage-return updates (warm start, stages)."""

@@ -4,6 +4,7 @@ of a stage (rollout, update, checkpoint write) followed by --resume, each
 compared with a straight run (issue 13)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,12 +36,12 @@ def straight(tmp_path_factory):
     return run_sat(parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET), out
 
 
-@pytest.mark.slow  # over 10 s on two busy cores: a run and its resumed twin
+@pytest.mark.slow  # over 10 s on two busy cores: resumed runs
 # -- resume from a stage folder keeps the run's history -------------------------------------------
 def test_resume_from_a_stage_folder_keeps_rows_and_continues(straight, tmp_path):
-    records, _ = straight
+    records, straight_out = straight
     out = tmp_path / "run"
-    run_sat(parse_args(SMALL + ["--stages", "3", "--out", str(out)]), **QUIET)
+    shutil.copytree(straight_out, out)  # the same 3-stage run (a fresh one equals it: the eval-every and kill tests)
     # rerun stage 3 from the stage-2 folder: rows 0..2 are kept, row 3 is recomputed identically
     resumed = run_sat(parse_args(["--resume", str(out / "checkpoints" / "stage_0002"), "--stages", "3"]), **QUIET)
     assert strip_timing(resumed) == strip_timing(records)
@@ -125,8 +126,6 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_last_one_kept(tmp_
 
 def test_a_damaged_file_is_named_and_the_previous_stage_offered(straight, tmp_path):
     _, run = straight
-    import shutil
-
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     weights = copy / "checkpoints" / "stage_0003" / "team" / "agent_1" / "model.safetensors"
@@ -154,8 +153,6 @@ def test_a_state_pt_carrying_a_callable_is_refused_in_one_line_and_nothing_runs(
     """The checksums prove a file intact, not trustworthy: a state.pt with a pickled callable and checksums
     rewritten to match is refused before anything in it runs, and before any model loads."""
     _, run = straight
-    import shutil
-
     import torch
 
     from harness import run_folder

@@ -3,6 +3,8 @@ import copy
 import dataclasses
 import json
 import math
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -215,17 +217,29 @@ def strip_timing(records):
     return out
 
 
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The module's 2-stage run of ``small_config`` (independent protocol): (its config, its records). The
+    end-to-end test checks it, and the resume test continues a copy of it."""
+    cfg = small_config(tmp_path_factory.mktemp("default"), protocol="independent")
+    return cfg, harness.run.run(cfg, log=lambda *_: None)
+
+
 @pytest.mark.parametrize("overrides", [
-    dict(protocol="independent"),
+    pytest.param(None, id="overrides0"),  # the module's default_run
     pytest.param(dict(protocol="chain", order="greedy"), marks=pytest.mark.slow),  # over 10 s on two busy cores
-    dict(update="joint", order="random"),
+    pytest.param(dict(update="joint", order="random"), marks=pytest.mark.slow),  # the fast tier keeps the first
     pytest.param(dict(protocol="chain", reuse="regenerate", ratio="token", adv="gae"), marks=pytest.mark.slow),
 ])
-def test_stage_loop_end_to_end(tmp_path, overrides):
-    cfg = small_config(tmp_path, **overrides)
-    records = harness.run.run(cfg, log=lambda *_: None)
+def test_stage_loop_end_to_end(tmp_path, overrides, request):
+    if overrides is None:
+        cfg, records = request.getfixturevalue("default_run")
+    else:
+        cfg = small_config(tmp_path, **overrides)
+        records = harness.run.run(cfg, log=lambda *_: None)
+    run_dir = Path(cfg.out)
     assert [r["stage"] for r in records] == [0, 1, 2]
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["stage"] for line in lines] == [0, 1, 2]
     for rec in records[1:]:
         assert 0.0 <= rec["team_reward"] <= 1.0 and 0.0 <= rec["eval_accuracy"] <= 1.0
@@ -249,8 +263,8 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
     assert records[1]["run_certificate"]["lower_bound"] == records[1]["certificate"]["lower_bound"]
     assert records[-1]["violation_rate"] == sum(r["violation"] for r in records[1:]) / 2
     assert records[-1]["certified_fall_rate"] == sum(r["certified_fall"] for r in records[1:]) / 2
-    assert (tmp_path / "run" / "progress.png").stat().st_size > 1000
-    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert (run_dir / "progress.png").stat().st_size > 1000
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert [s["stage"] for s in samples] == [1] * cfg.samples + [2] * cfg.samples
     for s in samples:  # what each agent said, its answer as the grader read it, and the team's outcome
         assert len(s["agents"]) == 2 and 0.0 <= s["reward"] <= 1.0
@@ -259,12 +273,20 @@ def test_stage_loop_end_to_end(tmp_path, overrides):
             assert (a["answer"] == s["gold"]) <= a["correct"] <= (a["answer"] is not None)
 
 
+@pytest.fixture(scope="module")
+def straight_and_resumed(tmp_path_factory, default_run):
+    """A straight 4-stage run, and a copy of the module's 2-stage run resumed to 4 stages: (straight folder, its
+    records, resumed records). Both tests below read them."""
+    root = tmp_path_factory.mktemp("resume")
+    straight = harness.run.run(small_config(root / "a", stages=4, protocol="independent"), log=lambda *_: None)
+    shutil.copytree(default_run[0].out, root / "b")
+    resumed_cfg = harness.cli.parse_args(["--resume", str(root / "b"), "--stages", "4"])
+    return root / "a" / "run", straight, harness.run.run(resumed_cfg, log=lambda *_: None)
+
+
 @pytest.mark.slow  # over half a minute: a straight run and its resumed twin
-def test_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
-    straight = harness.run.run(small_config(tmp_path / "a", stages=4), log=lambda *_: None)
-    harness.run.run(small_config(tmp_path / "b", stages=2), log=lambda *_: None)
-    resumed_cfg = harness.cli.parse_args(["--resume", str(tmp_path / "b" / "run"), "--stages", "4"])
-    resumed = harness.run.run(resumed_cfg, log=lambda *_: None)
+def test_resume_gives_the_same_metrics_as_a_straight_run(straight_and_resumed):
+    _, straight, resumed = straight_and_resumed
     assert strip_timing(resumed) == strip_timing(straight)
 
 
@@ -281,13 +303,11 @@ def test_gae_resume_gives_the_same_metrics_as_a_straight_run(tmp_path):
     assert strip_timing(resumed) == strip_timing(straight)
 
 
-@pytest.mark.slow  # over 10 s on two busy cores: a whole run
-def test_checkpoint_is_atomic_and_latest_points_to_it(tmp_path):
-    cfg = small_config(tmp_path, stages=1)
-    harness.run.run(cfg, log=lambda *_: None)
-    run_dir = tmp_path / "run"
+@pytest.mark.slow  # reads the runs of the resume test above
+def test_checkpoint_is_atomic_and_latest_points_to_it(straight_and_resumed):
+    run_dir = straight_and_resumed[0]
     latest = latest_checkpoint(run_dir)
-    assert latest.name == "stage_0001" and (latest / "state.pt").exists()
+    assert latest.name == "stage_0004" and (latest / "state.pt").exists()
     assert not list((run_dir / "checkpoints").glob(".*tmp"))
 
 

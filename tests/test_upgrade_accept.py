@@ -70,10 +70,11 @@ def test_splits_of_a_tiny_run_avoid_its_heldout_rows():
 # ---------------------------------------------------------------------------
 def bernoulli_rewards(p: dict, rows: int, seed: int, common: bool = True):
     """A team with 'agent' k in the slot (None: the incumbent) scores row r as u_r < p[k]: one uniform per row
-    and split for every team (``common`` random numbers), or one per row, split and team."""
+    and split for every team (``common`` random numbers), or one per row, split and team (row r's uniform is the
+    r-th draw of the stream of its split, or of its split and team)."""
     def uniforms(split, agent):
-        key = f"{seed} {split}" if common else f"{seed} {split} {agent}"
-        return [random.Random(f"{key} {r}").random() for r in range(rows)]
+        stream = random.Random(f"{seed} {split}" if common else f"{seed} {split} {agent}")
+        return [stream.random() for _ in range(rows)]
 
     draws = {(split, k): uniforms(split, k) for split in certified_acceptance.ACCEPTANCE_SPLITS for k in p}
     return lambda agent, split: [float(u < p[agent]) for u in draws[split, agent]]
@@ -172,12 +173,9 @@ def untimed(record):
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accept") / "base"
-    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
-                     warmup_steps=30, eval_size=16, out=str(out), device="cpu").apply_preset()
-    harness.run.run(cfg, **QUIET)
-    return out
+def base_run(one_stage_tiny_run):
+    """conftest's 1-stage run (each upgrade below resumes it into an --out of its own)."""
+    return one_stage_tiny_run
 
 
 def upgrade_run(base, out, *options):

@@ -524,6 +524,7 @@ def readme_example(out: Path) -> list[str]:
     return argv[:at] + argv[at + 2:] + ["--out", str(out)]
 
 
+@pytest.mark.slow  # whole runs: sat.py and its resume
 def test_a_run_keeps_its_reward_and_roles_on_resume_and_reports_to_tensorboard(tmp_path, capsys):
     """The README's example at a tiny size, with roles, then resumed for a second stage."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -567,6 +568,7 @@ def test_a_reward_that_fails_is_refused_before_any_model_loads(tmp_path, capsys)
     assert not out.exists()  # nothing written, no model loaded
 
 
+@pytest.mark.slow  # a whole run and an evaluation
 def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys):
     import eval_aime
     from harness.config import Config

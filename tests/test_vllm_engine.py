@@ -264,35 +264,6 @@ def test_two_ranks_match_one_and_engines_hold_pushed_shards(team2, tmp_path):
           f"engine gaps after the push from the shards {[f'{g:.1e}' for g in after]} (stale {stale})")
 
 
-# -- the command lines ---------------------------------------------------------------------------
-def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
-    """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
-    logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
-    vllm`` evaluates the trained checkpoint."""
-    import eval_aime
-    import harness.cli
-
-    team2[1].close()  # the module's engines are no longer needed
-    device = engine_device()
-    out = tmp_path / "run"
-    assert harness.cli.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
-                     "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
-                     "--max-new-tokens", "16", "--eval-size", "16", "--warmup-steps", "20", "--out", str(out)]) == 0
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in records] == [0, 1]
-    health = records[1]["vllm_logprob_abs_diff"]
-    assert len(health) == 1 and not math.isnan(health[0]) and health[0] < BOUND
-    data = tmp_path / "probs.jsonl"
-    data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(4)))
-    ev = tmp_path / "eval"
-    assert eval_aime.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
-                           "--device", device, "--backend", "vllm", "--out", str(ev)]) == 0
-    rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)
-
-
-
 def test_engine_draws_are_coupled_by_their_seeds(team2):
     """Common random numbers in vLLM: a request's draws depend on its seed alone (vLLM's exponential race
     on per-request noise), so after a small move of the weights (1e-3 of their scale, pushed by ``sync``)
@@ -314,3 +285,31 @@ def test_engine_draws_are_coupled_by_their_seeds(team2):
     chance = sum(x == y for x, y in zip(before, other)) / len(ctx)
     print(f"\n[vllm] weights moved by 1e-3: same seeds agree in {agree:.0%} of rows, other seeds {chance:.0%}")
     assert agree > 0.7 and chance < 0.3
+
+
+# -- the command lines ---------------------------------------------------------------------------
+def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
+    """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
+    logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
+    vllm`` evaluates the trained checkpoint."""
+    import eval_aime
+    import harness.cli
+
+    team2[1].close()  # the module's engines are no longer needed: a test using them after this one restarts them
+    device = engine_device()
+    out = tmp_path / "run"
+    assert harness.cli.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
+                     "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
+                     "--max-new-tokens", "16", "--eval-size", "16", "--warmup-steps", "20", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in records] == [0, 1]
+    health = records[1]["vllm_logprob_abs_diff"]
+    assert len(health) == 1 and not math.isnan(health[0]) and health[0] < BOUND
+    data = tmp_path / "probs.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    ev = tmp_path / "eval"
+    assert eval_aime.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
+                           "--device", device, "--backend", "vllm", "--out", str(ev)]) == 0
+    rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)
