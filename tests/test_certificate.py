@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import bounds
-from advantage import LOG_RATIO_CAP
 from harness.math_grading import vote_reward
+from logprobs import LOG_RATIO_CAP
 from rollout import draw_seed, response_seeds
 from scale.rollout_hf import SeededSampler
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
