@@ -14,23 +14,9 @@ from typing import Sequence
 
 import torch
 
-from logprobs import response_hidden_states
+from logprobs import LOG_RATIO_CAP, masked_mean, masked_sum, response_hidden_states
 from rollout import TeamBatch, Turn
 from team import Agent
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of x over entries where mask is true (padding may hold nan/inf: it is never read)."""
-    kept = torch.where(mask.bool(), x, torch.zeros_like(x))  # [...]
-    return kept.sum() if dim is None else kept.sum(dim=dim)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of x over entries where mask is true; 0 where nothing is selected (not nan),
-    so an empty row (e.g. an agent that produced no tokens) drops out of a loss quietly."""
-    total = masked_sum(x, mask, dim)
-    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
-    return total / count.clamp_min(1).to(total.dtype)
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, clip: float | None = 5.0,
@@ -151,9 +137,6 @@ def full_log_weights(log_ratios: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 
 LOG_WEIGHT_CAP = math.log(1e6)  # the cap on log W and log w before exp in ``truncation_bias``
-# The cap on a log-ratio log r_j of agent j (a token's, or its response's) before exp: e^20 ~ 4.9e8, far beyond
-# any ratio the clip keeps (1 + eps), and far below float32's overflow at e^88.7.
-LOG_RATIO_CAP = 20.0
 
 
 def truncation_bias(log_w_full: torch.Tensor, log_w_trunc: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 CERTIFICATE_TERMS = ("gain", "occupancy_penalty", "bias_penalty", "sample_penalty", "lower_bound")
+VIOLATION_STDERRS = 2.0  # a violation (paper, Section 5): a paired held-out fall beyond this many standard errors
 
 
 def certificate(surrogate_advantage: float, kl_max: float, adv_max: float, gamma: float, zeta: float = 0.0,
@@ -188,6 +189,43 @@ def heldout_change_bound(acc_before: float, n_before: int, acc_after: float, n_a
     width = reward_range[1] - reward_range[0]
     penalty = (hoeffding_radius(n_before, width, delta_conf / 2) + hoeffding_radius(n_after, width, delta_conf / 2))
     return max(acc_after - acc_before - penalty, -width)
+
+
+def change_certificate(before: list[float], after: list[float], mean_before: float, mean_after: float,
+                       reward_range: tuple[float, float], delta_conf: float) -> dict:
+    """The certificate of a held-out change (a stage's, the run's, an upgrade's): ``paired_change_bound`` on the
+    paired rewards, with the unpaired ``heldout_change_bound`` of the two means on the same draws beside it
+    (``unpaired_lower_bound``: what pairing gains)."""
+    paired = paired_change_bound(before, after, reward_range, delta_conf)
+    unpaired = heldout_change_bound(mean_before, len(before), mean_after, len(after), reward_range, delta_conf)
+    return {**paired, "unpaired_lower_bound": unpaired}
+
+
+def is_violation(change: dict) -> bool:
+    """A violation (paper, Section 5): a paired fall beyond noise, mean_change < -VIOLATION_STDERRS * stderr
+    (``change``: a ``paired_change_bound``)."""
+    return change["mean_change"] < -VIOLATION_STDERRS * change["stderr"]
+
+
+def is_certified_fall(change: dict) -> bool:
+    """A fall the bound certifies: the upper confidence bound on the change is below 0."""
+    return change["upper_bound"] < 0
+
+
+def fall_rates(changes: list[dict]) -> tuple[float, float]:
+    """(violation rate, certified-fall rate): the shares of ``changes`` (one ``paired_change_bound`` per
+    evaluated trained stage) that are violations and certified falls (paper, Section 5)."""
+    return (sum(map(is_violation, changes)) / len(changes), sum(map(is_certified_fall, changes)) / len(changes))
+
+
+def fewest_certifying_rows(delta_conf: float) -> int:
+    """The fewest paired rows on which ``paired_lower_bound`` can exceed 0 at all: every row rising by the
+    reward's whole range, its best case. The bound scales with the range, so the count depends on
+    ``delta_conf`` alone (8 at 0.05)."""
+    n = 1
+    while paired_lower_bound([1.0] * n, 1.0, delta_conf)["lower_bound"] <= 0:
+        n += 1
+    return n
 
 
 def stage_certificate(steps: list[dict]) -> dict:

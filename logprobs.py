@@ -5,6 +5,7 @@ form, Eq. (5) of Section 5, the truncated weights c_t = min(1, rho_t) and the tr
 KL(pi_j(.|s) || pi_j,cur(.|s)) (Section 3) are all computed from the same teacher-forced forward of a
 Hugging Face causal LM:
 
+- masked sums and means over response positions, and the cap on a log-ratio before ``exp``;
 - padding helpers (left-padded contexts, right-padded responses) and the position ids that skip
   left padding, exactly as ``generate`` computes them;
 - ``response_hidden_states`` + ``token_logprobs_from_hidden``: log pi(a_t|s_t) of the sampled tokens
@@ -34,6 +35,26 @@ LOGITS_CHUNK_TOKENS = 4096
 # (docs/results.md, "LM-head checkpointing").
 HEAD_CHECKPOINT_BYTES = 64 << 20
 KL_CHUNK_POSITIONS = 1024  # positions of two [c, V] fp32 logits blocks in one exact-KL call
+# The cap on a log-ratio log r_j of agent j (a token's, or its response's) before exp: e^20 ~ 4.9e8, far beyond
+# any ratio the clip keeps (1 + eps), and far below float32's overflow at e^88.7.
+LOG_RATIO_CAP = 20.0
+
+
+# ---------------------------------------------------------------------------
+# Masked reductions over response positions
+# ---------------------------------------------------------------------------
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x over entries where mask is true (padding may hold nan/inf: it is never read)."""
+    kept = torch.where(mask.bool(), x, torch.zeros_like(x))  # [...]
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over entries where mask is true; 0 where nothing is selected (not nan),
+    so an empty row (e.g. an agent that produced no tokens) drops out of a loss quietly."""
+    total = masked_sum(x, mask, dim)
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return total / count.clamp_min(1).to(total.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -189,12 +210,6 @@ def turn_forward(model, tensors: TurnTensors, idx, temperature: float):
     hidden = response_hidden_states(model, *part)  # [b, Lr, H]
     logp = token_logprobs_from_hidden(model, hidden, part.response_ids, temperature)  # [b, Lr]
     return logp * part.response_mask, hidden  # [b, Lr], [b, Lr, H]
-
-
-def response_logprobs(model, context_ids, context_mask, response_ids, response_mask, temperature: float):
-    """log pi(response_t | context, response_<t) at ``temperature``, 0 on padding. [N, Lr]"""
-    tensors = TurnTensors(context_ids, context_mask, response_ids, response_mask)
-    return turn_forward(model, tensors, slice(None), temperature)[0]
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ projects the replacement pi_pre onto the per-state KL ball of radius delta_0 aro
     pi_new = argmin_pi E_s[ KL(pi(.|s) || pi_pre(.|s)) ]  s.t.  KL(pi(.|s) || pi_j,cur(.|s)) <= delta_0   (6)
     pi_new(a|s)  ~  pi_pre(a|s)^(1/(1+lambda(s))) * pi_j,cur(a|s)^(lambda(s)/(1+lambda(s)))          (7)
 
-with lambda(s) >= 0 found by bisection per state (``trust_region.geometric_mixture_projection``): 0
+with lambda(s) >= 0 found by bisection per state (``kl_projection.geometric_mixture_projection``): 0
 where pi_pre is already inside, else the value that makes the constraint tight. A network cannot be
 set to Eq. (7) state by state, so Stage-0 *fits* it (``fit_stage0``): pi_pre stays frozen and the
 trainable copy minimises E_s KL(target(.|s) || pi_new(.|s)), measured in sample and on held-out states.
@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from harness.processes import ONE_PROCESS, OneProcess
+from kl_projection import geometric_mixture_at, geometric_mixture_projection
 from rollout import SamplingConfig, rollout
 from stage0_states import Stage0States, final_hidden, row_slices, slot_states, split_problems
 from team import ADAMW_BETAS, Agent, MasterWeightAdamW, Problem, Team
-from trust_region import beyond, geometric_mixture_at, geometric_mixture_projection, kl_from_logprobs, kl_quantile
+from trust_region import beyond, kl_from_logprobs, kl_quantile
 
 # ``cfg`` below is the run's ``harness.config.Config``.
 STAGE0_LOGITS_BUDGET = 1 << 22  # elements of one [positions, V] LM-head block (16 MiB in fp32)

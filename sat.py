@@ -14,7 +14,7 @@ lower bounds that hold with probability 1 - delta_conf from what it samples
 Reading order: ``sat_stage`` (one stage: lines 4-14), ``sequential_update`` (the
 agents in turn: lines 5-13), ``agent_step`` (one agent: lines 6-9,
 advantage.build_inputs and update.train_agents), ``trust_region_step``
-(lines 10-11: the KL check with backtracking, beta), ``evaluate`` (the held-out
+(lines 10-11: the agent's ``trust_region.TrustRegion``), ``evaluate`` (the held-out
 draws the certificates pair), ``run_stages`` (the loop over stages).
 The command line, model loading, tasks, checkpoints and resume live in
 ``harness/`` and reach this file only through what they hand it.
@@ -52,15 +52,8 @@ from logprobs import measure_kl
 from rollout import SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
 from stage_record import AgentStep, StageClock, StageRecord
 from team import Problem, Team
-from trust_region import (
-    QuantileController,
-    backtracking_line_search,
-    dkw_upper_quantile,
-    interpolate_parameters,
-    kl_quantile,
-    scaled_line_search,
-)
-from update import StepSize, TrainStats, train_agents
+from trust_region import TrustRegion, interpolate_parameters
+from update import TrainStats, train_agents
 
 
 @dataclass
@@ -69,8 +62,7 @@ class RunState:
     ``Config``."""
 
     team: Team
-    controllers: dict[int, QuantileController]  # each agent's beta and trust-region statistic
-    step_sizes: dict[int, StepSize]  # each agent's lr (--step-size)
+    regions: dict[int, TrustRegion]  # each agent's trust region: its check, line search, beta and lr (--step-size)
     value_heads: dict[int, torch.nn.Linear]  # --adv gae: each agent's value head
     rng: random.Random  # the run's Python RNG: prompts, the agents' order, Stage-0 prompts
     backend: object  # the sampler the entry point hands in (scale.rollout_vllm.make_backend: HF or vLLM engines)
@@ -126,8 +118,7 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
         pair_seed = draw_seed()  # one seed per row for the step's before and after draws
         if bounded:  # the turns step i changes, drawn afresh under pi_hat^{i-1}: the bound's "before"
             before = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
-        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.controllers[j], run.step_sizes[j],
-                                        run.value_heads)  # lines 6-11
+        agents[j], log_rho = agent_step(team, j, batch, cached, cfg, run.regions[j], run.value_heads)  # lines 6-11
         backend.sync(team.agents[j])  # line 12: promote pi_j,cur <- pi_tar^j
         if cfg.reuse == "regenerate" and (bounded or i < n_agents - 1):  # on-policy for pi_hat^i: the "after"
             batch = clock.generate(redraw, team, batch, j, sampling, backend, pair_seed)
@@ -139,47 +130,42 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
     return agents
 
 
-def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
-               step_size: StepSize, value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
+def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, region: TrustRegion,
+               value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
     """Lines 6-11 for agent j: weights w = prod min(1, rho_t) of the agents
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
     OPTIMIZE(L_i); the trust-region check. Returns its record and log rho."""
     inputs = build_inputs(batch, j, cached, cfg, team.agents[j].model, value_heads.get(j))
     reference = team.procs.frozen_copy(team.agents[j].model)  # pi_j,cur, frozen
-    stats = team.procs.train(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, {j: controller}, value_heads,
-                                                           {j: reference}, {j: step_size.lr})[j])
-    return trust_region_step(team, j, reference, inputs, stats, cfg, controller, step_size, batch)
+    stats = team.procs.train(team, j, lambda: train_agents(team, [j], {j: inputs}, cfg, {j: region}, value_heads,
+                                                           {j: reference})[j])
+    return trust_region_step(team, j, reference, inputs, stats, cfg, region, batch)
 
 
 def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[AgentStep]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
-    team, controllers, step_sizes, value_heads = run.team, run.controllers, run.step_sizes, run.value_heads
+    team, regions, value_heads = run.team, run.regions, run.value_heads
     inputs = {j: build_inputs(batch, j, [], cfg, team.agents[j].model, value_heads.get(j)) for j in sigma}
     references = {j: team.procs.frozen_copy(team.agents[j].model) for j in sigma}
-    stats = team.procs.train(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, controllers, value_heads,
-                                                               references, {j: step_sizes[j].lr for j in sigma}))
+    stats = team.procs.train(team, sigma, lambda: train_agents(team, sigma, inputs, cfg, regions, value_heads,
+                                                               references))
     agent_records = [None] * len(team)
     for j in sigma:
-        agent_records[j] = trust_region_step(team, j, references.pop(j), inputs[j], stats[j], cfg, controllers[j],
-                                             step_sizes[j], batch)[0]
+        agent_records[j] = trust_region_step(team, j, references.pop(j), inputs[j], stats[j], cfg, regions[j],
+                                             batch)[0]
         run.backend.sync(team.agents[j])
     return agent_records
 
 
 def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
-                      controller: QuantileController, step_size: StepSize,
-                      batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
-    """Lines 10-11: the trust-region check with backtracking, beta's and the
-    step size's updates and the step's estimates; returns the record and log
-    rho on agent j's tokens.
+                      region: TrustRegion, batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
+    """Lines 10-11: agent j's trust region (``TrustRegion.step``) holds the proposal inside the ball, moving
+    along anchor + f (proposal - anchor), and moves beta and the lr on; this records what it kept, with the
+    step's estimates. Returns the record and log rho on agent j's tokens at the weights kept.
 
-    The line search tries anchor + f (proposal - anchor) for f = 1, 1/2, 1/4,
-    ... until the (1 - alpha) quantile of the exact per-state KL is inside
-    delta; the anchor is pi_j,cur, or the last iterate the in-loop check found
-    inside (``stats.anchor``). After the budget the anchor is restored: a
-    violating step is never kept. The record's KL and log rho are those of the
-    weights kept."""
+    The anchor is pi_j,cur, or the last iterate the in-loop check found inside (``stats.anchor``); a step the
+    search cannot bring inside leaves the anchor exactly."""
     agent, turn = team.agents[j], inputs.turn
     params = agent.procs.parameters(agent.model)  # views: the model reads them at its next forward
     anchor = stats.anchor or list(agent.procs.parameters(reference))  # read, never written: no copy
@@ -193,29 +179,12 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
         kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
         return kl, log_rho
 
-    quantile_of = lambda m: kl_quantile(m[0], cfg.quantile)  # noqa: E731
-    if step_size.rule == "scaled":
-        search = scaled_line_search(step_to, measure, cfg.delta, step_size.scale, cfg.max_backtracks,
-                                    quantile_of=quantile_of, stopped_at=stats.stopped_at)
-    else:  # an early-stopped proposal was measured outside by the in-loop check: start at its first halving
-        search = backtracking_line_search(step_to, measure, cfg.delta, max_backtracks=cfg.max_backtracks,
-                                          first_try=1 if stats.early_stopped and cfg.max_backtracks else 0,
-                                          quantile_of=quantile_of)
-    accepted = search.accepted or stats.anchor is not None  # the anchor was measured inside: keep it
-    kl, log_rho = search.measurement if search.accepted else measure()  # [M], [N, Lr] at the weights kept
-    beta_used, lr_used, kq = controller.beta, step_size.lr, kl_quantile(kl, cfg.quantile)
-    controller.update(kq if accepted else math.inf)  # a rejection counts as a violation
-    # the in-loop anchor kept counts as one halving; a rejection as a halving past the last fraction tried
-    step_size.update(search.fraction, kq, 0.5 if accepted else 0.5 ** (cfg.max_backtracks + 1))
-    lrs = {"lr": lr_used, "lr_next": step_size.lr} if step_size.rule == "adaptive" else {}
+    kept = region.step(step_to, measure, stats.early_stopped, stats.stopped_at, anchored=stats.anchor is not None)
+    kl, log_rho = kept.measurement  # [M], [N, Lr] at the weights kept
     estimates = step_estimates(inputs, log_rho, kl, batch, j)
     if not batch.has_own_scores:  # an episode's: corr(advantage, R) would pass for the agent's credit
         estimates["credit_correlation"] = None
-    step = AgentStep(agent=j + 1, kl_mean=float(kl.mean()), kl_quantile=kq,
-                     kl_max=float(kl.max()), kl_quantile_dkw=dkw_upper_quantile(kl, cfg.quantile), delta=cfg.delta,
-                     beta=beta_used, beta_next=controller.beta, backtracks=search.backtracks, accepted=accepted,
-                     step_fraction=search.fraction, **lrs, **estimates, train=stats)
-    return step, log_rho
+    return AgentStep(agent=j + 1, **kept.logged(), **estimates, train=stats), log_rho
 
 
 def has_step_bounds(cfg: Config) -> bool:

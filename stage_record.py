@@ -43,7 +43,7 @@ class AgentStep:
     credit_correlation: float | None  # correlation of its advantages with its own score (None: constant, or an episode)
     train: TrainStats  # the optimiser's figures: loss, clip fraction, ratio statistics, gradient norm, tokens/s
     step_bound: dict | None = None  # the step's paired bound (bounds.paired_change_bound), see step_bounds
-    lr: float | None = None  # --step-size adaptive: the lr the step trained with (update.StepSize)
+    lr: float | None = None  # --step-size adaptive: the lr the step trained with (step_rules.StepSize)
     lr_next: float | None = None  # and the lr of the agent's next step
 
     def row(self) -> dict:

@@ -1,7 +1,9 @@
-"""Trust-region machinery: what keeps one agent's update inside its KL ball (paper, Sections 3-5).
+"""The trust region: what keeps one agent's update inside its KL ball (paper, Sections 3-5).
 
+The exact per-state KL, its quantile (the trust region's statistic), the beta controller, the backtracking line
+search and ``TrustRegion``, the per-agent object that owns them and the step rule's state (``step_rules``).
 Plain PyTorch on [rows, vocab] tensors; callers flatten (batch, position) into rows. The certificate is in
-`bounds.py`.
+``bounds.py``; Stage-0's projection and the ideal tilt step in ``kl_projection.py``.
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from step_rules import StepSize
+
 
 # -- Exact per-state KL --------------------------------------------------------------------------------------------
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    # bf16/fp16 logits lose too much in exp/log; float64 callers (tests, toy MDPs) keep float64.
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """float64 for float64 input (tests, toy MDPs), else float32: bf16/fp16 logits lose too much in exp/log."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -44,7 +48,7 @@ def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    dtype = _compute_dtype(new_logits)
+    dtype = compute_dtype(new_logits)
     out = []
     for start in range(0, new_logits.shape[0], chunk_size):
         logp_new = torch.log_softmax(new_logits[start : start + chunk_size].to(dtype) / temperature, dim=-1)  # [n, V]
@@ -54,35 +58,6 @@ def per_state_kl(new_logits: torch.Tensor, cur_logits: torch.Tensor, temperature
         return torch.zeros(0, dtype=dtype, device=new_logits.device)  # [0]
     # Rounding can make an (exactly zero) KL come out as -1e-9; KL is >= 0 by Gibbs.
     return torch.cat(out).clamp_min(0.0)  # [N]
-
-
-# -- Sampled per-token KL estimators (for the loss penalty) --------------------------------------------------------
-def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a)
-    (J. Schulman, "Approximating KL Divergence", 2020):
-
-        k1 = -log r                  E_cur[k1] = KL(cur || new)   unbiased, can be < 0
-        k2 = (log r)^2 / 2           E_cur[k2] = KL(cur || new) + O(|new - cur|^3)   biased, >= 0, low variance
-        k3 = (r - 1) - log r         E_cur[k3] = KL(cur || new)   unbiased, >= 0
-        k3_new = r log r - (r - 1)   E_cur[.]  = KL(new || cur)   unbiased, >= 0, importance-weighted (more variance)
-
-    The reverse KL(cur || new) agrees with the trust region's KL(new || cur) to second order near
-    pi_new = pi_cur, and accept/reject uses the exact ``per_state_kl``, so the penalty only has to pull the
-    right way. Every kind is zero with zero gradient at pi_new = pi_cur, so it enters the loss directly.
-    logp_new [...] carries the gradient; logp_cur [...] none. -> [...]"""
-    log_r = logp_new - logp_cur  # [...]  log(pi_new / pi_cur)
-    if kind == "k1":
-        return -log_r  # [...]
-    if kind == "k2":
-        return 0.5 * log_r.pow(2)  # [...]
-    if kind == "k3":
-        # expm1 keeps (r - 1) accurate when r is close to 1, i.e. for every early step.
-        return torch.expm1(log_r) - log_r  # [...]
-    if kind == "k3_new":
-        r = log_r.exp()  # [...]
-        r_log_r = torch.where(r > 0, r * log_r, torch.zeros_like(r))  # [...] 0 * log 0 = 0
-        return r_log_r - torch.expm1(log_r)  # [...]
-    raise ValueError(f"unknown KL estimator kind {kind!r}; expected 'k1', 'k2', 'k3' or 'k3_new'")
 
 
 # -- Quantile of a masked tensor -----------------------------------------------------------------------------------
@@ -95,11 +70,6 @@ def beyond(kl_quantile_value: float, delta: float) -> bool:
     """A measured KL quantile outside the ball of radius delta; NaN and inf count as outside (a diverged
     step is never kept as inside)."""
     return not (math.isfinite(kl_quantile_value) and kl_quantile_value <= delta)
-
-
-def outside_trust_region(kl: torch.Tensor, level: float, delta: float) -> bool:
-    """Algorithm 1, line 10: the ``level``-quantile of the per-state KL lies beyond delta."""
-    return beyond(kl_quantile(kl, level), delta)
 
 
 def quantile(x: torch.Tensor, q: float, mask: torch.Tensor | None = None) -> float:
@@ -206,6 +176,9 @@ class QuantileController:
 
 
 # -- Backtracking line search --------------------------------------------------------------------------------------
+SHRINK = 0.5  # the line search's factor from one fraction tried to the next
+
+
 @torch.no_grad()
 def interpolate_parameters(model_params: Sequence[torch.Tensor], cur_params: Sequence[torch.Tensor],
                            new_params: Sequence[torch.Tensor], frac: float) -> None:
@@ -245,7 +218,7 @@ class LineSearchResult:
 
 
 def backtracking_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
-                             max_backtracks: int = 5, shrink: float = 0.5, first_try: int = 0,
+                             max_backtracks: int = 5, shrink: float = SHRINK, first_try: int = 0,
                              quantile_of: Callable[[object], float] = float, start: float = 1.0) -> LineSearchResult:
     """Shrink a proposed step until its KL quantile is inside delta, else restore pi_cur (paper, Section 5).
 
@@ -280,11 +253,11 @@ def backtracking_line_search(apply_step: Callable[[float], None], measure: Calla
 
 
 def scaled_line_search(apply_step: Callable[[float], None], measure: Callable[[], object], delta: float,
-                       scale_of: Callable[[float, float], float], max_backtracks: int = 5, shrink: float = 0.5,
+                       scale_of: Callable[[float, float], float], max_backtracks: int = 5, shrink: float = SHRINK,
                        quantile_of: Callable[[object], float] = float,
                        stopped_at: tuple[float, float] | None = None) -> LineSearchResult:
     """Measure the whole proposal once, then try the multiple s = ``scale_of(its KL quantile, the anchor's)`` of
-    it (``update.StepSize.scale``: where the KL quantile reaches a target inside delta if its square root grows
+    it (``step_rules.StepSize.scale``: where the KL quantile reaches a target inside delta if its square root grows
     in proportion to the step), so that the step length, not the lr, meets the trust region.
 
     - Inside delta and s > 1: the extrapolated step anchor + s (new - anchor) stays if it is inside delta too,
@@ -326,121 +299,100 @@ def scaled_line_search(apply_step: Callable[[float], None], measure: Callable[[]
         raise
 
 
-# -- Stage-0 projection (plug-and-play) and the exact tilt step ----------------------------------------------------
-def _geometric_mixture(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Normalised log of pi_pre^t * pi_cur^(1-t) per row; t is [N, 1]. A zero exponent gives pi^0 = 1 even
-    where pi = 0, so 0 * (-inf) is read as 0."""
-    s = 1 - t  # [N, 1]
-    zero = torch.zeros_like(logp_pre)  # [N, V]
-    mixed = torch.where(t == 0, zero, t * logp_pre) + torch.where(s == 0, zero, s * logp_cur)  # [N, V]
-    return torch.log_softmax(mixed, dim=-1)  # [N, V]
+# -- One agent's trust region --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrustRegionStep:
+    """What ``TrustRegion.step`` left in place and measured there: an ``AgentStep``'s trust-region fields."""
+
+    accepted: bool  # a step (or the in-loop anchor) stays; False: pi_j,cur restored exactly
+    step_fraction: float  # the multiple of the proposal kept (0.0 when the search kept nothing of it)
+    backtracks: int  # as ``LineSearchResult.backtracks``
+    measurement: tuple  # what ``measure()`` returned at the weights kept: (per-state KL [M], ...)
+    kl_quantile: float  # the trust-region statistic at the weights kept
+    kl_quantile_dkw: float  # a DKW upper confidence bound on its population quantile
+    delta: float
+    beta: float  # the KL penalty weight the step trained with
+    beta_next: float  # beta after the controller's update
+    lr: float | None  # the lr the step trained with, where the rule moves it (None: the run's --lr)
+    lr_next: float | None  # and the lr of the agent's next step
+
+    def logged(self) -> dict:
+        """The ``stage_record.AgentStep`` fields this step fills."""
+        kl = self.measurement[0]  # [M]
+        return {"kl_mean": float(kl.mean()), "kl_quantile": self.kl_quantile, "kl_max": float(kl.max()),
+                "kl_quantile_dkw": self.kl_quantile_dkw, "delta": self.delta, "beta": self.beta,
+                "beta_next": self.beta_next, "backtracks": self.backtracks, "accepted": self.accepted,
+                "step_fraction": self.step_fraction, "lr": self.lr, "lr_next": self.lr_next}
 
 
-def _bisect(kl_at: Callable[[torch.Tensor], torch.Tensor], lo: torch.Tensor, hi: torch.Tensor, delta: float,
-            iters: int) -> torch.Tensor:
-    """Per-row bisection for the largest x in [lo, hi] [N, 1] with kl_at(x) <= delta (kl_at increasing, lo
-    feasible): returns the feasible end."""
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)  # [N, 1]
-        ok = (kl_at(mid) <= delta)[:, None]  # [N, 1]
-        lo = torch.where(ok, mid, lo)  # [N, 1]
-        hi = torch.where(ok, hi, mid)  # [N, 1]
-    return lo
+@dataclass
+class TrustRegion:
+    """One agent's trust region (Algorithm 1, lines 8-11): the statistic (the ``level``-quantile of the exact
+    per-state KL, ``kl_quantile``) and its check against ``delta``, the line search that keeps a step inside it,
+    the KL penalty weight beta (``controller``) and the step rule's state (``step_size``, ``step_rules``).
+    ``update.train_agents`` reads beta, the lr and the check while it trains; ``step`` then holds the proposal
+    inside the ball and moves beta and the lr on from what it measured."""
 
+    delta: float  # the run's radius (--delta)
+    level: float  # the quantile level 1 - alpha (--quantile)
+    max_backtracks: int  # KL checks after the first (--max-backtracks)
+    controller: QuantileController
+    step_size: StepSize
 
-def geometric_mixture_projection(logp_pre: torch.Tensor, logp_cur: torch.Tensor, delta: float,
-                                 iters: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage-0 projection of a plug-in model onto the incumbent's trust region (paper, Section 5, Eqs. (6)-(7)).
+    def __post_init__(self) -> None:
+        if not (self.delta > 0 and 0.0 < self.level <= 1.0 and self.max_backtracks >= 0):
+            raise ValueError(f"need delta > 0, level in (0, 1], max_backtracks >= 0; got {self.delta}, "
+                             f"{self.level}, {self.max_backtracks}")
 
-    Per state s solves  min_pi KL(pi || pi_pre)  s.t.  KL(pi || pi_cur) <= delta.  Stationarity of
-    KL(pi || pi_pre) + lam * KL(pi || pi_cur) gives the geometric mixture
+    @classmethod
+    def fresh(cls, delta: float, level: float, max_backtracks: int, beta: float, rule: str,
+              lr: float) -> TrustRegion:
+        """A new agent's trust region: beta at ``beta``, the step rule ``rule`` at ``lr``."""
+        return cls(delta, level, max_backtracks, QuantileController(delta=delta, quantile=level, beta=beta),
+                   StepSize(rule=rule, lr=lr, delta=delta))
 
-        pi_new ∝ pi_pre^(1/(1+lam)) * pi_cur^(lam/(1+lam)),   lam >= 0,
+    @property
+    def beta(self) -> float:
+        return self.controller.beta
 
-    lam = 0 when pi_pre is already inside, else the lam that makes the constraint tight. With t = 1/(1+lam),
-    pi_t is an exponential family in t and d/dt KL(pi_t || pi_cur) = t * Var_{pi_t}(log pi_pre - log pi_cur)
-    >= 0, so a batched bisection finds the largest feasible t; returning the bracket's feasible end keeps
-    KL(pi_new || pi_cur) <= delta for every row.
-    [N, V] normalised log-probs -> (logp_new [N, V], lam [N]; inf where only t = 0, i.e. pi_cur, fits)."""
-    if logp_pre.shape != logp_cur.shape or logp_pre.dim() != 2:
-        raise ValueError(f"expected two [N, V] tensors of equal shape, got {tuple(logp_pre.shape)}, "
-                         f"{tuple(logp_cur.shape)}")
-    if not delta >= 0:
-        raise ValueError(f"delta must be >= 0, got {delta}")
-    dtype = _compute_dtype(logp_pre)
-    pre, cur = (torch.log_softmax(x.to(dtype), dim=-1) for x in (logp_pre, logp_cur))  # [N, V] renormalised
-    n = pre.shape[0]
-    if delta == 0:
-        # Only pi_cur fits; bisection would creep to t ~ 1e-8, where the KL rounds to 0: answer exactly.
-        return cur, torch.full((n,), math.inf, dtype=dtype, device=pre.device)
+    @property
+    def lr(self) -> float:
+        return self.step_size.lr
 
-    def kl_at(t: torch.Tensor) -> torch.Tensor:  # t [N, 1] -> [N]
-        return kl_from_logprobs(_geometric_mixture(pre, cur, t), cur).clamp_min(0.0)
+    def statistic(self, kl: torch.Tensor) -> float:
+        """The trust region's statistic of per-state KLs [M]: their ``level``-quantile (0.0 when there is none)."""
+        return kl_quantile(kl, self.level)
 
-    hi = torch.ones(n, 1, dtype=dtype, device=pre.device)  # [N, 1]
-    inside = kl_at(hi) <= delta  # [N] pi_pre already in the ball: lam = 0
-    lo = torch.where(inside[:, None], hi, torch.zeros_like(hi))  # [N, 1] t = 0 (pi_cur) is always feasible
-    t = _bisect(kl_at, lo, hi, delta, iters).squeeze(-1)  # [N]
-    lam = torch.where(t > 0, (1 - t) / t, torch.full_like(t, math.inf))  # [N]
-    return _geometric_mixture(pre, cur, t[:, None]), lam
+    def violates(self, statistic: float) -> bool:
+        """Algorithm 1, line 10: the statistic lies beyond delta (NaN and inf count as beyond)."""
+        return beyond(statistic, self.delta)
 
+    def search(self, step_to: Callable[[float], None], measure: Callable[[], tuple], early_stopped: bool,
+               stopped_at: tuple[float, float] | None) -> LineSearchResult:
+        """The line search of the step rule: ``scaled_line_search`` where the rule stretches the step, else
+        ``backtracking_line_search`` (from the proposal's first halving when the in-loop check already measured
+        it outside). ``measure()`` returns a tuple whose first entry is the per-state KL [M] in place."""
+        statistic_of = lambda measured: self.statistic(measured[0])  # noqa: E731
+        if self.step_size.stretches:
+            return scaled_line_search(step_to, measure, self.delta, self.step_size.scale, self.max_backtracks,
+                                      SHRINK, quantile_of=statistic_of, stopped_at=stopped_at)
+        first_try = 1 if early_stopped and self.max_backtracks else 0
+        return backtracking_line_search(step_to, measure, self.delta, self.max_backtracks, SHRINK, first_try,
+                                        quantile_of=statistic_of)
 
-def geometric_mixture_at(logp_pre: torch.Tensor, logp_cur: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The Stage-0 target of Eq. (7) for given exponents t = 1/(1+lambda(s)) in [0, 1] ([N]; 0 is pi_cur,
-    1 is pi_pre): Stage-0 solves t once per state and reuses it for fixed targets. [N, V]"""
-    if t.dim() != 1 or t.shape[0] != logp_pre.shape[0]:
-        raise ValueError(f"t must be [N] with N = {logp_pre.shape[0]} rows, got {tuple(t.shape)}")
-    dtype = _compute_dtype(logp_pre)
-    pre, cur = (torch.log_softmax(x.to(dtype), dim=-1) for x in (logp_pre, logp_cur))  # [N, V]
-    return _geometric_mixture(pre, cur, t.to(dtype)[:, None])
-
-
-def exponential_tilt_step(logp_cur: torch.Tensor, advantages: torch.Tensor, delta: float,
-                          iters: int = 60) -> torch.Tensor:
-    """Exact KL-constrained policy improvement per state (the ideal step of the paper's Section 4.4).
-
-    Per state s solves  max_pi E_{a~pi}[A(s, a)]  s.t.  KL(pi || pi_cur(.|s)) <= delta.  The Lagrangian
-    solution is the exponential tilt pi_eta ∝ pi_cur * exp(eta_s * A(s, .)), eta_s >= 0, and
-    d/deta KL(pi_eta || pi_cur) = eta * Var_{pi_eta}(A) >= 0, so a batched bisection finds the eta_s
-    with KL = delta (the feasible end). As eta -> inf the tilt tends to pi_cur restricted to
-    argmax_a A(s, a), with KL -log pi_cur(argmax set); when that is <= delta this limit is returned
-    exactly (constant advantages: no change). [S, A] log-probs and advantages -> [S, A] log-probs."""
-    if logp_cur.shape != advantages.shape or logp_cur.dim() != 2:
-        raise ValueError(f"expected two [S, A] tensors of equal shape, got {tuple(logp_cur.shape)}, "
-                         f"{tuple(advantages.shape)}")
-    if not delta >= 0:
-        raise ValueError(f"delta must be >= 0, got {delta}")
-    dtype = _compute_dtype(logp_cur)
-    cur = torch.log_softmax(logp_cur.to(dtype), dim=-1)  # [S, A]
-    if delta == 0:
-        return cur  # [S, A] only pi_cur fits (bisection would drift by float rounding)
-    support = torch.isfinite(cur)  # [S, A] actions pi_cur can take; others stay at zero
-    adv = torch.where(support, advantages.to(dtype), torch.zeros_like(cur))  # [S, A]
-    neg_inf = torch.full_like(cur, -math.inf)  # [S, A]
-
-    # The eta -> inf limit: pi_cur restricted to its best supported actions.
-    top = torch.where(support, adv, neg_inf).amax(dim=-1, keepdim=True)  # [S, 1]
-    limit = torch.log_softmax(torch.where(support & (adv == top), cur, neg_inf), dim=-1)  # [S, A]
-    saturated = kl_from_logprobs(limit, cur) <= delta  # [S] the constraint never binds
-
-    # Centre and scale so eta brackets start at a sensible size for every row.
-    centred = adv - adv.mean(dim=-1, keepdim=True)  # [S, A]
-    spread = top - torch.where(support, adv, -neg_inf).amin(dim=-1, keepdim=True)  # [S, 1]
-    spread = torch.where(spread > 0, spread, torch.ones_like(spread))  # [S, 1]
-
-    def tilt(eta: torch.Tensor) -> torch.Tensor:  # eta [S, 1] -> [S, A]
-        return torch.log_softmax(cur + eta * centred / spread, dim=-1)
-
-    def kl_at(eta: torch.Tensor) -> torch.Tensor:  # [S, 1] -> [S]
-        return kl_from_logprobs(tilt(eta), cur).clamp_min(0.0)
-
-    # Bracket: double hi until it violates (finite for every non-saturated row: the KL tends to the limit's > delta).
-    lo = torch.zeros_like(spread)  # [S, 1]
-    hi = torch.ones_like(spread)  # [S, 1]
-    for _ in range(80):
-        grow = (~saturated & (kl_at(hi) <= delta))[:, None]  # [S, 1]
-        if not grow.any():
-            break
-        lo = torch.where(grow, hi, lo)  # [S, 1] a feasible eta is a valid lower end
-        hi = torch.where(grow, 2 * hi, hi)  # [S, 1]
-    return torch.where(saturated[:, None], limit, tilt(_bisect(kl_at, lo, hi, delta, iters)))  # [S, A]
+    def step(self, step_to: Callable[[float], None], measure: Callable[[], tuple], early_stopped: bool = False,
+             stopped_at: tuple[float, float] | None = None, anchored: bool = False) -> TrustRegionStep:
+        """Lines 10-11: hold the proposal inside the ball (``search``), then move beta and the lr on. ``anchored``:
+        the search starts from an iterate the in-loop check measured inside, which stays if the search keeps
+        nothing. A rejection counts as a violation for beta; for the lr, an anchor kept counts as one shrink and
+        a rejection as a shrink past the last fraction tried."""
+        search = self.search(step_to, measure, early_stopped, stopped_at)
+        accepted = search.accepted or anchored
+        measured = search.measurement if search.accepted else measure()  # at the weights kept
+        kq, beta, lr = self.statistic(measured[0]), self.beta, self.lr
+        self.controller.update(kq if accepted else math.inf)
+        self.step_size.update(search.fraction, kq, SHRINK if accepted else SHRINK ** (self.max_backtracks + 1))
+        moves = self.step_size.moves_lr
+        return TrustRegionStep(accepted, search.fraction, search.backtracks, measured, kq,
+                               dkw_upper_quantile(measured[0], self.level), self.delta, beta, self.beta,
+                               lr if moves else None, self.lr if moves else None)

@@ -19,7 +19,7 @@ project also offers the length-normalised sequence ratio of GSPO (``seq-mean``,
 exp of the mean token log-ratio: the default, because the plain sequence ratio
 over hundreds of tokens is almost always clipped) and the per-token PPO ratio
 (``token``). The clip is applied to r, computed in log space and capped at
-``advantage.LOG_RATIO_CAP`` before ``exp`` so neither branch overflows.
+``logprobs.LOG_RATIO_CAP`` before ``exp`` so neither branch overflows.
 
 ``train_agents`` runs the optimiser over mini-batches, each accumulated over
 micro-batches sized by a token budget; only the agent being updated holds
@@ -30,20 +30,21 @@ and for GAE value targets), comes from ``advantage.build_inputs``.
 """
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from adapter import own_parameters
-from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
-from harness.config import STEP_RULES
-from logprobs import measure_kl, turn_forward, turn_rows
+from advantage import UpdateInputs
+from logprobs import LOG_RATIO_CAP, masked_mean, masked_sum, measure_kl, turn_forward, turn_rows
 from team import Agent, Team
-from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
+from trust_region import TrustRegion
+
+GRAD_CLIP_NORM = 1.0  # each optimizer step clips the agent's gradient to this global L2 norm
+VALUE_LOSS_WEIGHT = 0.5  # --adv gae: the value head's squared error, (V - G)^2 / 2, added to the loss
 
 # ``cfg`` below is the run's ``harness.config.Config`` (read for epochs, minibatch_size,
 # token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
@@ -52,6 +53,34 @@ from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 # ---------------------------------------------------------------------------
 # Eq. (5) of Section 5: the objective L_i (ratio, clip, weights, KL penalty)
 # ---------------------------------------------------------------------------
+def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a)
+    (J. Schulman, "Approximating KL Divergence", 2020):
+
+        k1 = -log r                  E_cur[k1] = KL(cur || new)   unbiased, can be < 0
+        k2 = (log r)^2 / 2           E_cur[k2] = KL(cur || new) + O(|new - cur|^3)   biased, >= 0, low variance
+        k3 = (r - 1) - log r         E_cur[k3] = KL(cur || new)   unbiased, >= 0
+        k3_new = r log r - (r - 1)   E_cur[.]  = KL(new || cur)   unbiased, >= 0, importance-weighted (more variance)
+
+    The reverse KL(cur || new) agrees with the trust region's KL(new || cur) to second order near
+    pi_new = pi_cur, and accept/reject uses the exact ``trust_region.per_state_kl``, so the penalty only has to pull the
+    right way. Every kind is zero with zero gradient at pi_new = pi_cur, so it enters the loss directly.
+    logp_new [...] carries the gradient; logp_cur [...] none. -> [...]"""
+    log_r = logp_new - logp_cur  # [...]  log(pi_new / pi_cur)
+    if kind == "k1":
+        return -log_r  # [...]
+    if kind == "k2":
+        return 0.5 * log_r.pow(2)  # [...]
+    if kind == "k3":
+        # expm1 keeps (r - 1) accurate when r is close to 1, i.e. for every early step.
+        return torch.expm1(log_r) - log_r  # [...]
+    if kind == "k3_new":
+        r = log_r.exp()  # [...]
+        r_log_r = torch.where(r > 0, r * log_r, torch.zeros_like(r))  # [...] 0 * log 0 = 0
+        return r_log_r - torch.expm1(log_r)  # [...]
+    raise ValueError(f"unknown KL estimator kind {kind!r}; expected 'k1', 'k2', 'k3' or 'k3_new'")
+
+
 def sequence_log_ratio(log_ratio_tok: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
     """log r_j per trajectory: the sum (seq, the paper) or the mean (seq-mean,
     GSPO) of agent j's token log-ratios. [n, L] -> [n]"""
@@ -98,7 +127,7 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
     r_j: agent j's ratio from its token log-ratios (``sequence_log_ratio``, ``--ratio``; capped at
     log r = LOG_RATIO_CAP before exp in ``clipped_surrogate``); w(tau) = prod min(1, rho_t) over the agents
     promoted before j (``log_w``); k_t: the ``--kl-estimator`` estimate of KL(pi_j || pi_j,cur) at
-    agent j's sampled tokens (``trust_region.kl_penalty``), averaged over its valid tokens. ``adv``
+    agent j's sampled tokens (``kl_penalty``), averaged over its valid tokens. ``adv``
     is [b] or [b, Lr] (GAE)."""
     log_ratio = (logp - behaviour) * mask  # [b, Lr] log r_t, 0 on padding
     surr, clipped, ratio = clipped_surrogate(log_ratio, mask, adv, cfg.ratio, cfg.eps_clip)  # [b] min(r A, clip A)
@@ -112,72 +141,6 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
 # ALGO LOGIC: OPTIMIZE(L_i), Algorithm 1 line 8
 # ---------------------------------------------------------------------------
 @dataclass
-class StepSize:
-    """Agent j's learning rate and where its line search starts (``--step-size``; rules of this project's,
-    beyond the paper). ``fixed`` keeps ``lr`` (the paper's setting) and starts at the proposal.
-    ``scaled`` keeps ``lr`` too, and moves along each proposal to the multiple ``scale(kq)`` of it that the
-    quadratic model of a small step puts at target * delta, kq the proposal's own KL quantile
-    (``trust_region.scaled_line_search``): the step adapts within the step, to the batch it was trained on.
-    ``adaptive`` rescales the lr after every step from what the exact KL check measured, ``update(f, kq)``:
-
-        lr <- lr * min(growth, f * sqrt(target * delta / kq))
-
-    where f is the fraction of the step the line search kept and kq its KL quantile. Under the quadratic model
-    of a small step, KL quantile ~ c * (f * lr)^2, this is the lr whose whole proposal lands at target * delta:
-    it grows while steps sit well inside delta and shrinks by about the backtracked fraction when a step
-    backtracks. A rejected step (even shrink^max_backtracks was outside) multiplies lr by ``rejected_scale``.
-    lr stays within [lr_start / span, lr_start * span]. Backtracking and the certificates are unchanged: the rule
-    only moves the proposal the line search starts from."""
-
-    rule: str = "fixed"
-    lr: float = 1e-5
-    delta: float = 0.05
-    target: float = 0.7  # aim the next proposal's KL quantile at this share of delta
-    growth: float = 4.0  # adaptive: the most lr grows in one step (x 16 on the quadratic model's KL)
-    stretch: float = 16.0  # scaled: the longest step, a multiple of the proposal (lr 1e-6 -> about 1.6e-5)
-    span: float = 100.0
-    lr_start: float = 0.0  # the run's --lr; 0: take lr
-
-    def __post_init__(self) -> None:
-        if self.rule not in STEP_RULES:
-            raise ValueError(f"step rule must be one of {STEP_RULES}, got {self.rule!r}")
-        if not (self.lr > 0 and self.delta > 0 and 0 < self.target <= 1 and min(self.growth, self.stretch,
-                                                                                  self.span) >= 1):
-            raise ValueError(f"need lr, delta > 0, 0 < target <= 1, growth, stretch, span >= 1; got {self}")
-        self.lr_start = self.lr_start or self.lr
-
-    def scale(self, kl_quantile: float, anchor_kl_quantile: float = 0.0) -> float:
-        """``scaled``: the multiple f of a step from an anchor (pi_cur: KL quantile 0) to a proposal (at
-        ``kl_quantile``) where the KL quantile is target * delta, if its square root grows in proportion to the
-        distance from pi_cur along the step (the quadratic model of a small step: f = sqrt(target delta / kq)
-        from pi_cur); at most ``stretch``, 0 when the anchor is already past the target, and 1 when the step did
-        not move the policy (a zero proposal, stretched, moves nothing: no check is spent on it). For a small step,
-        Adam's proposal at lr stretched by f should be close to the proposal at lr * f, its gradients having barely
-        moved (an argument, not measured here)."""
-        root, at = math.sqrt(self.target * self.delta), math.sqrt(anchor_kl_quantile)
-        if not kl_quantile > anchor_kl_quantile:
-            return 1.0
-        return min(self.stretch, max(0.0, (root - at) / (math.sqrt(kl_quantile) - at)))
-
-    def update(self, fraction: float, kl_quantile: float, rejected_scale: float) -> float:
-        """The lr after a step that kept ``fraction`` of its proposal at KL quantile ``kl_quantile``
-        (fraction 0: rejected); returns it. Only ``adaptive`` moves it."""
-        if self.rule != "adaptive":
-            return self.lr
-        if fraction == 0.0:
-            scale = rejected_scale
-        elif not kl_quantile > 0:  # the step did not move the policy: no evidence of curvature, grow
-            scale = self.growth
-        else:
-            scale = min(self.growth, fraction * math.sqrt(self.target * self.delta / kl_quantile))
-        self.lr = min(self.lr_start * self.span, max(self.lr_start / self.span, self.lr * scale))
-        return self.lr
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
 class TrainStats:
     """What one agent's optimisation did (logged per agent and stage), and
     ``anchor``: the last iterate an in-loop check found inside the trust region
@@ -188,7 +151,7 @@ class TrainStats:
     ratio_mean: float  # the sequence ratios pi_new / pi_behaviour seen in training
     ratio_min: float
     ratio_max: float
-    grad_norm: float  # mean gradient norm before clipping to 1
+    grad_norm: float  # mean gradient norm before clipping to GRAD_CLIP_NORM
     train_tokens_per_s: float  # (context + response) tokens through the optimiser per second
     inner_steps: int  # AdamW steps taken
     early_stopped: bool  # an in-loop KL check found the quantile beyond delta and stopped
@@ -215,23 +178,22 @@ class _Tally:
 
 
 def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
-                 controllers: dict[int, QuantileController], value_heads: dict,
-                 references: dict, lrs: dict[int, float]) -> dict[int, TrainStats]:
+                 regions: dict[int, TrustRegion], value_heads: dict, references: dict) -> dict[int, TrainStats]:
     """Maximise the clipped, weighted surrogate L_i for the agents in ``slots``:
     ``cfg.epochs`` passes over the batch in minibatches of ``cfg.minibatch_size``
-    joint trajectories, one AdamW step each at the agent's lr (``lrs``, from
-    its ``StepSize``). Sequential SAT passes one slot; ``--update joint``
+    joint trajectories, one AdamW step each at the agent's lr and KL penalty
+    weight beta (its ``trust_region.TrustRegion``, ``regions[j]``). Sequential SAT passes one slot; ``--update joint``
     passes all (every agent holds gradients and optimizer state at once: the
     memory cost SAT avoids).
 
-    Every ``cfg.kl_check_every`` steps the exact per-state KL quantile to
-    pi_j,cur (``references[j]``) is measured; an agent whose quantile crossed
-    delta stops there (like PPO's target-KL stop, on the trust-region statistic
+    Every ``cfg.kl_check_every`` steps the trust region's statistic (the exact
+    per-state KL quantile to pi_j,cur, ``references[j]``) is measured; an agent
+    whose statistic crossed delta stops there (like PPO's target-KL stop, on the trust-region statistic
     itself) and ``sat.trust_region_step`` backtracks toward the last iterate found
     inside (``TrainStats.anchor``)."""
     agents = {j: team.agents[j] for j in slots}
     heads = {j: value_heads.get(j) if cfg.adv == "gae" else None for j in slots}
-    optimizers = {j: _start_training(agents[j], heads[j], cfg, lrs[j]) for j in slots}
+    optimizers = {j: _start_training(agents[j], heads[j], cfg, regions[j].lr) for j in slots}
     tallies = {j: _Tally() for j in slots}
     anchors: dict[int, list[torch.Tensor]] = {}  # the last iterate each in-loop check found inside
     kls: dict[int, list[float]] = {j: [0.0] for j in slots}  # the KL quantiles each in-loop check measured
@@ -244,14 +206,14 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             if not active:
                 break
             for j in active:
-                _gradient_step(agents[j], inputs[j], perm[s : s + cfg.minibatch_size], cfg, controllers[j].beta,
+                _gradient_step(agents[j], inputs[j], perm[s : s + cfg.minibatch_size], cfg, regions[j].beta,
                                optimizers[j], heads[j], tallies[j])
             steps += 1
             if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
                 for j in active:
                     kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)[0]
-                    kls[j].append(kl_quantile(kl, cfg.quantile))
-                    if beyond(kls[j][-1], cfg.delta):
+                    kls[j].append(regions[j].statistic(kl))
+                    if regions[j].violates(kls[j][-1]):
                         stopped.add(j)
                     else:
                         anchors[j] = _copy_parameters(agents[j])
@@ -311,7 +273,7 @@ def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta
         total += loss.item()
     if value_head is not None:  # GAE's value head is whole on every process
         procs.average_gradients(value_head.parameters())
-    grad_norm = torch.nn.utils.clip_grad_norm_(agent.grad_parameters(), 1.0)  # fp32 master grads of a bf16 agent
+    grad_norm = torch.nn.utils.clip_grad_norm_(agent.grad_parameters(), GRAD_CLIP_NORM)  # fp32 master grads of bf16
     opt.step()
     tally.loss.append(float(procs.sum(torch.tensor(total, dtype=torch.float64))))
     tally.grad_norm.append(procs.number(grad_norm))
@@ -337,7 +299,7 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     loss = objective.loss
     if value_head is not None:  # token-level value regression toward the GAE returns
         values = value_head(hidden.float()).squeeze(-1)  # [b, Lr]
-        loss = loss + 0.5 * masked_mean((values - inp.returns[idx].to(device)) ** 2, rmask)
+        loss = loss + VALUE_LOSS_WEIGHT * masked_mean((values - inp.returns[idx].to(device)) ** 2, rmask)
     ratio = objective.ratio  # [b] or [b, Lr]
     tally.clip_tokens += float(objective.clipped.sum())
     tally.tokens += float(rmask.sum())

@@ -45,13 +45,12 @@ import sat  # noqa: E402
 import update as update_mod  # noqa: E402
 from harness.loading import build_char_tokenizer  # noqa: E402
 from harness.math_grading import math_team_config  # noqa: E402
-from harness.run import step_sizes_for  # noqa: E402
+from harness.run import trust_regions_for  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale import memory  # noqa: E402
 from scale.rollout_hf import HF, HFBackend  # noqa: E402
 from team import Agent, AgentSpec, Team  # noqa: E402
-from trust_region import QuantileController  # noqa: E402
 
 QWEN3_06B = memory.QWEN3_DIMS["qwen3-0.6b"]
 TINY_DIMS = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
@@ -209,15 +208,13 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
     problems = arithmetic_problems(args.prompts, seed=args.seed, split="train")
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
-                   for k in range(len(team))}
     meter, counters = PhaseMeter(device), defaultdict(int)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
-        run = sat.RunState(team, controllers, step_sizes_for(cfg, len(team), {}), {}, random.Random(args.seed), HF)
+        run = sat.RunState(team, trust_regions_for(cfg, len(team)), {}, random.Random(args.seed), HF)
         record = sat.sat_stage(run, problems, cfg, sampling)[0].row()
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}

@@ -58,12 +58,12 @@ def one_case(agents: str, case: str) -> dict:
     import sat
     from harness.loading import load_agent
     from harness.math_grading import math_team_config
+    from harness.run import trust_regions_for
     from harness.tasks import arithmetic_problems, chat_arithmetic_problems
     from rollout import SamplingConfig, rollout
     from scale.rollout_hf import HF
     from team import Team
-    from trust_region import QuantileController
-    from update import StepSize, train_agents
+    from update import train_agents
 
     torch.manual_seed(0)
     team = Team([load_agent(agents, seed=0)], math_team_config())
@@ -75,14 +75,13 @@ def one_case(agents: str, case: str) -> dict:
                                                                    token_budget=cfg.token_budget), HF)
     inputs = advantage.build_inputs(batch, 0, [], cfg, team.agents[0].model, None)
     reference = team.procs.frozen_copy(team.agents[0].model)
-    controller = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
-    stats = train_agents(team, [0], {0: inputs}, cfg, {0: controller}, {}, {0: reference}, {0: cfg.lr})[0]
+    region = trust_regions_for(cfg, 1)[0]
+    stats = train_agents(team, [0], {0: inputs}, cfg, {0: region}, {}, {0: reference})[0]
 
     def check():
         if case == "copy":
             stats.anchor = [p.detach().clone() for p in reference.parameters()]
-        return sat.trust_region_step(team, 0, reference, inputs, stats, cfg, controller,
-                                     StepSize(lr=cfg.lr, delta=cfg.delta), batch)[0]
+        return sat.trust_region_step(team, 0, reference, inputs, stats, cfg, region, batch)[0]
 
     t0 = time.time()
     peak, step = peak_during(check)

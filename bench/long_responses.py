@@ -41,12 +41,11 @@ import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 from harness.loading import load_agent
 from harness.math_grading import math_team_config  # noqa: E402
-from harness.run import step_sizes_for  # noqa: E402
+from harness.run import trust_regions_for  # noqa: E402
 from harness.tasks import arithmetic_problems  # noqa: E402
 from rollout import SamplingConfig  # noqa: E402
 from scale.rollout_hf import HF  # noqa: E402
 from team import Agent, Team  # noqa: E402
-from trust_region import QuantileController  # noqa: E402
 
 
 def digit_fractions(turns) -> torch.Tensor:
@@ -87,7 +86,6 @@ def one_stage(length: int, reuse: str, args) -> dict:
                      temperature=1.0, epochs=args.epochs, minibatch_size=args.batch_size // 2, lr=args.lr, delta=1e3,
                      beta=0.0, kl_check_every=0, warmup_steps=0, reuse=reuse, device="cpu").apply_preset()
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=length, token_budget=cfg.token_budget)
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(3)}
     problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=args.seed)
     score_team, seen = rollout_mod.score_team, []
     rollout_mod.score_team = digit_score(score_team, seen)
@@ -95,7 +93,7 @@ def one_stage(length: int, reuse: str, args) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.time()
-            run = sat.RunState(team, controllers, step_sizes_for(cfg, 3, {}), {}, random.Random(args.seed), HF)
+            run = sat.RunState(team, trust_regions_for(cfg, 3), {}, random.Random(args.seed), HF)
             rec = sat.sat_stage(run, problems, cfg, sampling)[0].row()
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and

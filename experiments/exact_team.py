@@ -9,7 +9,7 @@ A game has n agents with K actions each (an action stands for a whole answer) an
   row ravel(a_0..a_{k-1}) of its [K^k, K] table.
 
 A team is one [C_k, K] log-prob table per agent. A SAT stage updates the agents one at a time in an order sigma;
-each step is ``trust_region.exponential_tilt_step``: per context, argmax E_{a~pi}[A(c, a)] subject to
+each step is ``kl_projection.exponential_tilt_step``: per context, argmax E_{a~pi}[A(c, a)] subject to
 KL(pi || pi_cur(.|c)) <= delta. Three ways to get the advantage a step tilts on:
 
 - ``regenerate``: fresh, from the team with the earlier agents of sigma already promoted (Q - J, exact);
@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the paper modules at the repository root
 
+import kl_projection as kp  # noqa: E402
 import trust_region as tr  # noqa: E402
 
 DTYPE = torch.float64
@@ -190,8 +191,8 @@ class Stage:
 
 
 def tilt(logp: torch.Tensor, adv: torch.Tensor, delta: float) -> tuple[torch.Tensor, float]:
-    """The exact trust-region step per context (``trust_region.exponential_tilt_step``) and its largest KL."""
-    new = tr.exponential_tilt_step(logp, adv, delta)  # [C, K]
+    """The exact trust-region step per context (``kl_projection.exponential_tilt_step``) and its largest KL."""
+    new = kp.exponential_tilt_step(logp, adv, delta)  # [C, K]
     return new, float(tr.per_state_kl(new, logp).max())
 
 

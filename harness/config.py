@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from step_rules import STEP_RULES
 from team import PROTOCOLS, AgentSpec
 
 ORDERS = ("static", "random", "greedy")
@@ -29,7 +30,6 @@ ADVANTAGES = ("grpo", "gae")
 UPDATES = ("sequential", "joint")
 DTYPES = ("float32", "bfloat16")  # bfloat16: the agent being trained keeps fp32 master weights (team.MasterWeightAdamW)
 REUSES = ("weights", "regenerate")
-STEP_RULES = ("fixed", "adaptive", "scaled")  # update.StepSize
 BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
@@ -207,7 +207,7 @@ class Config:
     lr: float | None = opt(None, "learning rate (AdamW); with --step-size adaptive, where each agent starts")
     step_size: str = opt("fixed", "fixed (every step at --lr), adaptive (each agent's lr rescaled after each step "
                          "so that its next proposal's KL quantile lands near 0.7 x delta) or scaled (each proposal "
-                         "measured, then stretched or shrunk toward 0.7 x delta and checked again): update.StepSize",
+                         "measured, then stretched or shrunk toward 0.7 x delta and checked again): step_rules",
                          STEP_RULES)
     group_size: int | None = opt(None, "G joint trajectories per prompt")
     batch_size: int | None = opt(None, "joint trajectories per stage (prompts = batch size / G)")

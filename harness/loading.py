@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 
 from adapter import Adapter, LoraSettings
-from advantage import masked_mean
 from harness import lora
 from harness.config import resolve_agent_spec
 from harness.math_grading import math_team_config
 from harness.roles import parse_roles
 from harness.tasks import noisy_label
-from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
+from logprobs import left_pad, masked_mean, response_hidden_states, right_pad, token_logprobs_from_hidden
 from team import Agent, AgentSpec, Problem, Team, TeamConfig
 
 # The tiny character tokenizer's specials; its chat template uses the role markers as a real chat model does.

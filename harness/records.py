@@ -2,12 +2,12 @@
 returns, the held-out evaluation and the certificates it carries), the samples of what the agents said, and the
 console's stage line. Files: ``harness.run_folder``.
 
-Paper, Section 4 (the stage certificate) and Section 5 (the violation rate:
-the fraction of stages whose measured team reward fell beyond noise).
+The arithmetic (paper, Section 4: the stage certificate; Section 5: the violation rate, the fraction of stages
+whose measured team reward fell beyond noise) is ``bounds.py``'s; this module reads and writes the rows.
 """
 from __future__ import annotations
 
-from bounds import heldout_change_bound, paired_change_bound, paired_lower_bound
+from bounds import change_certificate, fall_rates, fewest_certifying_rows, is_certified_fall, is_violation
 from stage_record import StageRecord
 
 
@@ -17,8 +17,8 @@ def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: li
     held-out rows (``bounds.paired_change_bound``; the rows of every evaluation share their seeds):
     ``certificate`` on the change since ``prev`` (the previous evaluated row, or the evaluation right after
     an upgrade: with ``--eval-every N`` it covers the stages since then, from ``certified_since_stage``),
-    ``run_certificate`` on the change since stage 0 (``rows[0]``). A violation (paper, Section 5) is a paired
-    fall beyond noise (2 standard errors); a certified fall, one whose upper bound is below 0.
+    ``run_certificate`` on the change since stage 0 (``rows[0]``); ``violation`` and ``certified_fall`` are
+    ``bounds.is_violation`` and ``bounds.is_certified_fall`` of ``certificate``.
     ``violation_rate`` and ``certified_fall_rate`` count the evaluated trained stages so far. A stage
     without an evaluation (``evaluation`` None) has its record alone."""
     rec = {**record.row(), **(evaluation or {})}
@@ -33,11 +33,9 @@ def stage_row(record: StageRecord, evaluation: dict | None, stage: int, rows: li
     rec["certificate"] = heldout_certificate(prev, rec, delta_conf, since, reward_range)
     rec["certified_since_stage"] = since_stage
     rec["run_certificate"] = heldout_certificate(rows[0], rec, delta_conf, "stage 0 (before training)", reward_range)
-    rec["violation"] = rec["certificate"]["mean_change"] < -2 * rec["certificate"]["stderr"]
-    rec["certified_fall"] = rec["certificate"]["upper_bound"] < 0
-    trained = [r for r in rows[1:] if "certificate" in r] + [rec]  # the evaluated trained stages
-    rec["violation_rate"] = sum(r["violation"] for r in trained) / len(trained)
-    rec["certified_fall_rate"] = sum(r["certified_fall"] for r in trained) / len(trained)
+    rec["violation"], rec["certified_fall"] = is_violation(rec["certificate"]), is_certified_fall(rec["certificate"])
+    trained = [r["certificate"] for r in rows[1:] if "certificate" in r] + [rec["certificate"]]  # evaluated stages
+    rec["violation_rate"], rec["certified_fall_rate"] = fall_rates(trained)
     return rec
 
 
@@ -48,30 +46,18 @@ def last_evaluated(rows: list[dict]) -> dict:
 
 def heldout_certificate(before: dict, after: dict, delta_conf: float, since: str,
                         reward_range: tuple[float, float]) -> dict:
-    """The paired certificate of the held-out change from ``before`` to ``after`` (two metrics rows),
-    with the unpaired Hoeffding bound on the same draws beside it (``unpaired_lower_bound``)."""
+    """The held-out change from ``before`` to ``after`` (two metrics rows): ``bounds.change_certificate`` of their
+    paired rewards, and what it bounds (``kind``)."""
     if "eval_rewards" not in before:
         raise ValueError(f"the held-out row of {since} has no paired rewards (a run written before paired "
                          "evaluations): start a new run with a new --out")
     if len(before["eval_rewards"]) != len(after["eval_rewards"]):
         raise ValueError(f"the held-out evaluation has {len(after['eval_rewards'])} rows, {since} had "
                          f"{len(before['eval_rewards'])}: keep --eval-size and --eval-samples when resuming")
-    paired = paired_change_bound(before["eval_rewards"], after["eval_rewards"], reward_range, delta_conf)
-    unpaired = heldout_change_bound(before["eval_accuracy"], before["eval_n"], after["eval_accuracy"],
-                                    after["eval_n"], reward_range, delta_conf)
-    return {**paired, "unpaired_lower_bound": unpaired,
-            "kind": f"held-out, paired: lower bound on the change in expected team reward on the held-out rows "
-                    f"since {since}, with probability >= 1 - delta_conf"}
-
-
-def fewest_certifying_rows(delta_conf: float) -> int:
-    """The fewest paired held-out rows on which the certificate (``bounds.paired_lower_bound``) can exceed 0 at
-    all: every row rising by the reward's whole range, its best case. The bound scales with the range, so the
-    count depends on ``delta_conf`` alone (8 at 0.05)."""
-    n = 1
-    while paired_lower_bound([1.0] * n, 1.0, delta_conf)["lower_bound"] <= 0:
-        n += 1
-    return n
+    change = change_certificate(before["eval_rewards"], after["eval_rewards"], before["eval_accuracy"],
+                                after["eval_accuracy"], reward_range, delta_conf)
+    return {**change, "kind": f"held-out, paired: lower bound on the change in expected team reward on the "
+                              f"held-out rows since {since}, with probability >= 1 - delta_conf"}
 
 
 def heldout_warning(problems: int, samples: int, delta_conf: float) -> str | None:

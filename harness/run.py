@@ -51,9 +51,9 @@ from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
+from step_rules import StepSize
 from team import Agent, Problem, Team
-from trust_region import QuantileController
-from update import StepSize
+from trust_region import QuantileController, TrustRegion
 
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
 # Said once by a run in an environment (harness.config.EPISODE_OPTIONS): what its per-agent figures mean there.
@@ -251,8 +251,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
     else:
         rng = seed_run(cfg.seed)
         team, state, rows = build_team(cfg, instruction, procs, reward), {}, []
-        controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
-                       for k in range(len(team))}
+        controllers = {}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
             tiny_warm_start(cfg, team, train, log)
     procs.adopt(team.agents)  # torchrun: every rank starts from rank 0's weights
@@ -263,12 +262,27 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             value_heads[k] = make_value_head(agent)
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
-    step_sizes = step_sizes_for(cfg, len(team), state.get("step_sizes", {}))
-    return RunState(team, controllers, step_sizes, value_heads, rng, HF, log=log), state, rows
+    regions = trust_regions_for(cfg, len(team), controllers, state.get("step_sizes", {}))
+    return RunState(team, regions, value_heads, rng, HF, log=log), state, rows
+
+
+def trust_regions_for(cfg: Config, n: int, controllers: dict | None = None,
+                      saved_step_sizes: dict | None = None) -> dict[int, TrustRegion]:
+    """Each agent's ``trust_region.TrustRegion`` at --delta, --quantile and --max-backtracks: its beta
+    controller from a checkpoint (``controllers``) or new at --beta, its step rule from ``step_sizes_for``."""
+    sizes = step_sizes_for(cfg, n, saved_step_sizes or {})
+    controllers = controllers or {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
+                                  for k in range(n)}
+    return {k: TrustRegion(cfg.delta, cfg.quantile, cfg.max_backtracks, controllers[k], sizes[k]) for k in range(n)}
+
+
+def saved_trust_regions(run: RunState) -> tuple[dict, dict]:
+    """(beta controllers, step sizes) by slot: the trust regions' state a checkpoint keeps."""
+    return ({k: r.controller for k, r in run.regions.items()}, {k: r.step_size for k, r in run.regions.items()})
 
 
 def step_sizes_for(cfg: Config, n: int, saved: dict) -> dict[int, StepSize]:
-    """Each agent's ``update.StepSize``: at --lr, or, when an adaptive run resumes with --step-size adaptive,
+    """Each agent's ``step_rules.StepSize``: at --lr, or, when an adaptive run resumes with --step-size adaptive,
     at the lr its checkpoint saved (a fixed rule, or a change of rule, starts from --lr)."""
     sizes = {k: StepSize(rule=cfg.step_size, lr=cfg.lr, delta=cfg.delta) for k in range(n)}
     for k, s in saved.items():
@@ -458,8 +472,9 @@ class RunRecorder:
             run_folder.write_metrics(out, self.rows)
         if self.trackers is not None:
             self.trackers.log_stage(row, list(samples))
-        run_folder.save_checkpoint(out, row["stage"], run.team, run.controllers, run.value_heads, run.rng, {},
-                                   step_sizes=run.step_sizes)
+        controllers, step_sizes = saved_trust_regions(run)
+        run_folder.save_checkpoint(out, row["stage"], run.team, controllers, run.value_heads, run.rng, {},
+                                   step_sizes=step_sizes)
         run.log(records.stage_line(row) if row["stage"] else records.stage_zero_line(row))
 
 
@@ -483,9 +498,10 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     if team.procs.main:
         run_folder.record_upgrades(out, events)
     pending = pending + events
-    run_folder.save_checkpoint(out, start, team, run.controllers, run.value_heads, run.rng,
-                            {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded",
-                            step_sizes=run.step_sizes)
+    controllers, step_sizes = saved_trust_regions(run)
+    run_folder.save_checkpoint(out, start, team, controllers, run.value_heads, run.rng,
+                               {"baseline_eval": baseline, "pending_upgrades": pending}, suffix="_upgraded",
+                               step_sizes=step_sizes)
     run.log(f"held-out team accuracy after Stage-0: {baseline['eval_accuracy']:.3f}")
     return baseline, pending
 

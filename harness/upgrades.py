@@ -14,8 +14,7 @@ from plug_and_play import stage0_align
 from rollout import SamplingConfig
 from stage0_states import with_agent
 from team import Agent, Problem, check_same_vocabulary
-from trust_region import QuantileController
-from update import StepSize
+from trust_region import TrustRegion
 
 
 def parse_upgrade(item: str, n_agents: int) -> tuple[int, str]:
@@ -32,7 +31,7 @@ def parse_upgrade(item: str, n_agents: int) -> tuple[int, str]:
 def apply_upgrades(cfg, run, train: list[Problem], stage: int, sampling: SamplingConfig,
                    load_replacement: Callable[[str, int], Agent], evaluate=None,
                    acceptance: AcceptanceDraws | None = None) -> list[dict]:
-    """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, controllers,
+    """Replace the agents named by --upgrade SLOT=MODEL in ``run`` (``sat.RunState``: its team, trust regions,
     value heads, RNG, backend and log), each entering as --upgrade-accept says (``upgrade_slot``).
     ``load_replacement(spec, slot)`` builds the new agent (``harness.run``: loading, and a tiny agent's warm
     start); ``evaluate(team) -> dict`` records the accuracy with the raw replacement, if given; ``acceptance``:
@@ -78,8 +77,8 @@ def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingC
         found = {"accept": accept}
     if chosen is not None:
         backend.release(team.swap(slot, chosen, projected=rule == "stage0"))  # the incumbent's engine, if kept
-        run.controllers[slot] = QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)
-        run.step_sizes[slot] = StepSize(rule=cfg.step_size, lr=cfg.lr, delta=cfg.delta)
+        run.regions[slot] = TrustRegion.fresh(cfg.delta, cfg.quantile, cfg.max_backtracks, cfg.beta, cfg.step_size,
+                                              cfg.lr)
         if cfg.adv == "gae":
             run.value_heads[slot] = make_value_head(chosen)
     event = {"slot": slot + 1, "from": old_name, "to": new_agent.spec.name, "at_stage": stage,

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import advantage as adv
+import logprobs
 
 D = torch.float64
 
@@ -22,12 +23,12 @@ D = torch.float64
 def test_masked_sum_and_mean_ignore_padding_even_if_nan():
     x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
     m = torch.tensor([[1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    assert adv.masked_sum(x, m).item() == 13.0
-    assert adv.masked_mean(x, m).item() == pytest.approx(13.0 / 4)
-    torch.testing.assert_close(adv.masked_mean(x, m, dim=1), torch.tensor([1.5, 5.0]))
-    torch.testing.assert_close(adv.masked_sum(x, m, dim=0), torch.tensor([5.0, 2.0, 6.0]))
+    assert logprobs.masked_sum(x, m).item() == 13.0
+    assert logprobs.masked_mean(x, m).item() == pytest.approx(13.0 / 4)
+    torch.testing.assert_close(logprobs.masked_mean(x, m, dim=1), torch.tensor([1.5, 5.0]))
+    torch.testing.assert_close(logprobs.masked_sum(x, m, dim=0), torch.tensor([5.0, 2.0, 6.0]))
     empty = torch.zeros(2, 3, dtype=torch.bool)
-    torch.testing.assert_close(adv.masked_mean(x, empty, dim=1), torch.zeros(2))  # 0, not nan
+    torch.testing.assert_close(logprobs.masked_mean(x, empty, dim=1), torch.zeros(2))  # 0, not nan
 
 
 # ---------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import bounds
-from advantage import LOG_RATIO_CAP
 from harness.math_grading import vote_reward
+from logprobs import LOG_RATIO_CAP
 from rollout import draw_seed, response_seeds
 from scale.rollout_hf import SeededSampler
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
@@ -265,3 +265,17 @@ def test_coupling_and_the_variance_adaptive_bound_certify_more_steps():
         figures[coupled] = {rule: power(rows, rule) for rule in ("hoeffding", "bound")}
     print(f"\npower, independent x 2, 256 rows: independent draws {figures[False]}, coupled {figures[True]}")
     assert figures[True]["bound"] >= figures[False]["hoeffding"] + 0.2, figures
+
+
+def test_a_violation_is_a_paired_fall_beyond_two_standard_errors_and_the_rates_count_them():
+    """``bounds.is_violation``: mean_change < -2 stderr (paper, Section 5), strict; ``is_certified_fall``: an upper
+    bound below 0; ``fall_rates``: their shares; ``change_certificate``: the paired bound with the unpaired one."""
+    at_edge = {"mean_change": -0.2, "stderr": 0.1, "upper_bound": 0.0}
+    beyond_it = {"mean_change": -0.2000001, "stderr": 0.1, "upper_bound": -1e-9}
+    assert not bounds.is_violation(at_edge) and bounds.is_violation(beyond_it)
+    assert not bounds.is_certified_fall(at_edge) and bounds.is_certified_fall(beyond_it)
+    assert bounds.fall_rates([beyond_it, at_edge, at_edge, at_edge]) == (0.25, 0.25)
+    before, after = [0.0, 1.0, 0.0, 1.0] * 4, [1.0, 1.0, 0.0, 1.0] * 4
+    change = bounds.change_certificate(before, after, 0.5, 0.75, (0.0, 1.0), 0.05)
+    assert change == {**bounds.paired_change_bound(before, after, (0.0, 1.0), 0.05),
+                      "unpaired_lower_bound": bounds.heldout_change_bound(0.5, 16, 0.75, 16, (0.0, 1.0), 0.05)}

@@ -19,13 +19,13 @@ import update
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.processes import OneProcess
-from harness.run import step_sizes_for
+from harness.run import trust_regions_for
 from harness.tasks import arithmetic_problems
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, measure_kl, right_pad, turn_forward
 from rollout import SamplingConfig, Turn, rollout
 from scale.rollout_hf import HF, _sampler, check_sampler, generate_hf, sampler_config
 from team import Agent, Team
-from trust_region import QuantileController
+from trust_region import TrustRegion
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +65,8 @@ def sixteen_steps(agent: Agent, cfg) -> dict:
     zeros = torch.zeros(32)
     inputs = advantage.UpdateInputs(turn, adv, adv, zeros, zeros)
     team = Team([agent], math_team_config())
-    controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
-    return update.train_agents(team, [0], {0: inputs}, cfg, controllers, {}, {0: copy.deepcopy(agent.model)},
-                               {0: cfg.lr})[0]
+    regions = {0: TrustRegion.fresh(cfg.delta, cfg.quantile, 0, 0.0, "fixed", cfg.lr)}
+    return update.train_agents(team, [0], {0: inputs}, cfg, regions, {}, {0: copy.deepcopy(agent.model)})[0]
 
 
 # -- 1. bf16 weights with an fp32 master copy --------------------------------------------
@@ -241,8 +240,7 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
         assert torch.equal(new_logp, batch.turns[j].behaviour_logprobs)
     # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
+    run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
     record, _ = sat.sat_stage(run, problems, cfg, sampling)
     for step in record.agents:
         assert step.train.step0_log_ratio_max < 1e-3
@@ -258,10 +256,10 @@ def test_bf16_ratio_is_one_with_variable_lengths_and_other_chunkings():
     adv = torch.tensor([1.0, -1.0] * 24)
     zeros = torch.zeros(48)
     cfg = train_cfg(epochs=1, minibatch_size=16, lr=1e-3)
-    controllers = {0: QuantileController(delta=1.0, quantile=0.99, beta=0.0)}
+    regions = {0: TrustRegion.fresh(cfg.delta, cfg.quantile, 0, 0.0, "fixed", cfg.lr)}
     inputs = {0: advantage.UpdateInputs(turn, adv, adv, zeros, zeros)}
-    stats = update.train_agents(Team([agent], math_team_config()), [0], inputs, cfg, controllers, {},
-                                {0: copy.deepcopy(agent.model)}, {0: cfg.lr})[0]
+    stats = update.train_agents(Team([agent], math_team_config()), [0], inputs, cfg, regions, {},
+                                {0: copy.deepcopy(agent.model)})[0]
     assert stats.inner_steps == 3 and stats.step0_log_ratio_max < 1e-3
 
 
@@ -353,7 +351,6 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     cfg = small_config(tmp_path, protocol=protocol, minibatch_size=12, epochs=2)
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
-    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
+    run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
     record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg, sampling)
     assert [step.train.step0_log_ratio_max for step in record.agents] == [0.0, 0.0]

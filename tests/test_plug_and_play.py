@@ -15,11 +15,12 @@ from harness.loading import load_agent, load_saved_team
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
 from harness.tasks import arithmetic_problems
+from kl_projection import geometric_mixture_at
 from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
 from scale.rollout_hf import HF
 from team import Team, check_same_vocabulary
-from trust_region import geometric_mixture_at, kl_from_logprobs, quantile
+from trust_region import kl_from_logprobs, quantile
 
 QUIET = dict(log=lambda *_: None)
 
@@ -176,7 +177,7 @@ def test_stage0_matches_the_closed_form_projection_and_holds_on_heldout_states()
     distributions must match the exact targets within the stated tolerance, stay
     inside delta_0 on states the fit never saw, and keep what pi_pre knows
     (closer to pi_pre than the incumbent is)."""
-    from trust_region import geometric_mixture_projection
+    from kl_projection import geometric_mixture_projection
 
     cur = random_lm(seed=1)
     pre = copy.deepcopy(cur)

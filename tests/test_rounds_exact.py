@@ -27,12 +27,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_toy_mdp_properties import check_stage_bound, check_step_bounds
 
-from advantage import UpdateInputs, masked_sum, step_estimates
+from advantage import UpdateInputs, step_estimates
 from harness.config import Config, resolve_agent_spec
 from harness.environments import Environment
 from harness.loading import TINY_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model, prepare_tokenizer
 from harness.math_grading import math_team_config
-from logprobs import measure_kl, response_logprobs, turn_forward
+from logprobs import TurnTensors, masked_sum, measure_kl, turn_forward
 from reward import Reward
 from rollout import (
     ENVIRONMENT,
@@ -362,8 +362,8 @@ def test_kl_and_surrogate_identity_of_a_moved_agent(game, j):
     assert estimate["zeta"] == 0.0
     # the identity has teeth: a ratio that also counted the tokens agent j did not write misses the change
     present = turn.response_mask.flip(-1).cummax(-1).values.flip(-1)  # [N, Lr] every token up to its last own one
-    leaked = [response_logprobs(m, turn.context_ids, turn.context_mask, turn.response_ids, present, TEMPERATURE)
-              for m in (new.model, team.agents[j].model)]
+    leaked_turn = TurnTensors(turn.context_ids, turn.context_mask, turn.response_ids, present)
+    leaked = [turn_forward(m, leaked_turn, slice(None), TEMPERATURE)[0] for m in (new.model, team.agents[j].model)]
     leaked_r = masked_sum(leaked[0] - leaked[1], present, dim=1).double().exp()  # [N]
     wrong = float((weights * (leaked_r - 1) * (game.rewards - baseline)).sum())
     assert abs(wrong - change) > 10 * abs(surrogate - change) + 1e-4

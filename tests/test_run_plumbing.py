@@ -12,13 +12,13 @@ import harness.cli
 import sat
 from harness.loading import load_agent, warm_start
 from harness.math_grading import math_team_config
-from harness.run import configure_threads, step_sizes_for
+from harness.run import configure_threads, trust_regions_for
 from harness.tasks import arithmetic_problems
 from logprobs import measure_kl
 from rollout import SamplingConfig
 from scale.rollout_hf import HF
 from team import Agent, Team
-from trust_region import QuantileController, kl_quantile
+from trust_region import kl_quantile
 
 
 def warm_team(protocol: str, steps: int) -> Team:
@@ -41,12 +41,11 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
     before = [Agent(a.spec, __import__("copy").deepcopy(a.model), a.tokenizer) for a in team.agents]
-    controllers = {k: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta) for k in range(2)}
     captured = []
     rollout = sat.rollout
     monkeypatch.setattr(sat, "rollout", lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1])
     torch.manual_seed(0)
-    run = sat.RunState(team, controllers, step_sizes_for(cfg, 2, {}), {}, random.Random(0), HF)
+    run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
     rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg, sampling)
     assert any(a.train.early_stopped for a in rec.agents)  # the case this test is for
     for j, a in enumerate(rec.agents):
@@ -73,9 +72,8 @@ def serial_warm_start(team, problems, steps, p_wrong, seed, lr=1e-3, batch=8):
     """The warm start written out as one loop per agent, each step's batch drawn right before it."""
     import random
 
-    from advantage import masked_mean
     from harness.tasks import noisy_label
-    from logprobs import left_pad, response_hidden_states, right_pad, token_logprobs_from_hidden
+    from logprobs import left_pad, masked_mean, response_hidden_states, right_pad, token_logprobs_from_hidden
     rng = random.Random(seed)
     for k, agent in enumerate(team.agents):
         opt, tok = agent.start_training(lr), agent.tokenizer

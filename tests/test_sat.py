@@ -23,7 +23,7 @@ from logprobs import measure_kl
 from rollout import SamplingConfig, rollout
 from scale.rollout_hf import HF
 from team import Agent, Team
-from trust_region import QuantileController, quantile
+from trust_region import TrustRegion, quantile
 
 TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds", "eval_seconds"}
 
@@ -91,9 +91,8 @@ def run_trust_region_step(team, batch, scale, cfg, max_backtracks, rule="fixed")
     cfg = dataclasses.replace(cfg, max_backtracks=max_backtracks)
     stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
                               train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
-    record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg,
-                                      QuantileController(delta=cfg.delta, quantile=cfg.quantile),
-                                      update.StepSize(rule=rule, lr=cfg.lr, delta=cfg.delta), batch)
+    region = TrustRegion.fresh(cfg.delta, cfg.quantile, cfg.max_backtracks, 0.0, rule, cfg.lr)
+    record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg, region, batch)
     for p, q in zip(reference.parameters(), original.parameters()):
         assert torch.equal(p, q)  # the line search reads pi_j,cur's parameters as its anchor and never writes them
     return agent, original, record
@@ -135,7 +134,7 @@ def test_an_adaptive_step_that_backtracks_lowers_the_agents_lr(stepped, tmp_path
     cfg = small_config(tmp_path, delta=0.05, temperature=1.0)
     _, _, record = run_trust_region_step(team, batch, scale=0.02, cfg=cfg, max_backtracks=12, rule="adaptive")
     assert record.accepted and record.backtracks >= 1 and record.lr == cfg.lr
-    expected = cfg.lr * record.step_fraction * math.sqrt(0.7 * cfg.delta / record.kl_quantile)  # update.StepSize
+    expected = cfg.lr * record.step_fraction * math.sqrt(0.7 * cfg.delta / record.kl_quantile)  # step_rules.StepSize
     assert record.lr_next == pytest.approx(expected, rel=1e-9) and record.lr_next < record.lr
 
 

@@ -1,29 +1,29 @@
-"""--step-size: the per-agent rules (update.StepSize), checked against the quadratic model of a small step they
+"""--step-size: the per-agent rules (step_rules.StepSize), checked against the quadratic model of a small step they
 are built on, through the real line searches, and in runs (one that checkpoints and resumes)."""
 import json
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harness.cli
 import harness.run
-from trust_region import backtracking_line_search, scaled_line_search
-from update import StepSize
+from step_rules import StepSize
+from trust_region import QuantileController, TrustRegion, scaled_line_search
 
 pos = st.floats(1e-3, 1e3)
 
 
 def one_step(size: StepSize, curvature: float, max_backtracks: int = 6) -> tuple:
-    """One trust-region step when the KL quantile of the policy at fraction f of a proposal trained at lr is
-    exactly curvature * (f * lr)^2: the real line search, then the rule's update. -> (search, lr used)"""
+    """One trust-region step (``TrustRegion.step``: the real line search, then the rule's update) when the KL
+    quantile of the policy at fraction f of a proposal trained at lr is exactly curvature * (f * lr)^2.
+    -> (what the step kept, lr used)"""
     lr, at = size.lr, {}
-    search = backtracking_line_search(lambda f: at.update(f=f), lambda: curvature * (at["f"] * lr) ** 2, size.delta,
-                                      max_backtracks=max_backtracks)
-    rejected_scale = 0.5 ** (max_backtracks + 1)
-    size.update(search.fraction, search.kl_quantile, rejected_scale)
-    return search, lr
+    region = TrustRegion(size.delta, 1.0, max_backtracks, QuantileController(delta=size.delta), size)
+    kl_at = lambda: (torch.tensor([curvature * (at["f"] * lr) ** 2], dtype=torch.float64),)  # noqa: E731  [1]
+    return region.step(lambda f: at.update(f=f), kl_at), lr
 
 
 @settings(max_examples=200, deadline=None)

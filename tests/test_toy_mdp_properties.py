@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from scipy.optimize import brentq
 
 import bounds
+import kl_projection as kp
 import trust_region as tr
 
 TOL = 1e-9  # bound slack for float64 rounding (J is at most 1 / (1 - gamma) = 10)
@@ -128,7 +129,7 @@ def test_kl_step_feasible_and_optimal(case, data):
     j = data.draw(st.integers(0, mdp.n_agents - 1))
     _, step = tm.sat_step(mdp, team, j, deltas[j])
     assert (step["kl"] <= deltas[j] + 1e-12).all()
-    new_j = tr.exponential_tilt_step(team[j], step["adv_j"], deltas[j])
+    new_j = kp.exponential_tilt_step(team[j], step["adv_j"], deltas[j])
     best = step["surrogate"]
     assert best >= -1e-12  # pi_cur itself scores E_pi[A^pi] = 0
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
@@ -150,7 +151,7 @@ def test_stage0_projection(case, data, delta0):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     cur = team[j]
     pre = tm.random_policy(gen, mdp.n_states, cur.shape[1], scale=2.0)
-    new, lam = tr.geometric_mixture_projection(pre, cur, delta0)
+    new, lam = kp.geometric_mixture_projection(pre, cur, delta0)
     assert (tr.per_state_kl(new, cur) <= delta0 + 1e-12).all()
     best = tr.per_state_kl(new, pre)
     for cand in tm.random_feasible(gen, cur, delta0, 20, anchors=[new, pre]):
@@ -158,7 +159,7 @@ def test_stage0_projection(case, data, delta0):
     # a plug-in already inside the ball is taken as it is
     near = torch.log_softmax(cur + 0.02 * torch.randn(cur.shape, generator=gen, dtype=tm.DTYPE), -1)
     radius = float(tr.per_state_kl(near, cur).max()) + 1e-6
-    same, lam0 = tr.geometric_mixture_projection(near, cur, radius)
+    same, lam0 = kp.geometric_mixture_projection(near, cur, radius)
     torch.testing.assert_close(same, near, rtol=0, atol=1e-13)
     assert (lam0 == 0).all()
 
@@ -191,7 +192,7 @@ def test_plug_and_play_swap_keeps_the_guarantee(case, data, delta0):
     j = data.draw(st.integers(0, mdp.n_agents - 1))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     pre = tm.random_policy(gen, mdp.n_states, team[j].shape[1], scale=2.0)
-    projected, _ = tr.geometric_mixture_projection(pre, team[j], delta0)
+    projected, _ = kp.geometric_mixture_projection(pre, team[j], delta0)
     swapped, cert, old, _ = swap(mdp, team, j, projected)
     J_swapped = tm.solve_policy(mdp, swapped)["J"]
     assert J_swapped - old["J"] >= cert["lower_bound"] - TOL
@@ -214,10 +215,10 @@ def test_plug_in_that_improves_keeps_its_improvement_after_projection(case, data
     j = data.draw(st.integers(0, mdp.n_agents - 1))
     old = tm.solve_policy(mdp, team)
     adv_j = tm.marginal_advantage(old["A"], team, j)
-    pre = tr.exponential_tilt_step(team[j], adv_j, factor * delta0)
+    pre = kp.exponential_tilt_step(team[j], adv_j, factor * delta0)
     assume(torch.isfinite(pre).all())  # a saturated tilt (pi_cur restricted to argmax) has no interior mixtures
-    projected, _ = tr.geometric_mixture_projection(pre, team[j], delta0)
-    best_step = tr.exponential_tilt_step(team[j], adv_j, delta0)
+    projected, _ = kp.geometric_mixture_projection(pre, team[j], delta0)
+    best_step = kp.exponential_tilt_step(team[j], adv_j, delta0)
     torch.testing.assert_close(projected.exp(), best_step.exp(), rtol=0, atol=1e-7)
     gain_before = tm.surrogate(old["d"], team[j], adv_j)
     gain_after = tm.surrogate(old["d"], projected, adv_j)

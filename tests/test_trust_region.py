@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from toy_mdp import random_feasible
 
 import bounds
+import kl_projection as kp
 import trust_region as tr
+import update
 
 D = torch.float64
 
@@ -119,7 +121,7 @@ def test_kl_penalty_expectations_under_behaviour_policy():
     p_cur = lp_cur.exp()
     kl_cur_new = tr.per_state_kl(lp_cur, lp_new)  # KL(cur || new)
     kl_new_cur = tr.per_state_kl(lp_new, lp_cur)  # KL(new || cur)
-    expect = {k: (p_cur * tr.kl_penalty(lp_new, lp_cur, k)).sum(-1) for k in ("k1", "k2", "k3", "k3_new")}
+    expect = {k: (p_cur * update.kl_penalty(lp_new, lp_cur, k)).sum(-1) for k in ("k1", "k2", "k3", "k3_new")}
     torch.testing.assert_close(expect["k1"], kl_cur_new, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(expect["k3"], kl_cur_new, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(expect["k3_new"], kl_new_cur, rtol=1e-10, atol=1e-12)
@@ -131,7 +133,7 @@ def test_kl_penalty_k2_is_second_order_accurate_near_cur():
     lp_cur = log_probs(gen, 10, 6)
     for eps in (1e-1, 1e-2):
         lp_new = torch.log_softmax(lp_cur + eps * torch.randn(10, 6, generator=gen, dtype=D), -1)
-        k2 = (lp_cur.exp() * tr.kl_penalty(lp_new, lp_cur, "k2")).sum(-1)
+        k2 = (lp_cur.exp() * update.kl_penalty(lp_new, lp_cur, "k2")).sum(-1)
         kl = tr.per_state_kl(lp_cur, lp_new)
         assert (k2 - kl).abs().max() <= 10 * eps**3
 
@@ -140,20 +142,20 @@ def test_kl_penalty_k2_is_second_order_accurate_near_cur():
 def test_kl_penalty_nonnegative_kinds(log_r):
     lp_new, lp_cur = torch.tensor([log_r], dtype=D), torch.tensor([0.0], dtype=D)
     for kind in ("k2", "k3", "k3_new"):
-        assert tr.kl_penalty(lp_new, lp_cur, kind).item() >= 0
+        assert update.kl_penalty(lp_new, lp_cur, kind).item() >= 0
 
 
 def test_kl_penalty_zero_value_and_gradient_at_cur():
     lp_cur = torch.log_softmax(torch.randn(5, dtype=D), -1)
     for kind in ("k1", "k2", "k3", "k3_new"):
         lp_new = lp_cur.clone().requires_grad_(True)
-        val = tr.kl_penalty(lp_new, lp_cur, kind)
+        val = update.kl_penalty(lp_new, lp_cur, kind)
         assert torch.equal(val, torch.zeros_like(val))
         if kind != "k1":  # k1's per-sample gradient is -1; only its expectation's gradient vanishes
             val.sum().backward()
             assert torch.equal(lp_new.grad, torch.zeros_like(lp_cur))
     with pytest.raises(ValueError):
-        tr.kl_penalty(lp_cur, lp_cur, "k4")
+        update.kl_penalty(lp_cur, lp_cur, "k4")
 
 
 # ---------------------------------------------------------------------------
@@ -381,7 +383,7 @@ def kl(a, b):
 def test_projection_feasible_optimal_and_a_geometric_mixture(seed, rows, cols, delta):
     gen = torch.Generator().manual_seed(seed)
     pre, cur = log_probs(gen, rows, cols, 2.5), log_probs(gen, rows, cols, 2.5)
-    new, lam = tr.geometric_mixture_projection(pre, cur, delta)
+    new, lam = kp.geometric_mixture_projection(pre, cur, delta)
     torch.testing.assert_close(new.exp().sum(-1), torch.ones(rows, dtype=D))
     assert (kl(new, cur) <= delta + 1e-12).all()
     inside = kl(pre, cur) <= delta
@@ -402,7 +404,7 @@ def test_projection_identity_when_inside():
     cur = log_probs(gen, 6, 5)
     pre = torch.log_softmax(cur + 0.05 * torch.randn(6, 5, generator=gen, dtype=D), -1)
     delta = float(kl(pre, cur).max()) * 1.01
-    new, lam = tr.geometric_mixture_projection(pre, cur, delta)
+    new, lam = kp.geometric_mixture_projection(pre, cur, delta)
     torch.testing.assert_close(new, pre, rtol=0, atol=1e-14)
     assert torch.equal(lam, torch.zeros(6, dtype=D))
 
@@ -410,14 +412,14 @@ def test_projection_identity_when_inside():
 def test_projection_zero_radius_and_disjoint_support():
     gen = torch.Generator().manual_seed(9)
     pre, cur = log_probs(gen, 3, 4), log_probs(gen, 3, 4)
-    new, lam = tr.geometric_mixture_projection(pre, cur, 0.0)
+    new, lam = kp.geometric_mixture_projection(pre, cur, 0.0)
     torch.testing.assert_close(new, cur, rtol=0, atol=1e-14)
     assert torch.isinf(lam).all()
     # pi_pre puts mass where pi_cur has none: the projection stays on pi_cur's support
     cur = torch.tensor([[0.0, -math.inf, 0.0]], dtype=D)
     cur = torch.log_softmax(cur, -1)
     pre = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=D), -1)
-    new, _ = tr.geometric_mixture_projection(pre, cur, 0.1)
+    new, _ = kp.geometric_mixture_projection(pre, cur, 0.1)
     assert new[0, 1] == -math.inf and kl(new, cur).item() <= 0.1
 
 
@@ -431,7 +433,7 @@ def test_tilt_feasible_and_beats_random_feasible_policies(seed, rows, cols, delt
     gen = torch.Generator().manual_seed(seed)
     cur = log_probs(gen, rows, cols, 2.0)
     adv = torch.randn(rows, cols, generator=gen, dtype=D)
-    new = tr.exponential_tilt_step(cur, adv, delta)
+    new = kp.exponential_tilt_step(cur, adv, delta)
     torch.testing.assert_close(new.exp().sum(-1), torch.ones(rows, dtype=D))
     kl_new = kl(new, cur)
     assert (kl_new <= delta + 1e-12).all()
@@ -446,7 +448,7 @@ def test_tilt_feasible_and_beats_random_feasible_policies(seed, rows, cols, delt
 def test_tilt_is_pi_cur_times_exp_eta_a():
     gen = torch.Generator().manual_seed(10)
     cur, adv = log_probs(gen, 4, 5), torch.randn(4, 5, generator=gen, dtype=D)
-    new = tr.exponential_tilt_step(cur, adv, 0.05)
+    new = kp.exponential_tilt_step(cur, adv, 0.05)
     eta = (new - cur)[:, :1] - (new - cur)[:, 1:2]  # log-ratio differences must be eta * dA
     eta = eta / (adv[:, :1] - adv[:, 1:2])
     torch.testing.assert_close(new - cur - (new - cur).mean(-1, keepdim=True), eta * (adv - adv.mean(-1, keepdim=True)))
@@ -456,22 +458,22 @@ def test_tilt_is_pi_cur_times_exp_eta_a():
 def test_tilt_constant_advantage_and_saturation():
     gen = torch.Generator().manual_seed(11)
     cur = log_probs(gen, 3, 4)
-    same = tr.exponential_tilt_step(cur, torch.full((3, 4), 0.7, dtype=D), 0.3)
+    same = kp.exponential_tilt_step(cur, torch.full((3, 4), 0.7, dtype=D), 0.3)
     torch.testing.assert_close(same, cur, rtol=0, atol=1e-14)
     # pi_cur already puts 0.9 on the best action: a radius above -log 0.9 reaches it exactly
     cur = torch.tensor([[0.9, 0.05, 0.05]], dtype=D).log()
     adv = torch.tensor([[1.0, 0.0, -1.0]], dtype=D)
-    new = tr.exponential_tilt_step(cur, adv, 0.2)
+    new = kp.exponential_tilt_step(cur, adv, 0.2)
     assert new.exp()[0, 0].item() == pytest.approx(1.0, abs=1e-15)
     # and radius 0 changes nothing
-    torch.testing.assert_close(tr.exponential_tilt_step(cur, adv, 0.0).exp(), cur.exp(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(kp.exponential_tilt_step(cur, adv, 0.0).exp(), cur.exp(), rtol=0, atol=1e-12)
 
 
 def test_tilt_row_offsets_do_not_matter():
     gen = torch.Generator().manual_seed(12)
     cur, adv = log_probs(gen, 5, 3), torch.randn(5, 3, generator=gen, dtype=D)
-    a = tr.exponential_tilt_step(cur, adv, 0.1)
-    b = tr.exponential_tilt_step(cur, adv + 100 * torch.randn(5, 1, generator=gen, dtype=D), 0.1)
+    a = kp.exponential_tilt_step(cur, adv, 0.1)
+    b = kp.exponential_tilt_step(cur, adv + 100 * torch.randn(5, 1, generator=gen, dtype=D), 0.1)
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
@@ -548,19 +550,44 @@ def test_dkw_upper_quantile_covers_the_true_quantile():
         tr.dkw_slack(0, 0.1)
 
 
-def test_outside_trust_region_is_the_line_searchs_test_nan_included():
-    """The in-loop check (update.py) and the line search decide alike: beyond
-    delta is outside, at delta inside, a NaN quantile outside (a diverged step
-    is never kept as an inside anchor), no tokens inside."""
-    from trust_region import kl_quantile, outside_trust_region
-
+def test_the_trust_regions_check_is_the_line_searchs_test_nan_included():
+    """The in-loop check (update.py) and the line search decide alike, through the agent's ``TrustRegion``: beyond
+    delta is outside, at delta inside, a NaN quantile outside (a diverged step is never kept as an inside anchor),
+    no tokens inside."""
     kl = torch.linspace(0, 1, 101)  # [101]
-    assert kl_quantile(kl, 0.9) == pytest.approx(0.9)
-    assert outside_trust_region(kl, 0.9, 0.89) and not outside_trust_region(kl, 0.9, 0.9)
-    assert outside_trust_region(torch.tensor([0.1, float("nan")]), 0.5, 10.0)
-    assert not outside_trust_region(torch.zeros(0), 0.9, 0.5) and kl_quantile(torch.zeros(0), 0.9) == 0.0
+    region, tight = (tr.TrustRegion.fresh(delta, 0.9, 0, 0.0, "fixed", 1e-5) for delta in (0.9, 0.89))
+    assert region.statistic(kl) == pytest.approx(0.9)
+    assert tight.violates(tight.statistic(kl)) and not region.violates(region.statistic(kl))
+    assert region.violates(region.statistic(torch.tensor([0.1, float("nan")])))
+    assert region.statistic(torch.zeros(0)) == 0.0 and not region.violates(0.0)
+    half = tr.TrustRegion.fresh(0.5, 0.9, 0, 0.0, "fixed", 1e-5)
     for values in (kl, torch.tensor([0.1, float("nan")])):
-        state = {"frac": None}
-        search = tr.backtracking_line_search(lambda f: state.update(frac=f), lambda: kl_quantile(values, 0.9), 0.5,
-                                          max_backtracks=0)
-        assert search.accepted == (not outside_trust_region(values, 0.9, 0.5))
+        search = half.search(lambda f: None, lambda: (values,), early_stopped=False, stopped_at=None)
+        assert search.accepted == (not half.violates(half.statistic(values)))
+
+
+def test_a_trust_region_step_moves_beta_and_the_lr_from_what_it_kept():
+    """``TrustRegion.step`` on a KL of curv * f^2 at fraction f in place: a rejection restores the anchor (the last
+    fraction applied is 0), counts as a violation for beta and takes an adaptive lr one shrink past the last
+    fraction tried; an in-loop anchor kept instead counts as one shrink; a kept fraction f moves the lr by
+    f sqrt(target delta / kq); a fixed rule logs no lr; a scaled rule stretches a short proposal."""
+    def run(curv: float, anchored: bool = False, rule: str = "adaptive"):
+        region, applied = tr.TrustRegion.fresh(0.1, 1.0, 2, 0.0, rule, 1e-3), []
+        kl_now = lambda: (torch.tensor([curv * applied[-1] ** 2], dtype=D),)  # noqa: E731  [1]
+        return region, applied, region.step(applied.append, kl_now, anchored=anchored)
+
+    region, applied, kept = run(100.0)  # even 1/4 of the proposal is at KL 6.25 > 0.1
+    assert applied == [1.0, 0.5, 0.25, 0.0] and not kept.accepted and kept.step_fraction == 0.0
+    assert kept.beta == 0.0 and kept.beta_next == region.controller.beta_min  # the penalty switches on
+    assert kept.lr == 1e-3 and kept.lr_next == pytest.approx(1e-3 * 0.5 ** 3, rel=1e-12)
+    kept = run(100.0, anchored=True)[2]
+    assert kept.accepted and kept.step_fraction == 0.0 and kept.lr_next == pytest.approx(1e-3 * 0.5, rel=1e-12)
+    kept = run(0.2)[2]  # the whole step at 0.2 > 0.1, half of it at 0.05
+    assert kept.accepted and (kept.step_fraction, kept.backtracks) == (0.5, 1)
+    assert kept.kl_quantile == pytest.approx(0.05, rel=1e-12)
+    assert kept.lr_next == pytest.approx(1e-3 * 0.5 * math.sqrt(0.7 * 0.1 / 0.05), rel=1e-9)
+    fixed = run(0.2, rule="fixed")[2]
+    assert fixed.step_fraction == 0.5 and fixed.lr is None and fixed.lr_next is None
+    scaled = run(1e-3, rule="scaled")[2]  # inside at 1: stretched to where the KL is 0.7 delta
+    assert scaled.accepted and scaled.step_fraction == pytest.approx(math.sqrt(70), rel=1e-12)
+    assert scaled.kl_quantile == pytest.approx(0.07, rel=1e-9) and scaled.lr is None

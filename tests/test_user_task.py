@@ -596,8 +596,7 @@ def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys
 # -- Warnings a new user needs: a held-out split too small to measure, responses cut at the token limit -------
 @pytest.mark.parametrize("delta_conf", [0.01, 0.05, 0.1, 0.5])
 def test_fewest_certifying_rows_is_where_the_best_case_certificate_turns_positive(delta_conf):
-    from bounds import paired_lower_bound
-    from harness.records import fewest_certifying_rows
+    from bounds import fewest_certifying_rows, paired_lower_bound
 
     need = fewest_certifying_rows(delta_conf)
     best = lambda n, width: paired_lower_bound([width] * n, width, delta_conf)["lower_bound"]  # noqa: E731

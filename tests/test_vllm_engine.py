@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # every test here starts (or shares) real vLLM engines
 
 from harness.loading import load_agent  # noqa: E402
-from logprobs import TurnTensors, batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
+from logprobs import TurnTensors, batched_response_logprobs, left_pad, right_pad, turn_forward  # noqa: E402
 from rollout import SamplingConfig, draw_seed, response_seeds  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
 
@@ -145,7 +145,7 @@ def test_training_step_then_sync(team2):
     c, cm = left_pad(ctx, tok.pad_token_id)
     r, rm = right_pad(fixed, tok.pad_token_id)
     dev = agent.device
-    logp = response_logprobs(agent.model, c.to(dev), cm.to(dev), r.to(dev), rm.to(dev), 1.0)
+    logp = turn_forward(agent.model, TurnTensors(c, cm, r, rm), slice(None), 1.0)[0]  # [N, Lr]
     loss = -(logp * rm.to(dev)).sum() / rm.sum()
     loss.backward()
     opt.step()

@@ -10,7 +10,7 @@ tests can check SAT's guarantee (the paper's Theorems 4.2 and 4.4) with no sampl
     d = (1 - gamma) mu^T (I - gamma P_pi)^-1   (normalised discounted occupancy).
 
 `sat_stage` runs one SAT stage with the exact KL-constrained step of
-`trust_region.exponential_tilt_step` for each agent in turn, and `joint_update` lets all
+`kl_projection.exponential_tilt_step` for each agent in turn, and `joint_update` lets all
 agents take that step at once on the same stale advantages.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import bounds
+import kl_projection as kp
 import trust_region as tr
 
 DTYPE = torch.float64
@@ -146,7 +147,7 @@ def sat_step(mdp: ToyMDP, logps: list[torch.Tensor], j: int, delta: float) -> tu
     """Agent j takes the exact KL step on its marginal advantage under the current team."""
     old = solve_policy(mdp, logps)
     adv_j = marginal_advantage(old["A"], logps, j)  # [S, A_j]
-    new_j = tr.exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
+    new_j = kp.exponential_tilt_step(logps[j], adv_j, delta)  # [S, A_j]
     kl = tr.per_state_kl(new_j, logps[j])  # [S]
     surr = surrogate(old["d"], new_j, adv_j)
     cert = bounds.certificate(
@@ -196,7 +197,7 @@ def joint_update(mdp: ToyMDP, logps: list[torch.Tensor], deltas) -> dict:
         deltas = [float(deltas)] * len(logps)
     old = solve_policy(mdp, logps)
     team = [
-        tr.exponential_tilt_step(logps[j], marginal_advantage(old["A"], logps, j), deltas[j])
+        kp.exponential_tilt_step(logps[j], marginal_advantage(old["A"], logps, j), deltas[j])
         for j in range(len(logps))
     ]
     return {"J_before": old["J"], "J_after": solve_policy(mdp, team)["J"], "logps": team}

@@ -22,7 +22,7 @@ from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
 from harness.math_grading import math_team_config
 from team import Agent, Team
-from trust_region import QuantileController
+from harness.run import trust_regions_for
 from update import train_agents
 from advantage import build_inputs
 from harness.loading import load_agent
@@ -40,9 +40,8 @@ inputs = build_inputs(batch, 0, [], cfg)
 
 def turn(t: Team) -> None:
     torch.manual_seed(1)  # the same minibatch permutation
-    controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
     ref = copy.deepcopy(t.agents[0].model)
-    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref}, {0: cfg.lr})[0])
+    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, trust_regions_for(cfg, 1), {}, {0: ref})[0])
 
 
 def masters(agent: Agent) -> list[torch.Tensor]:

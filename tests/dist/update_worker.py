@@ -18,7 +18,7 @@ from scale.torchrun import Torchrun
 from harness.tasks import arithmetic_problems
 from harness.math_grading import math_team_config
 from team import Agent, Team
-from trust_region import QuantileController
+from harness.run import trust_regions_for
 from update import TrainStats, train_agents
 from advantage import build_inputs
 from harness.loading import load_agent
@@ -35,9 +35,8 @@ before = [p.detach().clone() for p in team.agents[0].model.parameters()]
 
 def one_update(t: Team) -> TrainStats:
     torch.manual_seed(1)  # the same minibatch permutation
-    controllers = {0: QuantileController(delta=cfg.delta, quantile=cfg.quantile, beta=cfg.beta)}
     ref = copy.deepcopy(t.agents[0].model)
-    return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, controllers, {}, {0: ref}, {0: cfg.lr})[0])
+    return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, trust_regions_for(cfg, 1), {}, {0: ref})[0])
 
 
 def main() -> None:
