@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     cfg = sat.Config(agents=args.agents, device="cpu" if not torch.cuda.is_available() else "cuda", dtype=args.dtype,
                      warmup_steps=0, stages=0).apply_preset()
     train, _, instruction = load_task(cfg)
-    team = harness.run.build_team(cfg, instruction)
+    team = harness.run.build_team(harness.run.run_inputs(cfg), instruction)
     problems = train[: args.prompts]
     sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                               token_budget=cfg.token_budget)
