@@ -319,4 +319,4 @@ def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor
     return {"surrogate_estimate": surrogate, "surrogate_ess": float(wr.sum() ** 2 / (wr ** 2).sum()), "zeta": zeta,
             "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()), "N": n, "ess": ess,
             "ess_ratio": ess / n, "seq_kl_max": float(seq_kl.max()),
-            "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j])}
+            "credit_correlation": credit_correlation(inputs.adv, batch.agent_reward[j])}

@@ -88,7 +88,7 @@ class TeamBatch:
     turns: list[Turn]  # one per agent, turns[k].agent == k
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward R, in the reward's own range (team.config.reward.range)
-    agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own score (reward.agent_scores): its answer right?
+    agent_reward: torch.Tensor = None  # [n_agents, N] each agent's own reward (reward.agent_scores), in R's range
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
     transcripts: list[str] | None = None  # [N] with an environment: each episode, every round, as text
     rounds: list[int] | None = None  # [N] with an environment: the rounds each episode ran
@@ -100,7 +100,7 @@ class TeamBatch:
 
     @property
     def has_own_scores(self) -> bool:
-        """Whether ``agent_correct`` holds each agent's own score; an episode's (with an environment) is the team
+        """Whether ``agent_reward`` holds each agent's own score; an episode's (with an environment) is the team
         reward, as no share of an episode is one agent's (``score_episodes``)."""
         return self.rounds is None
 

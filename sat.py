@@ -90,7 +90,7 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
         sigma = list(range(n))
         rng.shuffle(sigma)
         return sigma
-    acc = batch.agent_correct.mean(1).tolist()  # [n]
+    acc = batch.agent_reward.mean(1).tolist()  # [n]
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
@@ -270,9 +270,17 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
                                                 "eval_rounds": sum(batch.rounds) / len(batch)}
     return {**episodes, "eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
             "eval_seconds": time.time() - t0,
-            "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
-            "eval_agent_accuracy": batch.agent_correct.mean(1).tolist(),
+            "eval_stderr": standard_error(batch.rewards),
+            "eval_agent_reward": batch.agent_reward.mean(1).tolist(),
             "eval_rewards": [round(float(r), 6) for r in batch.rewards]}
+
+
+def standard_error(values: torch.Tensor) -> float | None:
+    """The standard error of the mean of ``values`` [N]: their sample standard deviation (n - 1) over sqrt(N),
+    whatever the reward's range (partial credit, or R outside [0, 1]); None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    return float(values.double().std(correction=1)) / math.sqrt(len(values))
 
 
 # ---------------------------------------------------------------------------

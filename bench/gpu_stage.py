@@ -114,9 +114,9 @@ def synthetic_score(score_team):
     """rollout.score_team with the team reward replaced by the parity of the sum of the agents' first
     response tokens: it varies within every group, so advantages and updates are not all zero."""
     def wrapper(team, flat, turns, group_ids):
-        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        answers, _, agent_reward, _ = score_team(team, flat, turns, group_ids)
         first = torch.stack([t.response_ids[:, 0] for t in turns]).sum(0)  # [N]
-        return answers, (first % 2).float(), agent_correct, None  # no vote baselines for this reward: group mean
+        return answers, (first % 2).float(), agent_reward, None  # no vote baselines for this reward: group mean
     return wrapper
 
 

@@ -59,9 +59,9 @@ def digit_score(score_team, seen: list):
     agents' responses (a sum over agents, so agent k's contribution to J is its own mean digit fraction / 3).
     Each call's digit fractions are appended to ``seen`` (the first: the stage's rollout)."""
     def wrapper(team, flat, turns, group_ids):
-        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        answers, _, agent_reward, _ = score_team(team, flat, turns, group_ids)
         seen.append(digit_fractions(turns))
-        return answers, seen[-1].mean(0).float(), agent_correct, None  # group mean baselines (Eq. (2))
+        return answers, seen[-1].mean(0).float(), agent_reward, None  # group mean baselines (Eq. (2))
     return wrapper
 
 
