@@ -16,6 +16,7 @@ import torch
 
 from logprobs import response_hidden_states
 from rollout import TeamBatch, Turn
+from sat_config import SatConfig
 from team import Agent
 
 
@@ -202,8 +203,8 @@ class UpdateInputs:
     returns: torch.Tensor | None = None  # [N, L] value targets (gae)
 
 
-def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]], cfg,
-                 model=None, value_head=None) -> UpdateInputs:
+def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]],
+                 cfg: SatConfig, model=None, value_head=None) -> UpdateInputs:
     """Sequence-aware weights and advantages for the agent updated at this step.
 
     w(tau) = prod over the tokens of agents already updated this stage of
@@ -232,7 +233,8 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
 
 
 @torch.no_grad()
-def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head,
+                   cfg: SatConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE(lambda) advantages (gamma = 1, whitened over agent j's tokens, clipped like the group
     advantages) and value targets: ``gae`` over the agent's own tokens, the team reward on its last one, V from
     ``value_head`` on the agent's current hidden states. -> ([N, Lr], [N, Lr]).

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.config import TOP_P_TRAINING_ERROR
 from logprobs import (
     TurnTensors,
     batched_response_logprobs,
@@ -38,6 +37,10 @@ from logprobs import (
 )
 from reward import agent_scores, counterfactual_baselines, score
 from team import Problem, Team
+
+TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
+                        "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
+                        "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
 
 
 @dataclass

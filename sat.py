@@ -47,9 +47,9 @@ import torch
 
 from advantage import UpdateInputs, build_inputs, step_estimates
 from bounds import paired_change_bound
-from harness.config import Config
 from logprobs import measure_kl
 from rollout import SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from sat_config import SatConfig
 from stage_record import AgentStep, StageClock, StageRecord
 from team import Problem, Team
 from trust_region import (
@@ -66,7 +66,7 @@ from update import StepSize, TrainStats, train_agents
 @dataclass
 class RunState:
     """What a run holds and changes from stage to stage (``harness.run.start_team``); its settings are the
-    ``Config``."""
+    ``SatConfig``."""
 
     team: Team
     controllers: dict[int, QuantileController]  # each agent's beta and trust-region statistic
@@ -94,7 +94,7 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
-def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
+def sat_stage(run: RunState, problems: list[Problem], cfg: SatConfig, sampling: SamplingConfig,
               pbar=None) -> tuple[StageRecord, TeamBatch]:
     """One stage: roll out pi_cur, order the agents, then step each agent in turn (``sequential_update``; with
     ``--update joint`` the baseline, ``joint_update``). Returns the stage's metrics record and its rollout B
@@ -112,7 +112,7 @@ def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: Sam
     return clock.record(sigma, agents, step_bounds_kind(cfg)), batch
 
 
-def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config, sampling: SamplingConfig,
+def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: SatConfig, sampling: SamplingConfig,
                       clock: StageClock) -> list[AgentStep]:
     """Lines 5-13: for each agent j = sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
     region and promote it; then either cache log rho on its tokens for the later agents' weights (``--reuse
@@ -139,7 +139,7 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
     return agents
 
 
-def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, controller: QuantileController,
+def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: SatConfig, controller: QuantileController,
                step_size: StepSize, value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
     """Lines 6-11 for agent j: weights w = prod min(1, rho_t) of the agents
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
@@ -151,7 +151,7 @@ def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, 
     return trust_region_step(team, j, reference, inputs, stats, cfg, controller, step_size, batch)
 
 
-def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[AgentStep]:
+def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: SatConfig) -> list[AgentStep]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
     team, controllers, step_sizes, value_heads = run.team, run.controllers, run.step_sizes, run.value_heads
@@ -167,7 +167,7 @@ def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config)
     return agent_records
 
 
-def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
+def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: SatConfig,
                       controller: QuantileController, step_size: StepSize,
                       batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
     """Lines 10-11: the trust-region check with backtracking, beta's and the
@@ -190,7 +190,7 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
         interpolate_parameters(params, anchor, proposal, frac)
 
     def measure() -> tuple[torch.Tensor, torch.Tensor]:  # per-state KL [M], log rho [N, Lr] of the weights in place
-        kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
+        kl, _, log_rho = measure_kl(agent, reference, turn, cfg.sampling.temperature, cfg.sampling.token_budget)
         return kl, log_rho
 
     quantile_of = lambda m: kl_quantile(m[0], cfg.quantile)  # noqa: E731
@@ -218,12 +218,12 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
     return step, log_rho
 
 
-def has_step_bounds(cfg: Config) -> bool:
+def has_step_bounds(cfg: SatConfig) -> bool:
     """Whether a stage draws each step's changed turns before and after it (``bounds.paired_change_bound``)."""
     return cfg.update == "sequential" and cfg.reuse == "regenerate" and cfg.step_bounds
 
 
-def step_bounds_kind(cfg: Config) -> str:
+def step_bounds_kind(cfg: SatConfig) -> str:
     """What each agent's ``step_bound`` in a stage record is, or why it is None."""
     if has_step_bounds(cfg):
         return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the "
@@ -253,7 +253,7 @@ def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backe
 
 
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend,
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: SatConfig, backend,
              label: str = "held-out evaluation") -> dict:
     """Held-out team accuracy (``cfg.eval_samples`` joint samples per problem at the training temperature:
     the policy being trained) and each agent's own accuracy. Every evaluation of a run draws its rows
@@ -294,7 +294,7 @@ class Recorder(Protocol):
     def stage(self, stage: int, record: StageRecord, evaluation: dict | None, batch: TeamBatch) -> None: ...
 
 
-def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg: Config, sampling: SamplingConfig,
+def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg: SatConfig, sampling: SamplingConfig,
                start: int, recorder: Recorder, new_run: bool) -> None:
     """Stages ``start + 1 .. cfg.stages``: each draws its prompts, runs ``sat_stage`` and, every
     ``cfg.eval_every`` stages and at the last, the held-out ``evaluate``; it hands both (or no evaluation)

@@ -40,13 +40,14 @@ import torch
 
 from adapter import own_parameters
 from advantage import LOG_RATIO_CAP, UpdateInputs, masked_mean, masked_sum
-from harness.config import STEP_RULES
 from logprobs import measure_kl, turn_forward, turn_rows
+from sat_config import SatConfig
 from team import Agent, Team
 from trust_region import QuantileController, beyond, kl_penalty, kl_quantile
 
-# ``cfg`` below is the run's ``harness.config.Config`` (read for epochs, minibatch_size,
-# token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
+# ``cfg`` below is the run's ``sat_config.SatConfig`` (read for epochs, minibatch_size, ratio, eps_clip,
+# kl_estimator, adv, ..., and the sampling temperature and token budget).
+STEP_RULES = ("fixed", "adaptive", "scaled")  # StepSize's rules (--step-size)
 
 
 # ---------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class _Tally:
     step0_log_ratio_max: float = 0.0
 
 
-def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
+def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg: SatConfig,
                  controllers: dict[int, QuantileController], value_heads: dict,
                  references: dict, lrs: dict[int, float]) -> dict[int, TrainStats]:
     """Maximise the clipped, weighted surrogate L_i for the agents in ``slots``:
@@ -249,7 +250,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             steps += 1
             if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
                 for j in active:
-                    kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)[0]
+                    kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.sampling.temperature,
+                                    cfg.sampling.token_budget)[0]
                     kls[j].append(kl_quantile(kl, cfg.quantile))
                     if beyond(kls[j][-1], cfg.delta):
                         stopped.add(j)
@@ -297,9 +299,9 @@ def _stop_training(agent: Agent, head, cfg, tally: _Tally, stopped_at: tuple[flo
 def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, opt, value_head,
                    tally: _Tally) -> None:
     """One optimizer step on the minibatch ``idx``, accumulated over
-    micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
+    micro-batches of at most ``cfg.sampling.token_budget`` (context + response) tokens."""
     turn = inp.turn
-    rows = turn_rows(turn.tensors, cfg.token_budget)
+    rows = turn_rows(turn.tensors, cfg.sampling.token_budget)
     procs = agent.procs
     lo, hi = procs.rows(len(idx))  # this process's rows of the minibatch (all of them on one process)
     opt.zero_grad(set_to_none=True)
@@ -329,7 +331,7 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
     behaviour = turn.behaviour_logprobs[idx].to(device)  # [b, Lr]
-    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
+    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.sampling.temperature)  # [b, Lr], [b, Lr, H]
     adv, log_w = inp.adv[idx].to(device), inp.log_w[idx].to(device)  # [b] or [b, Lr]; [b]
     objective = negative_objective(logp, behaviour, rmask, adv, log_w, beta, cfg)
     if tally.steps == 0:  # before any update: a health check of the one log-prob path

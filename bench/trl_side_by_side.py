@@ -309,16 +309,9 @@ def learn_sat(args, agents: str, budget_s: float):
     while spent < budget_s:
         prompts = [train[run.rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
         t0 = time.perf_counter()
-        sat.sat_stage(run, prompts, cfg, sampling_of(cfg))
+        sat.sat_stage(run, prompts, cfg.core(), cfg.core().sampling)
         spent, stages = spent + time.perf_counter() - t0, stages + 1
     return run.team, spent, stages
-
-
-def sampling_of(cfg):
-    from rollout import SamplingConfig
-
-    return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          token_budget=cfg.token_budget)
 
 
 def held_out(team, args, agents: str) -> list[float]:
@@ -330,7 +323,7 @@ def held_out(team, args, agents: str) -> list[float]:
 
     cfg = resolved_config(args, agents).cfg
     heldout = harness.run.load_problems(cfg)[1]
-    return sat.evaluate(team, heldout, sampling_of(cfg), cfg, HF)["eval_rewards"]
+    return sat.evaluate(team, heldout, cfg.core().sampling, cfg.core(), HF)["eval_rewards"]
 
 
 def learn_worker(args) -> dict:

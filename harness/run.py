@@ -51,8 +51,8 @@ from harness.trackers import Trackers, check_report_to, parse_report_to
 from harness.upgrades import apply_upgrades, parse_upgrade
 from harness.user_reward import check_reward, load_reward
 from reward import Reward
-from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
+from sat_config import SatConfig
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_hf import check_sampler
 from scale.rollout_vllm import make_backend
@@ -401,8 +401,8 @@ def train_stages(inputs: Resolved, run: RunState, train: list[Problem], heldout:
     recorded by a ``RunRecorder``; the plot and the summary. ``saved``: what the checkpoint resumed from saved
     besides the run's state; ``rows``: the metrics so far (the stages run append theirs)."""
     cfg, team, log, start = inputs.cfg, run.team, run.log, saved.get("stage", 0)
-    sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              token_budget=cfg.token_budget)
+    core = cfg.core()  # what Algorithm 1 reads
+    sampling = core.sampling
     if run.backend.name == "hf":
         for agent in team.agents:
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
@@ -417,7 +417,7 @@ def train_stages(inputs: Resolved, run: RunState, train: list[Problem], heldout:
         if team.procs.main and team.config.roles is not None:
             save_roles(team.config.roles, Path(cfg.out))  # also in every checkpoint's team.json, which --resume reads
         if cfg.upgrade:  # once: config.json records no upgrade, so a later --resume does not repeat it
-            recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling,
+            recorder.baseline, recorder.pending = upgrade(cfg, core, run, train, heldout, start,
                                                           recorder.pending, rows[-1])
         for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
             run.backend.sync(agent)
@@ -425,7 +425,7 @@ def train_stages(inputs: Resolved, run: RunState, train: list[Problem], heldout:
             write_config(cfg, inputs.specs, team, recorder.how)
         if rows:
             log(records.STAGE_HEADER)
-        run_stages(run, train, heldout, cfg, sampling, start, recorder, new_run=not rows)
+        run_stages(run, train, heldout, core, sampling, start, recorder, new_run=not rows)
     finally:
         recorder.trackers.close()
     log_outcome(Path(cfg.out), rows, team.procs.main, log)
@@ -501,18 +501,18 @@ class RunRecorder:
         run.log(records.stage_line(row) if row["stage"] else records.stage_zero_line(row))
 
 
-def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
-            sampling: SamplingConfig, pending: list, last_row: dict) -> tuple[dict, list]:
+def upgrade(cfg: Config, core: SatConfig, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
+            pending: list, last_row: dict) -> tuple[dict, list]:
     """Plug-and-play (Section 5): every --upgrade SLOT=MODEL entering as --upgrade-accept says, the
     held-out accuracy after it, and a checkpoint of the upgraded team. With --upgrade-accept raw or certified
     each event also holds ``heldout_change``: the paired held-out certificate of the change from ``last_row``
     (the metrics row the run resumed from) to the team after this run's upgrades."""
-    out, team, backend = Path(cfg.out), run.team, run.backend
+    out, team, backend, sampling = Path(cfg.out), run.team, run.backend, core.sampling
     events = apply_upgrades(cfg, run, train, start, sampling,
                             lambda spec, slot: load_replacement(spec, cfg, team, train, slot),
-                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend),
-                            acceptance=acceptance_draws(cfg, train, heldout, sampling, backend))
-    baseline = evaluate(team, heldout, sampling, cfg, backend)
+                            evaluate=lambda t: evaluate(t, heldout, sampling, core, backend),
+                            acceptance=acceptance_draws(cfg, core, train, heldout, backend))
+    baseline = evaluate(team, heldout, sampling, core, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
         if "accept" in event:
@@ -528,15 +528,15 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     return baseline, pending
 
 
-def acceptance_draws(cfg: Config, train: list[Problem], heldout: list[Problem], sampling: SamplingConfig,
+def acceptance_draws(cfg: Config, core: SatConfig, train: list[Problem], heldout: list[Problem],
                      backend) -> AcceptanceDraws | None:
     """``--upgrade-accept certified``'s splits (training problems only, none a held-out one asks) and how a team
     is drawn on them: ``sat.evaluate`` with one sample per row under the label's seeds; None for other rules."""
     if cfg.upgrade_accept != "certified":
         return None
-    one_per_row = replace(cfg, eval_samples=1)
+    one_per_row = replace(core, eval_samples=1)
     return AcceptanceDraws(acceptance_splits(train, heldout, cfg.seed, cfg.upgrade_accept_rows),
-                           lambda team, rows, label: evaluate(team, rows, sampling, one_per_row, backend,
+                           lambda team, rows, label: evaluate(team, rows, core.sampling, one_per_row, backend,
                                                               label=label)["eval_rewards"])
 
 

@@ -2,10 +2,13 @@
 whichever way the rows come in."""
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import math
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +16,18 @@ from test_sat import small_config
 
 import harness.run
 import sat
+from harness.config import Config
 from harness.datafiles import load_problems
 from harness.loading import load_agent
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.tasks import DatasetSpec, arithmetic_problems, load_jsonl, row_to_problem
 from reward import Reward, columns_of
 from rollout import SamplingConfig
+from sat_config import SatConfig
 from scale.rollout_hf import HF
 from team import Team
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def counted(monkeypatch, module, name: str) -> list:
@@ -54,9 +61,9 @@ def test_eval_stderr_is_the_sample_standard_error_of_a_reward_in_0_10():
                     "a score in 0..10", (0.0, 10.0))
     torch.manual_seed(0)
     team = Team([load_agent("tiny", seed=0)], math_team_config(reward=spread))
-    cfg = sat.Config(agents="tiny", device="cpu", eval_samples=1).apply_preset()
+    cfg = Config(agents="tiny", device="cpu", eval_samples=1).apply_preset()
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
-    out = sat.evaluate(team, arithmetic_problems(48, seed=1, split="heldout"), sampling, cfg, HF)
+    out = sat.evaluate(team, arithmetic_problems(48, seed=1, split="heldout"), sampling, cfg.core(), HF)
     rewards = out["eval_rewards"]
     assert out["eval_accuracy"] > 1 and len(set(rewards)) > 2  # a reward outside [0, 1], and spread
     assert out["eval_stderr"] == pytest.approx(statistics.stdev(rewards) / math.sqrt(len(rewards)), rel=1e-5)
@@ -78,3 +85,18 @@ def test_a_gold_answer_reads_and_grades_the_same_through_a_named_dataset_and_a_d
     graded = [DEFAULT_REWARD.values([p.problem], [["..."] * 3], columns_of([p], said, "independent"))
               for p in (named, data, jsonl)]
     assert graded == [[1.0]] * 3
+
+
+def test_the_core_reads_only_its_own_config():
+    """``Config.core`` copies the fields of ``SatConfig`` and builds the one SamplingConfig; sat.py, update.py and
+    advantage.py read no ``cfg.X`` outside SatConfig (the temperature only through ``cfg.sampling``)."""
+    cfg = Config(agents="tiny x2", device="cpu", temperature=0.7).apply_preset()
+    core = cfg.core()
+    names = {f.name for f in dataclasses.fields(SatConfig)}
+    assert all(getattr(core, n) == getattr(cfg, n) for n in names - {"sampling"})
+    assert core.sampling == SamplingConfig(0.7, cfg.top_p, cfg.max_new_tokens, cfg.token_budget)
+    for module in ("sat.py", "update.py", "advantage.py"):
+        tree = ast.parse((ROOT / module).read_text())
+        read = {n.attr for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "cfg"}
+        assert read and read <= names, f"{module} reads cfg.{sorted(read - names)} outside SatConfig"
