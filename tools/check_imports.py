@@ -221,7 +221,7 @@ def report(graph: dict[str, dict[str, str]], core: set[str], quiet: bool = False
         print_graph(graph)
     for line in problems:
         print(line)
-    print("import graph: OK (a DAG; the paper's modules import from harness/ only its plain types, never scale/)"
+    print("import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, never scale/)"
           if not problems else "import graph: FAILED")
     return 1 if problems else 0
 
