@@ -16,6 +16,7 @@ import torch
 
 from logprobs import LOG_RATIO_CAP, masked_mean, masked_sum, response_hidden_states
 from rollout import TeamBatch, Turn
+from sat_config import SatConfig
 from team import Agent
 
 
@@ -185,8 +186,8 @@ class UpdateInputs:
     returns: torch.Tensor | None = None  # [N, L] value targets (gae)
 
 
-def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]], cfg,
-                 model=None, value_head=None) -> UpdateInputs:
+def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.Tensor, torch.Tensor]],
+                 cfg: SatConfig, model=None, value_head=None) -> UpdateInputs:
     """Sequence-aware weights and advantages for the agent updated at this step.
 
     w(tau) = prod over the tokens of agents already updated this stage of
@@ -215,7 +216,8 @@ def build_inputs(batch: TeamBatch, j: int, cached_log_ratios: list[tuple[torch.T
 
 
 @torch.no_grad()
-def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(turn: Turn, rewards: torch.Tensor, model, value_head,
+                   cfg: SatConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE(lambda) advantages (gamma = 1, whitened over agent j's tokens, clipped like the group
     advantages) and value targets: ``gae`` over the agent's own tokens, the team reward on its last one, V from
     ``value_head`` on the agent's current hidden states. -> ([N, Lr], [N, Lr]).
@@ -302,4 +304,4 @@ def step_estimates(inputs: UpdateInputs, log_rho: torch.Tensor, kl: torch.Tensor
     return {"surrogate_estimate": surrogate, "surrogate_ess": float(wr.sum() ** 2 / (wr ** 2).sum()), "zeta": zeta,
             "zeta_capped_rows": int((inputs.log_w_full > LOG_WEIGHT_CAP).sum()), "N": n, "ess": ess,
             "ess_ratio": ess / n, "seq_kl_max": float(seq_kl.max()),
-            "credit_correlation": credit_correlation(inputs.adv, batch.agent_correct[j])}
+            "credit_correlation": credit_correlation(inputs.adv, batch.agent_reward[j])}

@@ -179,7 +179,7 @@ def batch_rows(batch: TeamBatch, bench: str, problem_indices: range, samples: ra
         top = reward.range[1]
         scored = (lambda x: {"score": float(x), "correct": float(x) >= top}) if reward is not DEFAULT_REWARD else None
         for k, turn in enumerate(batch.turns):
-            graded = scored(batch.agent_correct[k, i]) if scored else {"correct": bool(batch.agent_correct[k, i])}
+            graded = scored(batch.agent_reward[k, i]) if scored else {"correct": bool(batch.agent_reward[k, i])}
             rows.append({**base, "who": f"agent_{k + 1}", "text": turn.texts[i], "answer": answers[k], **graded,
                          "tokens": tokens[k], "truncated": truncated[k]})
         source = team_source(answers, batch.team_answers[i], protocol)

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.config import TOP_P_TRAINING_ERROR
 from logprobs import (
     TurnTensors,
     batched_response_logprobs,
@@ -38,6 +37,10 @@ from logprobs import (
 )
 from reward import agent_scores, counterfactual_baselines, score
 from team import Problem, Team
+
+TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
+                        "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
+                        "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
 
 
 @dataclass
@@ -88,7 +91,7 @@ class TeamBatch:
     turns: list[Turn]  # one per agent, turns[k].agent == k
     team_answers: list[str | None]
     rewards: torch.Tensor  # [N] team reward R, in the reward's own range (team.config.reward.range)
-    agent_correct: torch.Tensor = None  # [n_agents, N] each agent's own score (reward.agent_scores): its answer right?
+    agent_reward: torch.Tensor = None  # [n_agents, N] each agent's own reward (reward.agent_scores), in R's range
     counterfactual: torch.Tensor | None = None  # [n_agents, N] independent protocol: counterfactual_baselines
     transcripts: list[str] | None = None  # [N] with an environment: each episode, every round, as text
     rounds: list[int] | None = None  # [N] with an environment: the rounds each episode ran
@@ -100,7 +103,7 @@ class TeamBatch:
 
     @property
     def has_own_scores(self) -> bool:
-        """Whether ``agent_correct`` holds each agent's own score; an episode's (with an environment) is the team
+        """Whether ``agent_reward`` holds each agent's own score; an episode's (with an environment) is the team
         reward, as no share of an episode is one agent's (``score_episodes``)."""
         return self.rounds is None
 

@@ -47,9 +47,9 @@ import torch
 
 from advantage import UpdateInputs, build_inputs, step_estimates
 from bounds import paired_change_bound
-from harness.config import Config
 from logprobs import measure_kl
 from rollout import SamplingConfig, TeamBatch, draw_seed, regenerate, rng_devices, rollout
+from sat_config import SatConfig
 from stage_record import AgentStep, StageClock, StageRecord
 from team import Problem, Team
 from trust_region import TrustRegion, interpolate_parameters
@@ -59,7 +59,7 @@ from update import TrainStats, train_agents
 @dataclass
 class RunState:
     """What a run holds and changes from stage to stage (``harness.run.start_team``); its settings are the
-    ``Config``."""
+    ``SatConfig``."""
 
     team: Team
     regions: dict[int, TrustRegion]  # each agent's trust region: its check, line search, beta and lr (--step-size)
@@ -82,11 +82,11 @@ def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list
         sigma = list(range(n))
         rng.shuffle(sigma)
         return sigma
-    acc = batch.agent_correct.mean(1).tolist()  # [n]
+    acc = batch.agent_reward.mean(1).tolist()  # [n]
     return sorted(range(n), key=lambda k: (acc[k], k))
 
 
-def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: SamplingConfig,
+def sat_stage(run: RunState, problems: list[Problem], cfg: SatConfig, sampling: SamplingConfig,
               pbar=None) -> tuple[StageRecord, TeamBatch]:
     """One stage: roll out pi_cur, order the agents, then step each agent in turn (``sequential_update``; with
     ``--update joint`` the baseline, ``joint_update``). Returns the stage's metrics record and its rollout B
@@ -104,7 +104,7 @@ def sat_stage(run: RunState, problems: list[Problem], cfg: Config, sampling: Sam
     return clock.record(sigma, agents, step_bounds_kind(cfg)), batch
 
 
-def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config, sampling: SamplingConfig,
+def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: SatConfig, sampling: SamplingConfig,
                       clock: StageClock) -> list[AgentStep]:
     """Lines 5-13: for each agent j = sigma(i) optimise L_i under pi_hat^{i-1}, hold the step inside the trust
     region and promote it; then either cache log rho on its tokens for the later agents' weights (``--reuse
@@ -130,7 +130,7 @@ def sequential_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Co
     return agents
 
 
-def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, region: TrustRegion,
+def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: SatConfig, region: TrustRegion,
                value_heads: dict) -> tuple[AgentStep, torch.Tensor]:
     """Lines 6-11 for agent j: weights w = prod min(1, rho_t) of the agents
     promoted before it and its advantages under pi_hat^{i-1}; pi_tar^j <-
@@ -142,7 +142,7 @@ def agent_step(team: Team, j: int, batch: TeamBatch, cached: list, cfg: Config, 
     return trust_region_step(team, j, reference, inputs, stats, cfg, region, batch)
 
 
-def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config) -> list[AgentStep]:
+def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: SatConfig) -> list[AgentStep]:
     """``--update joint``, the baseline SAT argues against: every agent at
     once on the same batch, no importance weights."""
     team, regions, value_heads = run.team, run.regions, run.value_heads
@@ -158,7 +158,7 @@ def joint_update(run: RunState, sigma: list[int], batch: TeamBatch, cfg: Config)
     return agent_records
 
 
-def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: Config,
+def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats: TrainStats, cfg: SatConfig,
                       region: TrustRegion, batch: TeamBatch) -> tuple[AgentStep, torch.Tensor]:
     """Lines 10-11: agent j's trust region (``TrustRegion.step``) holds the proposal inside the ball, moving
     along anchor + f (proposal - anchor), and moves beta and the lr on; this records what it kept, with the
@@ -176,7 +176,7 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
         interpolate_parameters(params, anchor, proposal, frac)
 
     def measure() -> tuple[torch.Tensor, torch.Tensor]:  # per-state KL [M], log rho [N, Lr] of the weights in place
-        kl, _, log_rho = measure_kl(agent, reference, turn, cfg.temperature, cfg.token_budget)
+        kl, _, log_rho = measure_kl(agent, reference, turn, cfg.sampling.temperature, cfg.sampling.token_budget)
         return kl, log_rho
 
     kept = region.step(step_to, measure, stats.early_stopped, stats.stopped_at, anchored=stats.anchor is not None)
@@ -187,12 +187,12 @@ def trust_region_step(team: Team, j: int, reference, inputs: UpdateInputs, stats
     return AgentStep(agent=j + 1, **kept.logged(), **estimates, train=stats), log_rho
 
 
-def has_step_bounds(cfg: Config) -> bool:
+def has_step_bounds(cfg: SatConfig) -> bool:
     """Whether a stage draws each step's changed turns before and after it (``bounds.paired_change_bound``)."""
     return cfg.update == "sequential" and cfg.reuse == "regenerate" and cfg.step_bounds
 
 
-def step_bounds_kind(cfg: Config) -> str:
+def step_bounds_kind(cfg: SatConfig) -> str:
     """What each agent's ``step_bound`` in a stage record is, or why it is None."""
     if has_step_bounds(cfg):
         return ("each a (1 - delta_conf/n) lower bound on its step's change in expected team reward on the "
@@ -222,7 +222,7 @@ def redraw(team: Team, batch: TeamBatch, j: int, sampling: SamplingConfig, backe
 
 
 @torch.no_grad()
-def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: Config, backend,
+def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg: SatConfig, backend,
              label: str = "held-out evaluation") -> dict:
     """Held-out team accuracy (``cfg.eval_samples`` joint samples per problem at the training temperature:
     the policy being trained) and each agent's own accuracy. Every evaluation of a run draws its rows
@@ -239,9 +239,17 @@ def evaluate(team: Team, problems: list[Problem], sampling: SamplingConfig, cfg:
                                                 "eval_rounds": sum(batch.rounds) / len(batch)}
     return {**episodes, "eval_accuracy": acc, "eval_n": len(batch), "eval_samples": cfg.eval_samples,
             "eval_seconds": time.time() - t0,
-            "eval_stderr": math.sqrt(max(acc * (1 - acc), 1e-12) / len(batch)),
-            "eval_agent_accuracy": batch.agent_correct.mean(1).tolist(),
+            "eval_stderr": standard_error(batch.rewards),
+            "eval_agent_reward": batch.agent_reward.mean(1).tolist(),
             "eval_rewards": [round(float(r), 6) for r in batch.rewards]}
+
+
+def standard_error(values: torch.Tensor) -> float | None:
+    """The standard error of the mean of ``values`` [N]: their sample standard deviation (n - 1) over sqrt(N),
+    whatever the reward's range (partial credit, or R outside [0, 1]); None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    return float(values.double().std(correction=1)) / math.sqrt(len(values))
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +263,7 @@ class Recorder(Protocol):
     def stage(self, stage: int, record: StageRecord, evaluation: dict | None, batch: TeamBatch) -> None: ...
 
 
-def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg: Config, sampling: SamplingConfig,
+def run_stages(run: RunState, train: list[Problem], heldout: list[Problem], cfg: SatConfig, sampling: SamplingConfig,
                start: int, recorder: Recorder, new_run: bool) -> None:
     """Stages ``start + 1 .. cfg.stages``: each draws its prompts, runs ``sat_stage`` and, every
     ``cfg.eval_every`` stages and at the last, the held-out ``evaluate``; it hands both (or no evaluation)

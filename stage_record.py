@@ -86,7 +86,7 @@ class StageRecord:
 
 def rollout_record(batch: TeamBatch, rollout_seconds: float, health=None) -> dict:
     """``StageRecord``'s rollout fields: rewards, throughput, lengths."""
-    record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_correct.mean(1).tolist(),
+    record = {"team_reward": float(batch.rewards.mean()), "agent_reward": batch.agent_reward.mean(1).tolist(),
               "rollout_tokens_per_s": batch.num_tokens / max(rollout_seconds, 1e-9),
               "truncated_fraction": float(torch.stack([t.truncated.float() for t in batch.turns]).mean()),
               "mean_response_tokens": batch.num_tokens / batch.responses}

@@ -40,14 +40,15 @@ import torch
 from adapter import own_parameters
 from advantage import UpdateInputs
 from logprobs import LOG_RATIO_CAP, masked_mean, masked_sum, measure_kl, turn_forward, turn_rows
+from sat_config import SatConfig
 from team import Agent, Team
 from trust_region import TrustRegion
 
 GRAD_CLIP_NORM = 1.0  # each optimizer step clips the agent's gradient to this global L2 norm
 VALUE_LOSS_WEIGHT = 0.5  # --adv gae: the value head's squared error, (V - G)^2 / 2, added to the loss
 
-# ``cfg`` below is the run's ``harness.config.Config`` (read for epochs, minibatch_size,
-# token_budget, ratio, eps_clip, kl_estimator, adv, adv_clip, gae_lambda, ...).
+# ``cfg`` below is the run's ``sat_config.SatConfig`` (read for epochs, minibatch_size, ratio, eps_clip,
+# kl_estimator, adv, ..., and the sampling temperature and token budget).
 
 
 # ---------------------------------------------------------------------------
@@ -177,7 +178,7 @@ class _Tally:
     step0_log_ratio_max: float = 0.0
 
 
-def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg,
+def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], cfg: SatConfig,
                  regions: dict[int, TrustRegion], value_heads: dict, references: dict) -> dict[int, TrainStats]:
     """Maximise the clipped, weighted surrogate L_i for the agents in ``slots``:
     ``cfg.epochs`` passes over the batch in minibatches of ``cfg.minibatch_size``
@@ -211,7 +212,8 @@ def train_agents(team: Team, slots: list[int], inputs: dict[int, UpdateInputs], 
             steps += 1
             if cfg.kl_check_every and steps % cfg.kl_check_every == 0:
                 for j in active:
-                    kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.temperature, cfg.token_budget)[0]
+                    kl = measure_kl(agents[j], references[j], inputs[j].turn, cfg.sampling.temperature,
+                                    cfg.sampling.token_budget)[0]
                     kls[j].append(regions[j].statistic(kl))
                     if regions[j].violates(kls[j][-1]):
                         stopped.add(j)
@@ -259,9 +261,9 @@ def _stop_training(agent: Agent, head, cfg, tally: _Tally, stopped_at: tuple[flo
 def _gradient_step(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, beta: float, opt, value_head,
                    tally: _Tally) -> None:
     """One optimizer step on the minibatch ``idx``, accumulated over
-    micro-batches of at most ``cfg.token_budget`` (context + response) tokens."""
+    micro-batches of at most ``cfg.sampling.token_budget`` (context + response) tokens."""
     turn = inp.turn
-    rows = turn_rows(turn.tensors, cfg.token_budget)
+    rows = turn_rows(turn.tensors, cfg.sampling.token_budget)
     procs = agent.procs
     lo, hi = procs.rows(len(idx))  # this process's rows of the minibatch (all of them on one process)
     opt.zero_grad(set_to_none=True)
@@ -291,7 +293,7 @@ def _micro_batch_loss(agent: Agent, inp: UpdateInputs, idx: torch.Tensor, cfg, b
     turn, device = inp.turn, agent.device
     rmask = turn.response_mask[idx].to(device)  # [b, Lr]
     behaviour = turn.behaviour_logprobs[idx].to(device)  # [b, Lr]
-    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.temperature)  # [b, Lr], [b, Lr, H]
+    logp, hidden = turn_forward(agent.model, turn.tensors, idx, cfg.sampling.temperature)  # [b, Lr], [b, Lr, H]
     adv, log_w = inp.adv[idx].to(device), inp.log_w[idx].to(device)  # [b] or [b, Lr]; [b]
     objective = negative_objective(logp, behaviour, rmask, adv, log_w, beta, cfg)
     if tally.steps == 0:  # before any update: a health check of the one log-prob path

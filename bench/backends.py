@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness.run
-import sat  # noqa: E402
+from harness.config import Config  # noqa: E402
 from harness.processes import OneProcess  # noqa: E402
 from harness.tasks import load_task  # noqa: E402
 from rollout import SamplingConfig, rollout  # noqa: E402
@@ -69,10 +69,10 @@ def main(argv=None) -> None:
     p.add_argument("--backends", default="hf,vllm")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = sat.Config(agents=args.agents, device="cpu" if not torch.cuda.is_available() else "cuda", dtype=args.dtype,
-                     warmup_steps=0, stages=0).apply_preset()
+    cfg = Config(agents=args.agents, device="cpu" if not torch.cuda.is_available() else "cuda", dtype=args.dtype,
+                 warmup_steps=0, stages=0).apply_preset()
     train, _, instruction = load_task(cfg)
-    team = harness.run.build_team(cfg, instruction)
+    team = harness.run.build_team(harness.run.run_inputs(cfg), instruction)
     problems = train[: args.prompts]
     sampling = SamplingConfig(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens,
                               token_budget=cfg.token_budget)

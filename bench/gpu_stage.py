@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
 import update as update_mod  # noqa: E402
+from harness.config import Config  # noqa: E402
 from harness.loading import build_char_tokenizer  # noqa: E402
 from harness.math_grading import math_team_config  # noqa: E402
 from harness.run import trust_regions_for  # noqa: E402
@@ -113,9 +114,9 @@ def synthetic_score(score_team):
     """rollout.score_team with the team reward replaced by the parity of the sum of the agents' first
     response tokens: it varies within every group, so advantages and updates are not all zero."""
     def wrapper(team, flat, turns, group_ids):
-        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        answers, _, agent_reward, _ = score_team(team, flat, turns, group_ids)
         first = torch.stack([t.response_ids[:, 0] for t in turns]).sum(0)  # [N]
-        return answers, (first % 2).float(), agent_correct, None  # no vote baselines for this reward: group mean
+        return answers, (first % 2).float(), agent_reward, None  # no vote baselines for this reward: group mean
     return wrapper
 
 
@@ -186,13 +187,13 @@ def check_out_of_vocab_decoding(team: Team, vocab: int) -> None:
         raise RuntimeError(f"ids beyond the tokenizer ({beyond}) decode to {text!r}; expected ''")
 
 
-def stage_config(args, update: str, device: torch.device) -> sat.Config:
-    cfg = sat.Config(agents="tiny x3", task="arithmetic", stages=1, update=update, order="static", delta=0.05,
-                     beta=0.01, lr=1e-5, group_size=args.group_size, batch_size=args.prompts * args.group_size,
-                     max_new_tokens=args.max_new_tokens, temperature=1.0, epochs=args.epochs,
-                     minibatch_size=args.minibatch_size, token_budget=args.token_budget,
-                     kl_check_every=args.kl_check_every, eval_size=8, warmup_steps=0, device=str(device), backend="hf",
-                     seed=args.seed)
+def stage_config(args, update: str, device: torch.device) -> Config:
+    cfg = Config(agents="tiny x3", task="arithmetic", stages=1, update=update, order="static", delta=0.05,
+                 beta=0.01, lr=1e-5, group_size=args.group_size, batch_size=args.prompts * args.group_size,
+                 max_new_tokens=args.max_new_tokens, temperature=1.0, epochs=args.epochs,
+                 minibatch_size=args.minibatch_size, token_budget=args.token_budget,
+                 kl_check_every=args.kl_check_every, eval_size=8, warmup_steps=0, device=str(device), backend="hf",
+                 seed=args.seed)
     cfg = cfg.apply_preset()  # fills any knob added to Config later
     cfg.validate()
     return cfg
@@ -215,7 +216,7 @@ def run_stage(args, dims: dict, update: str, device: torch.device, dtype: torch.
     resident = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     with instrumented(meter, counters, args.synthetic_reward), meter.phase("stage"):
         run = sat.RunState(team, trust_regions_for(cfg, len(team)), {}, random.Random(args.seed), HF)
-        record = sat.sat_stage(run, problems, cfg, sampling)[0].row()
+        record = sat.sat_stage(run, problems, cfg.core(), sampling)[0].row()
     out = {"update": update, "meter": meter, "generated_tokens": counters["generated_tokens"], "record": record,
            "resident": resident, "cfg": cfg}
     del team

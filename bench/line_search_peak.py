@@ -56,6 +56,7 @@ def one_case(agents: str, case: str) -> dict:
 
     import advantage
     import sat
+    from harness.config import Config
     from harness.loading import load_agent
     from harness.math_grading import math_team_config
     from harness.run import trust_regions_for
@@ -68,20 +69,20 @@ def one_case(agents: str, case: str) -> dict:
     torch.manual_seed(0)
     team = Team([load_agent(agents, seed=0)], math_team_config())
     tiny = team.agents[0].spec.kind == "tiny"
-    cfg = sat.Config(agents=agents, device="cpu", batch_size=8, group_size=4, max_new_tokens=16,
-                     warmup_steps=0, lr=1e-5).apply_preset()
+    cfg = Config(agents=agents, device="cpu", batch_size=8, group_size=4, max_new_tokens=16,
+                 warmup_steps=0, lr=1e-5).apply_preset()
     problems = (arithmetic_problems if tiny else chat_arithmetic_problems)(2, seed=0)
     batch = rollout(team, problems, cfg.group_size, SamplingConfig(temperature=cfg.temperature, max_new_tokens=16,
                                                                    token_budget=cfg.token_budget), HF)
-    inputs = advantage.build_inputs(batch, 0, [], cfg, team.agents[0].model, None)
+    inputs = advantage.build_inputs(batch, 0, [], cfg.core(), team.agents[0].model, None)
     reference = team.procs.frozen_copy(team.agents[0].model)
     region = trust_regions_for(cfg, 1)[0]
-    stats = train_agents(team, [0], {0: inputs}, cfg, {0: region}, {}, {0: reference})[0]
+    stats = train_agents(team, [0], {0: inputs}, cfg.core(), {0: region}, {}, {0: reference})[0]
 
     def check():
         if case == "copy":
             stats.anchor = [p.detach().clone() for p in reference.parameters()]
-        return sat.trust_region_step(team, 0, reference, inputs, stats, cfg, region, batch)[0]
+        return sat.trust_region_step(team, 0, reference, inputs, stats, cfg.core(), region, batch)[0]
 
     t0 = time.time()
     peak, step = peak_during(check)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rollout as rollout_mod  # noqa: E402
 import sat  # noqa: E402
+from harness.config import Config  # noqa: E402
 from harness.loading import load_agent
 from harness.math_grading import math_team_config  # noqa: E402
 from harness.run import trust_regions_for  # noqa: E402
@@ -58,9 +59,9 @@ def digit_score(score_team, seen: list):
     agents' responses (a sum over agents, so agent k's contribution to J is its own mean digit fraction / 3).
     Each call's digit fractions are appended to ``seen`` (the first: the stage's rollout)."""
     def wrapper(team, flat, turns, group_ids):
-        answers, _, agent_correct, _ = score_team(team, flat, turns, group_ids)
+        answers, _, agent_reward, _ = score_team(team, flat, turns, group_ids)
         seen.append(digit_fractions(turns))
-        return answers, seen[-1].mean(0).float(), agent_correct, None  # group mean baselines (Eq. (2))
+        return answers, seen[-1].mean(0).float(), agent_reward, None  # group mean baselines (Eq. (2))
     return wrapper
 
 
@@ -82,9 +83,9 @@ def one_stage(length: int, reuse: str, args) -> dict:
     for a in agents:
         never_stop(a)
     team = Team(agents, math_team_config(protocol="independent"))
-    cfg = sat.Config(agents="tiny x3", stages=1, batch_size=args.batch_size, group_size=4, max_new_tokens=length,
-                     temperature=1.0, epochs=args.epochs, minibatch_size=args.batch_size // 2, lr=args.lr, delta=1e3,
-                     beta=0.0, kl_check_every=0, warmup_steps=0, reuse=reuse, device="cpu").apply_preset()
+    cfg = Config(agents="tiny x3", stages=1, batch_size=args.batch_size, group_size=4, max_new_tokens=length,
+                 temperature=1.0, epochs=args.epochs, minibatch_size=args.batch_size // 2, lr=args.lr, delta=1e3,
+                 beta=0.0, kl_check_every=0, warmup_steps=0, reuse=reuse, device="cpu").apply_preset()
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=length, token_budget=cfg.token_budget)
     problems = arithmetic_problems(cfg.batch_size // cfg.group_size, seed=args.seed)
     score_team, seen = rollout_mod.score_team, []
@@ -94,7 +95,7 @@ def one_stage(length: int, reuse: str, args) -> dict:
             warnings.simplefilter("ignore")
             t0 = time.time()
             run = sat.RunState(team, trust_regions_for(cfg, 3), {}, random.Random(args.seed), HF)
-            rec = sat.sat_stage(run, problems, cfg, sampling)[0].row()
+            rec = sat.sat_stage(run, problems, cfg.core(), sampling)[0].row()
             rec["wall"] = time.time() - t0
             # what each agent's update bought: its own digit fraction, before (the stage's rollout) and
             # after (a fresh rollout of the final team on the same problems, 2N trajectories)

@@ -299,26 +299,19 @@ def learn_sat(args, agents: str, budget_s: float):
     ``budget_s``; (team, seconds, stages)."""
     import harness.run
     import sat
-    from harness.processes import ONE_PROCESS
+    from scale.rollout_hf import HF
 
-    cfg = resolved_config(args, agents, stages=10 ** 6).cfg
+    inputs = resolved_config(args, agents, stages=10 ** 6)
+    cfg = inputs.cfg
     train, _, instruction = harness.run.load_problems(cfg)
-    run = harness.run.start_team(cfg, train, instruction, None, ONE_PROCESS, lambda *_: None,
-                                 harness.run.team_reward(cfg))[0]
+    run = harness.run.start_team(inputs, train, instruction, lambda *_: None).run_state(HF, lambda *_: None)
     spent, stages = 0.0, 0
     while spent < budget_s:
         prompts = [train[run.rng.randrange(len(train))] for _ in range(cfg.batch_size // cfg.group_size)]
         t0 = time.perf_counter()
-        sat.sat_stage(run, prompts, cfg, sampling_of(cfg))
+        sat.sat_stage(run, prompts, cfg.core(), cfg.core().sampling)
         spent, stages = spent + time.perf_counter() - t0, stages + 1
     return run.team, spent, stages
-
-
-def sampling_of(cfg):
-    from rollout import SamplingConfig
-
-    return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          token_budget=cfg.token_budget)
 
 
 def held_out(team, args, agents: str) -> list[float]:
@@ -330,7 +323,7 @@ def held_out(team, args, agents: str) -> list[float]:
 
     cfg = resolved_config(args, agents).cfg
     heldout = harness.run.load_problems(cfg)[1]
-    return sat.evaluate(team, heldout, sampling_of(cfg), cfg, HF)["eval_rewards"]
+    return sat.evaluate(team, heldout, cfg.core().sampling, cfg.core(), HF)["eval_rewards"]
 
 
 def learn_worker(args) -> dict:
@@ -339,8 +332,8 @@ def learn_worker(args) -> dict:
 
     name = args.worker.removeprefix("learn-")
     agents = {"trl": MODEL, "sat": MODEL, "sat-x3": f"{MODEL} x3"}[name]
-    cfg = resolved_config(args, agents).cfg
-    start = harness.run.build_team(cfg, harness.run.load_problems(cfg)[2])
+    inputs = resolved_config(args, agents)
+    start = harness.run.build_team(inputs, harness.run.load_problems(inputs.cfg)[2])
     before = held_out(start, args, agents)
     del start
     team, seconds, steps = (learn_trl(args, args.learn_seconds) if name == "trl"

@@ -116,7 +116,7 @@ def branch_row(branch: str, runs: dict[int, list[dict]], stage: int, reference: 
     events = [upgrade_event(runs[s], stage) for s in seeds]
     swapped = all(e is not None for e in events)
     raw = [e["before_stage0"]["eval_accuracy"] for e in events] if swapped else []
-    raw_alone = [e["before_stage0"]["eval_agent_accuracy"][e["slot"] - 1] for e in events] if swapped else []
+    raw_alone = [e["before_stage0"]["eval_agent_reward"][e["slot"] - 1] for e in events] if swapped else []
     after0 = [e["eval_accuracy_after_stage0"] for e in events] if swapped else []
     end = [runs[s][-1]["eval_accuracy"] for s in seeds]
     first = [common.row_at(runs[s], stage + 1) for s in seeds]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from rollout import TOP_P_TRAINING_ERROR, SamplingConfig
+from sat_config import SatConfig
 from step_rules import STEP_RULES
 from team import PROTOCOLS, AgentSpec
 
@@ -34,9 +36,6 @@ BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
 ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (harness/upgrades.py)
-TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
-                        "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
-                        "tokens outside it never pushed down); train with --top-p 1 (evaluation may use top-p < 1)")
 
 
 # Short names users type on the command line -> public Hugging Face ids.
@@ -287,6 +286,14 @@ class Config:
         task), else None."""
         builtin = self.task if (self.task or "").startswith(ENV_TASK_PREFIX) and not self.data else None
         return self.env or builtin
+
+    def core(self) -> SatConfig:
+        """What Algorithm 1 reads (``sat_config.SatConfig``) of a configuration whose preset is applied: the
+        fields of the same names, and one ``SamplingConfig`` (the temperature's one home)."""
+        sampling = SamplingConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                                  token_budget=self.token_budget)
+        return SatConfig(**{f.name: getattr(self, f.name) for f in fields(SatConfig) if f.name != "sampling"},
+                         sampling=sampling)
 
     def apply_preset(self) -> "Config":
         """A copy with every ``None`` filled from the preset of the team and device (``preset_for``), then

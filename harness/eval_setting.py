@@ -29,7 +29,7 @@ from harness.environments import (
     load_environment,
     responder_spec,
 )
-from harness.loading import check_hub_available, load_agent, load_saved_team
+from harness.loading import agent_seed, check_hub_available, load_agent, load_saved_team
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.roles import parse_roles
 from harness.run_folder import folder_digests, latest_checkpoint, run_folder_of, verify_checkpoint
@@ -293,12 +293,12 @@ def load_team(cfg: EvalConfig, identity: dict, device: str) -> Team:
     if cfg.ckpt:
         team = load_saved_team(identity["ckpt"], device=device, dtype=dtype)
         team.config = team_cfg  # --instruction replaces the saved one: every team is asked the same question
-    else:  # seed * 100 + k: the same tiny weights as sat.py's initial team
-        team = Team([load_agent(spec, device=device, dtype=dtype, seed=cfg.seed * 100 + k)
+    else:  # agent_seed: the same tiny weights as sat.py's initial team
+        team = Team([load_agent(spec, device=device, dtype=dtype, seed=agent_seed(cfg.seed, k))
                      for k, spec in enumerate(parse_agents(cfg.agents))], team_cfg)
     if responder:  # tiny weights of the slot after the team's last
         team_cfg.responder = load_agent(parse_agents(responder)[0], device=device, dtype=dtype,
-                                        seed=cfg.seed * 100 + len(team))
+                                        seed=agent_seed(cfg.seed, len(team)))
     return team
 
 

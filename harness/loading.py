@@ -249,6 +249,24 @@ def warm_start(team: Team, problems: list[Problem], steps: int, p_wrong: float, 
         agent.freeze()
 
 
+# The seeds of a run's tiny weights, from its --seed s: slot k (0-based) gets s * AGENT_SEED_STRIDE + k, the
+# responder the slot after the team's last, an --upgrade's replacement for slot k the slot REPLACEMENT_SLOT_OFFSET + k
+# (clear of any team's slots), and that replacement's warm start draws its labels under s + UPGRADE_WARM_START_OFFSET.
+AGENT_SEED_STRIDE = 100
+REPLACEMENT_SLOT_OFFSET = 50
+UPGRADE_WARM_START_OFFSET = 7
+
+
+def agent_seed(run_seed: int, slot: int) -> int:
+    """The seed of the tiny weights in ``slot`` of a run seeded ``run_seed`` (``sat.py`` and eval_aime.py alike)."""
+    return run_seed * AGENT_SEED_STRIDE + slot
+
+
+def replacement_seed(run_seed: int, slot: int) -> int:
+    """The seed of an --upgrade's tiny replacement for ``slot``."""
+    return agent_seed(run_seed, REPLACEMENT_SLOT_OFFSET + slot)
+
+
 def load_agent(spec: AgentSpec | str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Agent:
     """The agent of ``spec``, whole on ``device`` (straight into FSDP2 shards under torchrun:
     ``scale.shard_load.load_agent_sharded``). A tiny agent is built from ``seed``."""

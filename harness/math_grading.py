@@ -15,6 +15,7 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Callable
 
+from harness.datafiles import answer_text
 from harness.user_reward import CheckedReward
 from reward import Reward
 from team import TeamConfig
@@ -310,7 +311,7 @@ def team_correct(prompts: list[str], completions: list[list[str]], *, answer: li
     """The built-in team reward (paper, Section 3): independent protocol, the expected correctness of the
     majority vote of the agents' answers under a uniform tie-break (``vote_reward``); chain, whether the last
     agent's answer is right."""
-    golds = [g if isinstance(g, str) else str(g) for g in answer]  # a data file's raw gold may be a number
+    golds = [g if isinstance(g, str) else answer_text(g) or "" for g in answer]  # a data file's raw gold: any JSON
     if protocol == "independent":
         return [vote_reward(list(answers), gold) for answers, gold in zip(agent_answers, golds)]
     return [float(answers_match(answers[-1], gold)) for answers, gold in zip(agent_answers, golds)]

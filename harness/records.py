@@ -117,8 +117,8 @@ def stage_samples(batch, stage: int, count: int, group_size: int) -> list[dict]:
     was cut at the token limit; the team's answer and reward)."""
     rows = range(0, min(len(batch), count * group_size), group_size)
     return [{"stage": stage, "problem": batch.problems[r].problem, "gold": batch.problems[r].answer,
-             "agents": [{"response": t.texts[r], "answer": t.answers[r], "correct": bool(batch.agent_correct[k, r]),
-                         "score": float(batch.agent_correct[k, r]), "tokens": int(t.response_mask[r].sum()),
+             "agents": [{"response": t.texts[r], "answer": t.answers[r], "correct": bool(batch.agent_reward[k, r]),
+                         "score": float(batch.agent_reward[k, r]), "tokens": int(t.response_mask[r].sum()),
                          "truncated": bool(t.truncated[r])}
                         for k, t in enumerate(batch.turns)],
              "team_answer": batch.team_answers[r], "reward": float(batch.rewards[r]),
@@ -184,4 +184,4 @@ def stage_zero_line(rec: dict) -> str:
     share of episodes solved; then STAGE_HEADER."""
     solved = f" solved {rec['eval_success']:.3f}" if rec.get("eval_success") is not None else ""
     return (f"stage 0 (before SAT):{solved} held-out team accuracy {rec['eval_accuracy']:.3f} agents "
-            f"{fmt_list(rec['eval_agent_accuracy'])}\n{STAGE_HEADER}")
+            f"{fmt_list(rec['eval_agent_reward'])}\n{STAGE_HEADER}")

@@ -33,26 +33,34 @@ from harness.environments import (
     probe_environment,
     responder_spec,
 )
-from harness.loading import check_hub_available, load_agent, load_agents, warm_start
+from harness.loading import (
+    UPGRADE_WARM_START_OFFSET,
+    agent_seed,
+    check_hub_available,
+    load_agent,
+    load_agents,
+    replacement_seed,
+    warm_start,
+)
 from harness.lora import bases_team, check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
 from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import env_game, load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
-from harness.upgrades import apply_upgrades
+from harness.upgrades import apply_upgrades, parse_upgrade
 from harness.user_reward import check_reward, load_reward
 from reward import Reward
-from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
+from sat_config import SatConfig
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
-from scale.rollout_hf import HF, check_sampler
+from scale.rollout_hf import check_sampler
 from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
 from step_rules import StepSize
-from team import Agent, Problem, Team
+from team import Agent, AgentSpec, Problem, Team
 from trust_region import QuantileController, TrustRegion
 
 WARM_START_EPISODES = 512  # environment rows whose opening observations a tiny team warm-starts on
@@ -63,30 +71,53 @@ EPISODE_CREDIT_LINE = ("environment {name}: each agent's own score is the team r
 
 
 class Resolved(NamedTuple):
-    """A run ready to start (``resolve``): its final configuration, the checkpoint it resumes from, its processes."""
+    """A run's inputs, each built once by ``resolve`` and only read after: its final configuration, the checkpoint
+    it resumes from, its processes, the agents' specs, the environment, the team reward, the roles and the
+    responder's spec. The sampler backend is made once the team is loaded (``run_resolved``: its memory plan
+    needs the team), and ``RunState`` is built with it."""
 
     cfg: Config
     resume_from: Path | None
     procs: OneProcess
+    specs: list[AgentSpec]  # --agents, one per slot (a resumed team loads its checkpoint's agents instead)
+    n_agents: int  # the team's size: len(specs), or the resumed checkpoint's team
+    environment: Environment | None  # --env or --task env:NAME
+    reward: Reward  # the team reward (``team_reward``)
+    roles: Roles | None  # --roles or a reasoning-gym task's; None: the paper's, or a resumed team's own (team.json)
+    responder: str | None  # the spec of the model the environment asks (``team_responder_spec``), if any
 
 
 def resolve(cfg: Config) -> Resolved:
-    """Presets, device, dtype and backend, then one validation, then the processes
-    that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``,
-    the one block that knows about it (it sets this rank's device and torchrun's defaults)."""
+    """Presets, device, dtype and backend, then the run's inputs built and checked once (``validate_run_inputs``),
+    then the processes that run Algorithm 1: one, or (under torchrun, or --shard-rollouts) ``Torchrun``, the one
+    block that knows about it (it sets this rank's device and torchrun's defaults)."""
     check_episode_options(cfg)  # options given explicitly, before the preset fills the defaults
     cfg = cfg.apply_preset()
     cfg.validate()
-    validate_run_inputs(cfg)
-    env = team_environment(cfg)
-    if env is not None:  # T, resolved: the memory plan and config.json count the episode's rounds
-        cfg = replace(cfg, max_rounds=env.max_rounds)
+    check_options(cfg)
+    inputs = run_inputs(cfg)
+    validate_run_inputs(inputs)
+    cfg = inputs.cfg
     cfg = replace(cfg, threads=configure_threads(cfg.threads, cfg.device))
     if cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         procs, cfg = Torchrun.join(cfg)
     else:
         procs, cfg = ONE_PROCESS, replace(cfg, shard_frozen=False)  # one process: nothing to shard
-    return Resolved(cfg, run_folder.latest_checkpoint(cfg.resume) if cfg.resume else None, procs)
+    return inputs._replace(cfg=cfg, procs=procs)
+
+
+def run_inputs(cfg: Config) -> Resolved:
+    """The run's inputs from its configuration, each built once (one process until ``resolve`` picks them); a
+    missing file or name, or wrong arguments, of the environment or the reward is refused in seconds."""
+    env = team_environment(cfg)
+    if env is not None:  # T, resolved: the memory plan and config.json count the episode's rounds
+        cfg = replace(cfg, max_rounds=env.max_rounds)
+    resume_from = run_folder.latest_checkpoint(cfg.resume) if cfg.resume else None
+    specs = parse_agents(cfg.agents)
+    n_agents = team_size(resume_from) if resume_from is not None else len(specs)
+    roles = None if cfg.resume else team_roles(cfg, len(specs))  # a resumed team keeps the roles in its checkpoint
+    return Resolved(cfg, resume_from, ONE_PROCESS, specs, n_agents, env, team_reward(cfg, env), roles,
+                    team_responder_spec(cfg, env))
 
 
 def configure_threads(threads: int | None, device: str) -> int:
@@ -101,8 +132,8 @@ def configure_threads(threads: int | None, device: str) -> int:
     return threads
 
 
-def validate_run_inputs(cfg: "Config") -> None:
-    """Checks across options, on disk and network, before any model is built (docs/errors.md)."""
+def check_options(cfg: Config) -> None:
+    """Checks across options, and of the packages they need, before anything is built (docs/errors.md)."""
     if cfg.group_size == 1 and cfg.adv == "grpo":
         raise ValueError("--group-size 1: every group-relative advantage (Eq. (2)) would be 0 and nothing would be "
                          "trained; use --group-size 2 or more (or --adv gae)")
@@ -124,32 +155,25 @@ def validate_run_inputs(cfg: "Config") -> None:
                          "task, or drop the option (--roles sets any other task's prompts)")
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
-    team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
-    if team_environment(cfg) is not None and cfg.backend == "vllm":
+
+
+def validate_run_inputs(inputs: Resolved) -> None:
+    """Checks of the run's inputs, on disk and network, before any model is built (docs/errors.md)."""
+    cfg = inputs.cfg
+    if inputs.environment is not None and cfg.backend == "vllm":
         raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
-    if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
-        team_roles(cfg, len(parse_agents(cfg.agents)))
     if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise ValueError("--lora runs on one process: launch with python, not torchrun, and drop --shard-rollouts "
                          "(one GPU holds a team of adapters on a shared base: python -m scale.memory ... --lora R)")
-    if cfg.resume:
-        check_resume_lora(run_folder.latest_checkpoint(cfg.resume), lora_settings(cfg.lora, cfg.lora_alpha,
-                                                                                   cfg.lora_targets))
+    if inputs.resume_from is not None:
+        check_resume_lora(inputs.resume_from, lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets))
     if cfg.upgrade and not cfg.resume:
         raise ValueError("--upgrade needs --resume RUN_DIR: plug-and-play replaces an agent of a trained team")
-    if cfg.upgrade:
-        team_json = run_folder.latest_checkpoint(cfg.resume) / "team" / "team.json"
-        n_agents = len(json.loads(team_json.read_text())["agents"])
-        for item in cfg.upgrade:
-            slot, _, model = item.partition("=")
-            if not slot.strip().isdigit() or not model.strip():
-                raise ValueError(f"--upgrade {item!r}: write SLOT=MODEL with a 1-based slot, e.g. --upgrade 2=Qwen3-8B")
-            if not 1 <= int(slot) <= n_agents:
-                raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
-            check_hub_available(resolve_agent_spec(model))
+    for item in cfg.upgrade:
+        check_hub_available(resolve_agent_spec(parse_upgrade(item, inputs.n_agents)[1]))
     if not cfg.resume:
-        memory.check_team_ram(cfg, parse_agents(cfg.agents))  # CPU: a team too large for the RAM, before the hub
-        for spec in parse_agents(cfg.agents):
+        memory.check_team_ram(cfg, inputs.specs)  # CPU: a team too large for the RAM, before the hub
+        for spec in inputs.specs:
             check_hub_available(spec)
 
 
@@ -176,13 +200,12 @@ def team_environment(cfg: Config) -> Environment | None:
     return load_environment(spec, cfg.max_rounds)
 
 
-def team_reward(cfg: Config) -> Reward:
+def team_reward(cfg: Config, env: Environment | None) -> Reward:
     """The team reward: --reward (with an environment, its columns hold ``env_reward`` and ``transcript``), else
     the environment's own, else a reasoning-gym task's own scorer, else the built-in one
     (``harness.math_grading.DEFAULT_REWARD``)."""
     if cfg.reward:
         return load_reward(cfg.reward)
-    env = team_environment(cfg)
     if env is not None:
         return episode_reward(env)
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
@@ -199,49 +222,64 @@ def team_roles(cfg: Config, n_agents: int) -> Roles | None:
     return None
 
 
-def build_team(cfg: Config, instruction: str, procs: OneProcess = ONE_PROCESS, reward: Reward = DEFAULT_REWARD
-               ) -> Team:
-    dtype = getattr(torch, cfg.dtype)
-    specs = parse_agents(cfg.agents)
-    agents = load_agents(specs, cfg.device, dtype, [cfg.seed * 100 + k for k in range(len(specs))],
+def build_team(inputs: Resolved, instruction: str) -> Team:
+    """A new team of ``inputs.specs`` (tiny weights seeded per slot: ``harness.loading.agent_seed``), each agent
+    loaded as the processes hold it, with the run's roles, reward, environment and responder."""
+    cfg, procs, specs = inputs.cfg, inputs.procs, inputs.specs
+    seeds = [agent_seed(cfg.seed, k) for k in range(len(specs))]
+    agents = load_agents(specs, cfg.device, getattr(torch, cfg.dtype), seeds,
                          lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets),
                          lambda spec, device, dt, seed: procs.load_agent(load_agent, spec, device, dt, seed=seed))
-    team = Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction,
-                                         roles=team_roles(cfg, len(specs)), reward=reward,
-                                         environment=team_environment(cfg)))
-    attach_responder(cfg, team)
+    team = Team(agents, math_team_config(protocol=cfg.protocol, instruction=instruction, roles=inputs.roles,
+                                         reward=inputs.reward, environment=inputs.environment))
+    attach_responder(inputs, team)
     return team
 
 
 def team_responder_spec(cfg: Config, env: Environment | None) -> str | None:
-    """The responder's spec: --env-model, or a built-in game's --task-option responder=NAME (``responder_spec``)."""
+    """The responder's spec: --env-model, or a built-in game's --task-option responder=NAME (``responder_spec``);
+    an --env-model the environment cannot ask is refused here, before any model loads."""
     game = env_game(cfg.task) if env is not None and not cfg.data else None
     return responder_spec(env, game_options(game, cfg.task_option, cfg.env_model) if game else {}, cfg.env_model)
 
 
-def attach_responder(cfg: Config, team: Team) -> None:
-    """The responder model the team's environment asks (``responder_spec``), loaded once on the run's device and
+def attach_responder(inputs: Resolved, team: Team) -> None:
+    """The responder model the team's environment asks (``inputs.responder``), loaded once on the run's device and
     held frozen in the team's config (never trained, never checkpointed: its spec is in the run's config); tiny
     weights are those of the slot after the team's last."""
-    spec = team_responder_spec(cfg, team.config.environment)
+    cfg = inputs.cfg
     team.config.responder_max_tokens = cfg.env_model_max_tokens
-    if spec:
-        responder = load_agent(parse_agents(spec)[0], cfg.device, getattr(torch, cfg.dtype),
-                               seed=cfg.seed * 100 + len(team))
+    if inputs.responder:
+        responder = load_agent(parse_agents(inputs.responder)[0], cfg.device, getattr(torch, cfg.dtype),
+                               seed=agent_seed(cfg.seed, len(team)))
         responder.model.requires_grad_(False)
         team.config.responder = responder
 
 
-def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from: Path | None, procs: OneProcess,
-               log, reward: Reward = DEFAULT_REWARD) -> tuple[RunState, dict, list[dict]]:
-    """(the run's state with the HF backend, the checkpoint's other saved state, the metrics so far):
-    from a checkpoint (the run's metrics of stages 0..k kept; its roles from its team.json, the reward from
-    config.json), or new (tiny agents warm-started: it stands in for pretraining); every agent then on ``procs``."""
+class Start(NamedTuple):
+    """A run's team and state before its first stage (``start_team``); ``run_state`` adds the backend."""
+
+    team: Team
+    regions: dict[int, TrustRegion]  # each agent's trust region (``trust_regions_for``)
+    value_heads: dict[int, torch.nn.Linear]
+    rng: random.Random
+    saved: dict  # what the checkpoint resumed from saved besides the run's state ({} for a new run)
+    rows: list[dict]  # the metrics so far
+
+    def run_state(self, backend, log) -> RunState:
+        return RunState(self.team, self.regions, self.value_heads, self.rng, backend, log=log)
+
+
+def start_team(inputs: Resolved, train: list[Problem], instruction: str, log) -> Start:
+    """The run's team and state: from a checkpoint (the run's metrics of stages 0..k kept; its roles from its
+    team.json, the reward and environment the run's), or new (tiny agents warm-started: it stands in for
+    pretraining); every agent then on the run's processes."""
+    cfg, procs, resume_from = inputs.cfg, inputs.procs, inputs.resume_from
     if resume_from is not None:
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
-        team.config.reward, team.config.environment = reward, team_environment(cfg)
-        attach_responder(cfg, team)
+        team.config.reward, team.config.environment = inputs.reward, inputs.environment
+        attach_responder(inputs, team)
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -250,7 +288,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         log(f"resumed from {resume_from} at stage {start}")
     else:
         rng = seed_run(cfg.seed)
-        team, state, rows = build_team(cfg, instruction, procs, reward), {}, []
+        team, state, rows = build_team(inputs, instruction), {}, []
         controllers = {}
         if cfg.warmup_steps and any(a.spec.kind == "tiny" for a in team.agents):
             tiny_warm_start(cfg, team, train, log)
@@ -263,7 +301,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
             if k in saved:
                 value_heads[k].load_state_dict(saved[k])
     regions = trust_regions_for(cfg, len(team), controllers, state.get("step_sizes", {}))
-    return RunState(team, regions, value_heads, rng, HF, log=log), state, rows
+    return Start(team, regions, value_heads, rng, state, rows)
 
 
 def trust_regions_for(cfg: Config, n: int, controllers: dict | None = None,
@@ -317,11 +355,9 @@ def opening_problems(team: Team, problems: list[Problem]) -> list[Problem]:
     return [replace(p, problem=env.start(p)[1]) for p in problems[:WARM_START_EPISODES]]
 
 
-def team_size(cfg: Config, resume_from: Path | None) -> int:
-    """The number of agents: the checkpoint's team, or --agents."""
-    if resume_from is not None:
-        return len(json.loads((resume_from / "team" / "team.json").read_text())["agents"])
-    return len(parse_agents(cfg.agents))
+def team_size(resume_from: Path) -> int:
+    """The number of agents of the team a checkpoint holds."""
+    return len(json.loads((resume_from / "team" / "team.json").read_text())["agents"])
 
 
 def seed_run(seed: int) -> random.Random:
@@ -337,12 +373,13 @@ def run(cfg: Config, log=None) -> list[dict]:
     return run_resolved(resolve(cfg), log)
 
 
-def run_resolved(resolved: Resolved, log=None) -> list[dict]:
-    """``run`` once ``resolve`` has checked the configuration and picked the processes."""
+def run_resolved(inputs: Resolved, log=None) -> list[dict]:
+    """``run`` once ``resolve`` has built and checked the run's inputs and picked the processes: the problems and
+    the checks on them, the team, the backend, then ``train_stages``."""
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
-    cfg, resume_from, procs = resolved
+    cfg, resume_from, procs, env = inputs.cfg, inputs.resume_from, inputs.procs, inputs.environment
     hf_logging.disable_progress_bar()
     log = (log or tqdm.write) if procs.main else (lambda *args: None)  # one process speaks and writes
     out = Path(cfg.out)
@@ -352,75 +389,75 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     train, heldout, instruction = load_problems(cfg)
     if (too_few := records.heldout_warning(len(heldout), cfg.eval_samples, cfg.delta_conf)) is not None:
         log(too_few)
-    reward, env = team_reward(cfg), team_environment(cfg)
-    team_responder_spec(cfg, env)  # an --env-model the environment cannot ask: refused before any model loads
     if env is not None:  # before any model is loaded: the environment's contract, then the reward's on its columns
-        probe_environment(env, train, team_size(cfg, resume_from))
+        probe_environment(env, train, inputs.n_agents)
         log(opening_line(env, train[0]))
         log(EPISODE_CREDIT_LINE.format(name=env.name, baseline=cfg.baseline))
-    check_reward(reward, train, team_size(cfg, resume_from), cfg.protocol, episode_columns(env))
-    run, state, rows = start_team(cfg, train, instruction, resume_from, procs, log, reward)
-    train_fraction = memory.check_run(cfg, run.team, log)  # a team that cannot fit: refused before anything is written
+    check_reward(inputs.reward, train, inputs.n_agents, cfg.protocol, episode_columns(env))
+    start = start_team(inputs, train, instruction, log)
+    train_fraction = memory.check_run(cfg, start.team, log)  # a team that cannot fit: refused before any writing
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
-                               tensor_parallel=cfg.vllm_tensor_parallel,
-                               max_model_len=memory.run_max_len(cfg, len(run.team)))
+    backend = make_backend(cfg.backend, len(start.team), cfg.seed, train_fraction=train_fraction,
+                           tensor_parallel=cfg.vllm_tensor_parallel,
+                           max_model_len=memory.run_max_len(cfg, len(start.team)))
     try:
-        return train_team(cfg, run, train, heldout, state, rows)
+        return train_stages(inputs, start.run_state(backend, log), train, heldout, start.saved, start.rows)
     finally:
-        run.backend.close()
+        backend.close()
 
 
-def train_team(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], state: dict,
-               rows: list[dict]) -> list[dict]:
-    """Plug-and-play upgrades, if asked for, then Algorithm 1's stages (``sat.run_stages``), each
-    evaluated stage recorded by a ``RunRecorder``. ``state``: what the checkpoint resumed from saved
-    besides the run's state; ``rows``: the metrics so far."""
-    team, backend, log = run.team, run.backend, run.log
-    out = Path(cfg.out)
-    sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                              token_budget=cfg.token_budget)
-    if backend.name == "hf":
+def train_stages(inputs: Resolved, run: RunState, train: list[Problem], heldout: list[Problem], saved: dict,
+                 rows: list[dict]) -> list[dict]:
+    """Plug-and-play upgrades, if asked for, then Algorithm 1's stages (``sat.run_stages``), each evaluated stage
+    recorded by a ``RunRecorder``; the plot and the summary. ``saved``: what the checkpoint resumed from saved
+    besides the run's state; ``rows``: the metrics so far (the stages run append theirs)."""
+    cfg, team, log, start = inputs.cfg, run.team, run.log, saved.get("stage", 0)
+    core = cfg.core()  # what Algorithm 1 reads
+    sampling = core.sampling
+    if run.backend.name == "hf":
         for agent in team.agents:
             check_sampler(agent, sampling)  # nothing but the tempered softmax, whatever the checkpoint ships
     if not cfg.device.startswith("cuda"):
         log(f"torch CPU threads: {cfg.threads} (--threads / $OMP_NUM_THREADS; default: every core for a real model, "
             "1 for the tiny team)")
-    start = state.get("stage", 0)
-    recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), state.get("baseline_eval"),
-                           state.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
-    names = parse_report_to(cfg.report_to) if team.procs.main else ()  # one process reports
-    recorder.trackers = Trackers(names, out, asdict(cfg))
-    if team.procs.main and team.config.roles is not None:
-        save_roles(team.config.roles, out)  # also in every checkpoint's team.json, which --resume reads
+    recorder = RunRecorder(cfg, run, rows, team.procs.describe(cfg.device), saved.get("baseline_eval"),
+                           saved.get("pending_upgrades", []))  # held-out accuracy right after an upgrade, if any
+    recorder.trackers = Trackers(parse_report_to(cfg.report_to) if team.procs.main else (),  # one process reports
+                                 Path(cfg.out), asdict(cfg))
     try:
-        train_stages(cfg, run, train, heldout, recorder, start, sampling)
+        if team.procs.main and team.config.roles is not None:
+            save_roles(team.config.roles, Path(cfg.out))  # also in every checkpoint's team.json, which --resume reads
+        if cfg.upgrade:  # once: config.json records no upgrade, so a later --resume does not repeat it
+            recorder.baseline, recorder.pending = upgrade(cfg, core, run, train, heldout, start,
+                                                          recorder.pending, rows[-1])
+        for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
+            run.backend.sync(agent)
+        if team.procs.main:
+            write_config(cfg, inputs.specs, team, recorder.how)
+        if rows:
+            log(records.STAGE_HEADER)
+        run_stages(run, train, heldout, core, sampling, start, recorder, new_run=not rows)
     finally:
         recorder.trackers.close()
+    log_outcome(Path(cfg.out), rows, team.procs.main, log)
     return rows
 
 
-def train_stages(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], recorder: "RunRecorder",
-                 start: int, sampling: SamplingConfig) -> None:
-    """``train_team`` once its recorder is made: the upgrades, config.json, the stages, the plot and the summary."""
-    team, backend, log, rows, out = run.team, run.backend, run.log, recorder.rows, Path(cfg.out)
-    if cfg.upgrade:  # once: the config.json below records no upgrade, so a later --resume does not repeat it
-        recorder.baseline, recorder.pending = upgrade(cfg, run, train, heldout, start, sampling, recorder.pending,
-                                                      rows[-1])
-    for agent in team.agents:  # vLLM with sharded agents: each rank's engines take the shards now
-        backend.sync(agent)
-    if team.procs.main:
-        names = [a.spec.name for a in team.agents]  # the team after any upgrade, as --agents would name it
-        agents = cfg.agents if [s.name for s in parse_agents(cfg.agents)] == names else ", ".join(names)
-        run_folder.atomic_write(out / "config.json", json.dumps({**asdict(cfg), "agents": agents, "upgrade": [],
-                                                                 "upgrade_accept": "stage0", **recorder.how},
-                                                                indent=2))
-    if rows:
-        log(records.STAGE_HEADER)
-    run_stages(run, train, heldout, cfg, sampling, start, recorder, new_run=not rows)
-    if len(rows) > 1 and team.procs.main:
+def write_config(cfg: Config, specs: list[AgentSpec], team: Team, how: dict) -> None:
+    """config.json: the run's options (what --resume reads), its agents as --agents would name the team after any
+    upgrade, no upgrade left to repeat, and the processes and device."""
+    names = [a.spec.name for a in team.agents]
+    agents = cfg.agents if [s.name for s in specs] == names else ", ".join(names)
+    run_folder.atomic_write(Path(cfg.out) / "config.json",
+                            json.dumps({**asdict(cfg), "agents": agents, "upgrade": [], "upgrade_accept": "stage0",
+                                        **how}, indent=2))
+
+
+def log_outcome(out: Path, rows: list[dict], main: bool, log) -> None:
+    """The run's plot (progress.png, once a stage has trained) and its closing lines."""
+    if len(rows) > 1 and main:
         run_folder.plot_run(out, rows)
     plot = f", plot in {out / 'progress.png'}" if len(rows) > 1 else " (no plot: no stage trained)"
     last = records.last_evaluated(rows)
@@ -478,18 +515,18 @@ class RunRecorder:
         run.log(records.stage_line(row) if row["stage"] else records.stage_zero_line(row))
 
 
-def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
-            sampling: SamplingConfig, pending: list, last_row: dict) -> tuple[dict, list]:
+def upgrade(cfg: Config, core: SatConfig, run: RunState, train: list[Problem], heldout: list[Problem], start: int,
+            pending: list, last_row: dict) -> tuple[dict, list]:
     """Plug-and-play (Section 5): every --upgrade SLOT=MODEL entering as --upgrade-accept says, the
     held-out accuracy after it, and a checkpoint of the upgraded team. With --upgrade-accept raw or certified
     each event also holds ``heldout_change``: the paired held-out certificate of the change from ``last_row``
     (the metrics row the run resumed from) to the team after this run's upgrades."""
-    out, team, backend = Path(cfg.out), run.team, run.backend
+    out, team, backend, sampling = Path(cfg.out), run.team, run.backend, core.sampling
     events = apply_upgrades(cfg, run, train, start, sampling,
                             lambda spec, slot: load_replacement(spec, cfg, team, train, slot),
-                            evaluate=lambda t: evaluate(t, heldout, sampling, cfg, backend),
-                            acceptance=acceptance_draws(cfg, train, heldout, sampling, backend))
-    baseline = evaluate(team, heldout, sampling, cfg, backend)
+                            evaluate=lambda t: evaluate(t, heldout, sampling, core, backend),
+                            acceptance=acceptance_draws(cfg, core, train, heldout, backend))
+    baseline = evaluate(team, heldout, sampling, core, backend)
     for event in events:
         event["eval_accuracy_after_stage0"] = baseline["eval_accuracy"]
         if "accept" in event:
@@ -506,15 +543,15 @@ def upgrade(cfg: Config, run: RunState, train: list[Problem], heldout: list[Prob
     return baseline, pending
 
 
-def acceptance_draws(cfg: Config, train: list[Problem], heldout: list[Problem], sampling: SamplingConfig,
+def acceptance_draws(cfg: Config, core: SatConfig, train: list[Problem], heldout: list[Problem],
                      backend) -> AcceptanceDraws | None:
     """``--upgrade-accept certified``'s splits (training problems only, none a held-out one asks) and how a team
     is drawn on them: ``sat.evaluate`` with one sample per row under the label's seeds; None for other rules."""
     if cfg.upgrade_accept != "certified":
         return None
-    one_per_row = replace(cfg, eval_samples=1)
+    one_per_row = replace(core, eval_samples=1)
     return AcceptanceDraws(acceptance_splits(train, heldout, cfg.seed, cfg.upgrade_accept_rows),
-                           lambda team, rows, label: evaluate(team, rows, sampling, one_per_row, backend,
+                           lambda team, rows, label: evaluate(team, rows, core.sampling, one_per_row, backend,
                                                               label=label)["eval_rewards"])
 
 
@@ -522,9 +559,9 @@ def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int
     """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
     own (longer) warm start, standing in for a stronger pretrained model."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + 50 + slot)
+    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=replacement_seed(cfg.seed, slot))
     if agent.spec.kind == "tiny":
         steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
         holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
-        warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
+        warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + UPGRADE_WARM_START_OFFSET, slots=[slot])
     return agent

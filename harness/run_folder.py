@@ -322,11 +322,18 @@ def record_upgrades(out: Path, events: list[dict]) -> None:
     atomic_write(path, json.dumps(history + events, indent=2))
 
 
+# Metrics keys renamed since a run folder may have been written: old name -> new name (docs/run_folder.md).
+RENAMED_METRICS = {"eval_agent_accuracy": "eval_agent_reward"}
+
+
 def read_metrics(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, any key written under an older name (RENAMED_METRICS) under its current
+    one, so that a run resumed across the rename writes one name throughout."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{RENAMED_METRICS.get(k, k): v for k, v in row.items()} for row in rows]
 
 
 def write_metrics(out: Path, records: list[dict]) -> None:
@@ -349,8 +356,8 @@ def plot_run(out: Path, records: list[dict]) -> None:
     ax1.plot([r["stage"] for r in evaluated], [r["eval_accuracy"] for r in evaluated], "o-",
              label="held-out team accuracy")
     ax1.plot([r["stage"] for r in trained], [r["team_reward"] for r in trained], "s--", label="team reward (rollouts)")
-    for k in range(len(evaluated[-1]["eval_agent_accuracy"])):
-        ax1.plot([r["stage"] for r in evaluated], [r["eval_agent_accuracy"][k] for r in evaluated], ":", alpha=0.6,
+    for k in range(len(evaluated[-1]["eval_agent_reward"])):
+        ax1.plot([r["stage"] for r in evaluated], [r["eval_agent_reward"][k] for r in evaluated], ":", alpha=0.6,
                  label=f"agent {k + 1} alone")
     ax1.set_xlabel("stage")
     ax1.set_ylabel("accuracy")

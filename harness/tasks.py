@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from harness import reasoning_gym_task as rg
-from harness.datafiles import load_problems
+from harness.datafiles import answer_text, load_problems
 from harness.environments import BUILTIN_PREFIX, game_options, game_problems
 from team import Problem
 
@@ -155,19 +155,6 @@ def noisy_label(answer: str, rng: random.Random, p_wrong: float = 0.5, others: l
 _JSONL_HINT = 'each line must be one JSON object with "problem" and "answer"'
 
 
-def _answer_to_str(value) -> str | None:
-    """Gold answers may be stored as int, float or str; keep them as str."""
-    if isinstance(value, bool):  # bool is an int subclass; never a real answer
-        return None
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, str) and value.strip():
-        return value.strip()
-    return None
-
-
 def _chat_to_text(prompt) -> str | None:
     """Problem text from either a plain string or a chat list [{"role", "content"}]."""
     if isinstance(prompt, str):
@@ -209,9 +196,9 @@ def load_jsonl(path) -> list[Problem]:
                 raise ValueError(f'{where}: "problem" is empty or not text; {_JSONL_HINT}')
             if "answer" not in obj:
                 raise ValueError(f'{where}: missing "answer"; {_JSONL_HINT}')
-            answer = _answer_to_str(obj["answer"])
+            answer = answer_text(obj["answer"])
             if answer is None:
-                raise ValueError(f'{where}: "answer" must be a non-empty string or a number, '
+                raise ValueError(f'{where}: "answer" must be a non-empty string, a number, a list or an object, '
                                  f'got {obj["answer"]!r}; {_JSONL_HINT}')
             pid = str(obj["id"]) if obj.get("id") is not None else f"{path.stem}-{lineno}"
             problems.append(Problem(pid, text, answer))
@@ -280,7 +267,7 @@ _DAPO_TAIL = re.compile(r"\n\nRemember to put your answer[^\n]*$", re.S)
 def row_to_problem(row: dict, spec: DatasetSpec, fallback_id: str) -> Problem | None:
     """One dataset record -> Problem, or None if it lacks a problem or answer."""
     text = _chat_to_text(_get_field(row, spec.problem_field))
-    answer = _answer_to_str(_get_field(row, spec.answer_field))
+    answer = answer_text(_get_field(row, spec.answer_field))
     if text is None or answer is None:
         return None
     if spec.problem_field == "prompt":  # a DAPO-style prompt: the bare problem

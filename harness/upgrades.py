@@ -58,7 +58,7 @@ def upgrade_slot(cfg, run, train: list[Problem], stage: int, sampling: SamplingC
     if evaluate is not None:  # the raw replacement in the team, and alone (its own accuracy)
         before = evaluate(with_agent(team, slot, new_agent))
         log(f"upgrade: before Stage-0, held-out team accuracy with the raw replacement "
-            f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_accuracy'][slot]:.3f}")
+            f"{before['eval_accuracy']:.3f}; agent {slot + 1} alone {before['eval_agent_reward'][slot]:.3f}")
     n_prompts = cfg.stage0_problems or cfg.batch_size // cfg.group_size
     prompts = [] if rule == "raw" else [train[run.rng.randrange(len(train))] for _ in range(n_prompts)]
     log(f"upgrade: agent {slot + 1} '{old_name}' -> '{new_agent.spec.name}', " + {

@@ -6,8 +6,8 @@ on the whole batch:
 - rollouts (Alg. 1 line 4) in seeded blocks (``scale.torchrun.rollout_in_blocks``): rank r generates blocks r,
   r + N, ... and every rank receives the union, so the batch does not depend on N and groups are never split;
 - the trained agent is an fp32 FSDP2 copy (``shard_model``; a bf16 agent's fp32 shards are its master weights, kept
-  on the host between turns); each rank computes the loss of its rows (``row_range``), so the step is the
-  one-process step up to float summation order;
+  on the host between turns); each rank computes the loss of its rows (``scale.torchrun.Torchrun.rows``), so the
+  step is the one-process step up to float summation order;
 - the exact per-state KL (Alg. 1 line 10) and Stage-0 (Eqs. (6)-(7)): each rank measures its rows and the values
   are gathered, so quantiles and accept/reject decisions agree; ``--reuse regenerate`` redraws on rank 0
   (``on_main``);
@@ -145,26 +145,7 @@ def _comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-# -- rows and gathers --------------------------------------------------------------------------------------------
-def row_range(n: int) -> tuple[int, int]:
-    """This rank's contiguous n / N rows: equal shares, so every rank makes as many (collective) forward calls."""
-    r, w = rank(), world()
-    if n % w:
-        raise ValueError(f"{n} rows cannot be shared evenly by {w} processes: "
-                         f"use --batch-size and --minibatch-size that are multiples of the number of processes")
-    per = n // w
-    return r * per, (r + 1) * per
-
-
-def row_share(n: int) -> tuple[int, int]:
-    """This rank's contiguous rows of n when shares may differ by one (work without collectives whose results are
-    gathered in rank order, e.g. Stage-0's per-state values); (0, n) with one process."""
-    r = rank()
-    per, extra = divmod(n, world())
-    lo = r * per + min(r, extra)
-    return lo, lo + per + (1 if r < extra else 0)
-
-
+# -- gathers -----------------------------------------------------------------------------------------------------------
 def sum_ranks(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks."""
     if not active():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 
-from logprobs import LOGITS_CHUNK_TOKENS, head_chunk_positions
+from logprobs import KL_CHUNK_POSITIONS, LOGITS_CHUNK_TOKENS, head_chunk_positions
 
 GiB = 1024 ** 3
 
@@ -241,7 +241,7 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     rollout_tokens = rollout_tokens if rollout_tokens is not None else max(micro_batch_tokens, max_seq_len)
     chunk = logits_chunk_tokens if logits_chunk_tokens is not None else min(micro_batch_tokens, LOGITS_CHUNK_TOKENS)
     train_act = micro_batch_tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
-    kl_check = 1024 * 2 * logits_bytes_per_token(model_config)  # the exact KL: 1024 positions of two models (no grad)
+    kl_check = KL_CHUNK_POSITIONS * 2 * logits_bytes_per_token(model_config)  # the exact KL: one chunk of two models
     estimate = {
         "weights": all_weights,
         "master_weights": trained * params * 4 if dtype_bytes < 4 and gpus == 1 else 0,

@@ -230,7 +230,7 @@ def concat_batches(parts: list[TeamBatch], pad_ids: list[int]) -> TeamBatch:
     return TeamBatch([x for p in parts for x in p.problems],
                      torch.cat([p.group_ids + offsets[i] for i, p in enumerate(parts)]), turns,
                      [x for p in parts for x in p.team_answers], torch.cat([p.rewards for p in parts]),
-                     torch.cat([p.agent_correct for p in parts], dim=1), counterfactual)
+                     torch.cat([p.agent_reward for p in parts], dim=1), counterfactual)
 
 
 @contextmanager

@@ -22,11 +22,11 @@ def one_stage_tiny_run(tmp_path_factory):
     that test_upgrade_accept and test_plug_and_play upgrade, once for the session. Read it, resume it into
     another --out, or copy it before changing it."""
     import harness.run
-    import sat
+    from harness.config import Config
 
     out = tmp_path_factory.mktemp("one_stage") / "run"
-    cfg = sat.Config(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
-                     warmup_steps=30, eval_size=16, out=str(out), device="cpu").apply_preset()
+    cfg = Config(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
+                 warmup_steps=30, eval_size=16, out=str(out), device="cpu").apply_preset()
     harness.run.run(cfg, log=lambda *_: None)
     return out
 

@@ -18,7 +18,7 @@ from compare_runs import summary  # noqa: E402
 def write_run(folder: Path, accs: list[float], n: int = 64) -> Path:
     folder.mkdir()
     rows = [{"stage": s, "seconds": 0.0 if s == 0 else 60.0, "eval_accuracy": a,
-             "eval_stderr": math.sqrt(a * (1 - a) / n), "eval_agent_accuracy": [a / 2, a / 3]}
+             "eval_stderr": math.sqrt(a * (1 - a) / n), "eval_agent_reward": [a / 2, a / 3]}
             for s, a in enumerate(accs)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import bounds
 import harness.cli
 import harness.run
-import sat
 from advantage import credit_correlation
+from harness.config import Config
 from harness.loading import load_agent
 from harness.math_grading import answers_match, majority_vote, math_team_config, vote_reward
 from harness.tasks import arithmetic_problems
@@ -159,8 +159,8 @@ def test_regenerate_chain_redraws_the_promoted_turn_and_the_turns_after_it(tiny3
 
 def test_cli_reuse_and_its_preset_defaults():
     assert harness.cli.parse_args(["--reuse", "regenerate"]).reuse == "regenerate"
-    assert sat.Config().apply_preset().reuse == "weights"
-    assert sat.Config(agents="Qwen3-4B x3").apply_preset().reuse == "regenerate"
+    assert Config().apply_preset().reuse == "weights"
+    assert Config(agents="Qwen3-4B x3").apply_preset().reuse == "regenerate"
 
 
 # -- the surrogate L_i in episode units: brute force on a two-agent team -----------------------
@@ -223,9 +223,9 @@ def test_surrogate_identity_matches_brute_force_on_two_agents(protocol, seed):
 @pytest.mark.slow  # over 10 s on two busy cores: two runs
 def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
     for update, reuse in (("joint", "regenerate"), ("sequential", "weights")):
-        cfg = sat.Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
-                         warmup_steps=10, eval_size=8, out=str(tmp_path / update), device="cpu", update=update,
-                         reuse=reuse).apply_preset()
+        cfg = Config(agents="tiny x2", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                     warmup_steps=10, eval_size=8, out=str(tmp_path / update), device="cpu", update=update,
+                     reuse=reuse).apply_preset()
         rec = harness.run.run(cfg, log=lambda *_: None)[-1]
         assert rec["step_bounds"].startswith("none:") and all(a["step_bound"] is None for a in rec["agents"])
         assert "surrogate_estimate" in rec["agents"][0] and "lower_bound" not in rec["agents"][0]
@@ -235,9 +235,9 @@ def test_joint_and_weights_runs_log_no_step_bound(tmp_path):
 
 @pytest.mark.slow  # over 10 s on two busy cores: a whole run
 def test_regenerate_run_keeps_weights_at_one(tmp_path):
-    cfg = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
-                     warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
-                     reuse="regenerate").apply_preset()
+    cfg = Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                 warmup_steps=10, eval_size=8, out=str(tmp_path / "run"), device="cpu",
+                 reuse="regenerate").apply_preset()
     rec = harness.run.run(cfg, log=lambda *_: None)[-1]
     assert [a["ess_ratio"] for a in rec["agents"]] == [1.0, 1.0, 1.0] and all(a["zeta"] == 0.0 for a in rec["agents"])
     # the rollout, then per step the turn it changes drawn before it (the bound's "before") and after it
@@ -248,9 +248,9 @@ def test_regenerate_run_keeps_weights_at_one(tmp_path):
         assert b["n"] == 16 and b["delta_conf"] == pytest.approx(cfg.delta_conf / 3)
         assert b["lower_bound"] == pytest.approx(max(b["mean_change"] - b["sample_penalty"], -1.0))
         assert -1.0 <= b["lower_bound"] < 1.0
-    no_bounds = sat.Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
-                           warmup_steps=10, eval_size=8, out=str(tmp_path / "plain"), device="cpu",
-                           reuse="regenerate", step_bounds=False).apply_preset()
+    no_bounds = Config(agents="tiny x3", stages=1, batch_size=16, group_size=4, epochs=1, minibatch_size=16,
+                       warmup_steps=10, eval_size=8, out=str(tmp_path / "plain"), device="cpu",
+                       reuse="regenerate", step_bounds=False).apply_preset()
     assert harness.run.run(no_bounds, log=lambda *_: None)[-1]["generations"] == 16 * 3 + 16 * 2  # no draw for a bound
 
 

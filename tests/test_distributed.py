@@ -33,7 +33,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TQDM_DISA
 # quantile (measured 1.6e-2 at most), so 5e-2 relative (+ 1e-4 absolute).
 RTOL, ATOL = 5e-2, 1e-4
 EXACT_STAGE = ("team_reward", "agent_reward", "mean_response_tokens", "truncated_fraction", "eval_accuracy",
-               "eval_agent_accuracy", "order")
+               "eval_agent_reward", "order")
 EXACT_AGENT = ("accepted", "backtracks", "step_fraction", "early_stopped", "N")
 CLOSE_AGENT = ("kl_quantile", "kl_mean", "loss", "surrogate_estimate", "ess")
 HANG = 1500  # s: a torchrun run this long is hung (the gloo group's own timeout is 1800 s); runs beside four

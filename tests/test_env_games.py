@@ -318,7 +318,7 @@ def test_success_heads_the_stage_lines_and_the_eval_table():
     rec = {"stage": 2, "team_reward": 0.1, "agents": [agent], "seconds": 3.0, "success": 0.125, "eval_success": 0.25}
     assert records.stage_line(rec).endswith("  solved train 0.125 held-out 0.250")
     assert "solved" not in records.stage_line({k: v for k, v in rec.items() if "success" not in k})
-    zero = {"eval_success": 0.0625, "eval_accuracy": 0.1, "eval_agent_accuracy": [0.1]}
+    zero = {"eval_success": 0.0625, "eval_accuracy": 0.1, "eval_agent_reward": [0.1]}
     assert records.stage_zero_line(zero).startswith("stage 0 (before SAT): solved 0.062 held-out team accuracy 0.100")
     metric = {"value": 0.25, "ci95": [0.1, 0.4]}
     bench = {"metrics": {"team": {n: metric for n in ("avg@2", "pass@1", "pass@2", "maj@2")}},

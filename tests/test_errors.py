@@ -30,8 +30,8 @@ import torch
 import eval_aime
 import harness.cli
 import harness.run
-import sat
 from harness import run_folder
+from harness.config import Config
 from harness.loading import load_agent
 from scale import memory
 
@@ -61,8 +61,8 @@ def test_table_has_at_least_30_rows_numbered_in_order():
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("errors")
-    cfg = sat.Config(agents="tiny x2", stages=2, batch_size=8, group_size=4, epochs=1, minibatch_size=8, warmup_steps=5,
-                     eval_size=8, out=str(root / "run"), device="cpu").apply_preset()
+    cfg = Config(agents="tiny x2", stages=2, batch_size=8, group_size=4, epochs=1, minibatch_size=8, warmup_steps=5,
+                 eval_size=8, out=str(root / "run"), device="cpu").apply_preset()
     harness.run.run(cfg, log=lambda *_: None)
     nochat = load_agent("tiny", seed=0)
     nochat.tokenizer.chat_template = None

@@ -20,7 +20,7 @@ def test_quiet_prints_the_verdict_alone_when_the_graph_holds():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--tests", "--quiet"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines() == [
-        "import graph: OK (a DAG; the paper's modules import from harness/ only its plain types, never scale/)"]
+        "import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, never scale/)"]
 
 
 def test_checker_finds_a_lazy_cycle(tmp_path):
@@ -53,19 +53,22 @@ def test_checker_finds_scale_out_in_the_paper(tmp_path):
 
 
 def test_checker_keeps_the_product_out_of_the_paper(tmp_path):
-    """A paper module may take the plain types it is handed (the Config) but not the loading code; sat.py's
-    ``__main__`` block (the command line) and the program eval_aime.py are exempt."""
+    """A paper module may take the processes seam it is handed but not the product's configuration (its own is
+    sat_config.SatConfig) nor the loading code; sat.py's ``__main__`` block (the command line) and the program
+    eval_aime.py are exempt."""
     (tmp_path / "harness").mkdir()
-    for name in ("__init__", "config", "loading", "cli"):
+    for name in ("__init__", "config", "loading", "cli", "processes"):
         (tmp_path / "harness" / f"{name}.py").write_text("")
     (tmp_path / "harness" / "cli.py").write_text("import sat\n")
-    (tmp_path / "rollout.py").write_text("from harness.config import Config\nfrom harness.loading import x\n")
+    (tmp_path / "rollout.py").write_text("from harness.processes import ONE_PROCESS\n"
+                                         "from harness.config import Config\nfrom harness.loading import x\n")
     (tmp_path / "sat.py").write_text("import rollout\nif __name__ == '__main__':\n    from harness.cli import main\n")
     (tmp_path / "eval_aime.py").write_text("from harness import loading\n")
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stdout
     assert "PRODUCT IN THE PAPER: rollout imports harness.loading (top)" in done.stdout
-    assert "rollout imports harness.config" not in done.stdout
+    assert "PRODUCT IN THE PAPER: rollout imports harness.config (top)" in done.stdout
+    assert "rollout imports harness.processes" not in done.stdout
     assert "CYCLE" not in done.stdout and "eval_aime imports" not in done.stdout and "sat imports" not in done.stdout
     assert "| __main__: harness.cli" in done.stdout

@@ -16,6 +16,7 @@ import harness.cli
 import logprobs
 import sat
 import update
+from harness.config import Config
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.processes import OneProcess
@@ -55,7 +56,8 @@ def train_cfg(**kw):
                kl_estimator="k3_new", adv="grpo", temperature=1.0, kl_check_every=0, gradient_checkpointing=False,
                keep_optimizer_state=False, delta=1.0, quantile=0.99)
     cfg.update(kw)
-    return SimpleNamespace(**cfg)
+    sampling = SamplingConfig(temperature=cfg.pop("temperature"), token_budget=cfg.pop("token_budget"))
+    return SimpleNamespace(**cfg, sampling=sampling)  # the fields of sat_config.SatConfig that update reads
 
 
 def sixteen_steps(agent: Agent, cfg) -> dict:
@@ -208,15 +210,15 @@ def test_top_p_below_one_refused_for_training_allowed_for_evaluation(tmp_path):
     assert "\n" not in str(err.value) and "--top-p 1" in str(err.value)
     assert len(rollout(team, problems, 2, nucleus, HF, score=False)) == 4  # evaluation: fine
     with pytest.raises(ValueError, match="cannot be used for training"):
-        sat.Config(top_p=0.9, device="cpu").apply_preset().validate()
+        Config(top_p=0.9, device="cpu").apply_preset().validate()
     assert harness.cli.main(["--top-p", "0.9", "--out", str(tmp_path / "r")]) == 2
 
 
 def test_dtype_option_defaults_and_errors():
-    assert sat.Config(device="cpu").apply_preset().dtype == "float32"
+    assert Config(device="cpu").apply_preset().dtype == "float32"
     assert harness.cli.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(ValueError, match="--dtype 'float16' is not one of"):
-        sat.Config(device="cpu", dtype="float16").apply_preset().validate()
+        Config(device="cpu", dtype="float16").apply_preset().validate()
     with pytest.raises(SystemExit):
         harness.cli.parse_args(["--dtype", "float16"])
 
@@ -225,8 +227,8 @@ def test_dtype_option_defaults_and_errors():
 def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_zero(tmp_path):
     torch.manual_seed(0)
     team = Team([load_agent("tiny", dtype=torch.bfloat16, seed=k) for k in range(2)], math_team_config())
-    cfg = sat.Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
-                     token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
+    cfg = Config(agents="tiny x2", dtype="bfloat16", batch_size=48, group_size=4, epochs=1, minibatch_size=20,
+                 token_budget=256, max_new_tokens=4, device="cpu", out=str(tmp_path)).apply_preset()
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
     problems = arithmetic_problems(12, seed=1)
@@ -241,7 +243,7 @@ def test_bf16_ratio_is_one_before_any_update_and_log_rho_of_unmoved_agents_is_ze
     # a whole bf16 stage: every agent's first step (before any update, rows in shuffled
     # micro-batches of another size than the rollout's) sees max |log r| < 1e-3
     run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
-    record, _ = sat.sat_stage(run, problems, cfg, sampling)
+    record, _ = sat.sat_stage(run, problems, cfg.core(), sampling)
     for step in record.agents:
         assert step.train.step0_log_ratio_max < 1e-3
     assert all(a.dtype == torch.bfloat16 for a in team.agents)
@@ -352,5 +354,5 @@ def test_fp32_stage_has_log_ratio_exactly_zero_before_the_first_step(tmp_path, p
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               token_budget=cfg.token_budget)
     run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
-    record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg, sampling)
+    record, _ = sat.sat_stage(run, arithmetic_problems(8, seed=1), cfg.core(), sampling)
     assert [step.train.step0_log_ratio_max for step in record.agents] == [0.0, 0.0]

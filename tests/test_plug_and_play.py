@@ -9,8 +9,8 @@ import torch
 import harness.cli
 import harness.run
 import plug_and_play
-import sat
 import stage0_states
+from harness.config import Config
 from harness.loading import load_agent, load_saved_team
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
@@ -25,11 +25,11 @@ from trust_region import kl_from_logprobs, quantile
 QUIET = dict(log=lambda *_: None)
 
 
-def small_config(tmp_path, **overrides) -> sat.Config:
+def small_config(tmp_path, **overrides) -> Config:
     cfg = dict(agents="tiny x2", stages=1, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
                warmup_steps=30, eval_size=16, out=str(tmp_path / "run"), device="cpu")
     cfg.update(overrides)
-    return sat.Config(**cfg).apply_preset()
+    return Config(**cfg).apply_preset()
 
 
 @pytest.mark.slow  # over 10 s on two busy cores: Stage-0 on a tiny team's rollouts

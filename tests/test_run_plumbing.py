@@ -46,7 +46,7 @@ def test_in_loop_check_stops_at_delta_and_every_kept_step_is_inside(tmp_path, pr
     monkeypatch.setattr(sat, "rollout", lambda *a, **kw: captured.append(rollout(*a, **kw)) or captured[-1])
     torch.manual_seed(0)
     run = sat.RunState(team, trust_regions_for(cfg, 2), {}, random.Random(0), HF)
-    rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg, sampling)
+    rec, _ = sat.sat_stage(run, arithmetic_problems(8, seed=2), cfg.core(), sampling)
     assert any(a.train.early_stopped for a in rec.agents)  # the case this test is for
     for j, a in enumerate(rec.agents):
         assert a.kl_quantile <= cfg.delta

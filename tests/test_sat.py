@@ -15,6 +15,7 @@ import harness.cli
 import harness.run
 import sat
 import update
+from harness.config import Config
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint
@@ -28,12 +29,12 @@ from trust_region import TrustRegion, quantile
 TIMING_KEYS = {"seconds", "rollout_tokens_per_s", "train_tokens_per_s", "generation_seconds", "eval_seconds"}
 
 
-def small_config(tmp_path, **overrides) -> sat.Config:
+def small_config(tmp_path, **overrides) -> Config:
     """A run small enough for a test: few warm-start steps, 32 trajectories a stage."""
     cfg = dict(agents="tiny x2", stages=2, batch_size=32, group_size=4, epochs=1, minibatch_size=16,
                warmup_steps=30, eval_size=16, out=str(tmp_path / "run"), device="cpu")
     cfg.update(overrides)
-    return sat.Config(**cfg).apply_preset()
+    return Config(**cfg).apply_preset()
 
 
 def tiny_team_and_batch(protocol: str):
@@ -87,12 +88,12 @@ def run_trust_region_step(team, batch, scale, cfg, max_backtracks, rule="fixed")
     original = copy.deepcopy(agent.model)
     reference = copy.deepcopy(agent.model)
     perturb(agent.model, scale)
-    inputs = advantage.build_inputs(batch, j, [], cfg)
+    inputs = advantage.build_inputs(batch, j, [], cfg.core())
     cfg = dataclasses.replace(cfg, max_backtracks=max_backtracks)
     stats = update.TrainStats(loss=0.0, clip_fraction=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, grad_norm=0.0,
                               train_tokens_per_s=0.0, inner_steps=1, early_stopped=False, step0_log_ratio_max=0.0)
     region = TrustRegion.fresh(cfg.delta, cfg.quantile, cfg.max_backtracks, 0.0, rule, cfg.lr)
-    record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg, region, batch)
+    record, _ = sat.trust_region_step(team, j, reference, inputs, stats, cfg.core(), region, batch)
     for p, q in zip(reference.parameters(), original.parameters()):
         assert torch.equal(p, q)  # the line search reads pi_j,cur's parameters as its anchor and never writes them
     return agent, original, record
@@ -165,7 +166,7 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     t0 = batch.turns[0]
     g = torch.Generator().manual_seed(3)
     log_rho = torch.randn(t0.response_mask.shape, generator=g) * t0.response_mask  # [N, L]
-    inputs = advantage.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg)
+    inputs = advantage.build_inputs(batch, 1, [(log_rho, t0.response_mask)], cfg.core())
     for i in range(len(batch)):
         toks = log_rho[i][t0.response_mask[i].bool()]
         w = torch.prod(torch.clamp(toks.exp(), max=1.0))  # prod_t min(1, rho_t), brute force
@@ -176,7 +177,7 @@ def test_build_inputs_uses_truncated_weights_of_earlier_agents(team_and_batch, t
     for gid in batch.group_ids.unique():
         sel = batch.group_ids == gid
         assert abs(float((w[sel] * inputs.raw_adv[sel]).sum())) < 1e-5
-    first = advantage.build_inputs(batch, 0, [], cfg)
+    first = advantage.build_inputs(batch, 0, [], cfg.core())
     assert torch.equal(first.log_w, torch.zeros(len(batch)))
 
 
@@ -347,7 +348,7 @@ def test_preset_follows_the_agents_and_the_device(monkeypatch):
     assert preset_for("Qwen3-4B x3", "cuda") is PAPER_PRESET and preset_for("Qwen3-4B, tiny", "cuda:1") is PAPER_PRESET
     real_cpu = {k: v for k, v in preset_for("Qwen3-4B x3", "cpu").items() if k != "threads"}
     assert real_cpu == REAL_CPU_PRESET
-    cfg = sat.Config(agents="Qwen3-0.6B x3", device="cpu", lr=3e-6).apply_preset()
+    cfg = Config(agents="Qwen3-0.6B x3", device="cpu", lr=3e-6).apply_preset()
     assert (cfg.task, cfg.lr, cfg.gradient_checkpointing) == ("arithmetic-chat", 3e-6, False)  # an option wins
     assert cfg.max_new_tokens == REAL_CPU_PRESET["max_new_tokens"] and cfg.reuse == "regenerate"
     monkeypatch.setattr(config, "parse_agents", lambda agents: [AgentSpec(agents, "gguf", agents)])
@@ -358,8 +359,8 @@ def test_threads_every_core_for_a_real_model_on_cpu_one_for_the_tiny_team(monkey
     from harness.config import cpu_cores
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == cpu_cores() >= 1
-    assert sat.Config(agents="tiny x3", device="cpu").apply_preset().threads is None  # configure_threads: 1
-    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu", threads=1).apply_preset().threads == 1  # the option wins
+    assert Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == cpu_cores() >= 1
+    assert Config(agents="tiny x3", device="cpu").apply_preset().threads is None  # configure_threads: 1
+    assert Config(agents="Qwen3-0.6B x3", device="cpu", threads=1).apply_preset().threads == 1  # the option wins
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert sat.Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == 3  # then the environment
+    assert Config(agents="Qwen3-0.6B x3", device="cpu").apply_preset().threads == 3  # then the environment

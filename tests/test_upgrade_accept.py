@@ -19,6 +19,7 @@ import sat
 from bounds import paired_change_bound
 from harness import certified_acceptance
 from harness.certified_acceptance import AcceptanceDraws, Candidate, acceptance_splits, certified_upgrade, certify
+from harness.config import Config
 from harness.loading import load_agent, load_saved_team, warm_start
 from harness.math_grading import math_team_config
 from harness.run_folder import latest_checkpoint, read_metrics
@@ -57,7 +58,7 @@ def test_splits_are_disjoint_from_each_other_and_from_the_heldout_rows(train_ids
 
 
 def test_splits_of_a_tiny_run_avoid_its_heldout_rows():
-    cfg = sat.Config(device="cpu").apply_preset()
+    cfg = Config(device="cpu").apply_preset()
     train, heldout, _ = load_task(cfg)
     splits = acceptance_splits(train, heldout, cfg.seed, cfg.upgrade_accept_rows)
     sel, cert = texts(splits["selection"]), texts(splits["certification"])
@@ -122,11 +123,11 @@ def tiny_agents():
 
 def one_agent_upgrade(incumbent, replacement, train, rows=512, max_passes=3):
     """``certified_upgrade`` of a one-agent team's slot, on splits of ``train`` drawn with ``sat.evaluate``."""
-    cfg = sat.Config(agents="tiny", device="cpu", batch_size=32, group_size=4, upgrade_accept="certified",
-                     upgrade=["1=tiny"], stage0_max_passes=max_passes).apply_preset()
+    cfg = Config(agents="tiny", device="cpu", batch_size=32, group_size=4, upgrade_accept="certified",
+                 upgrade=["1=tiny"], stage0_max_passes=max_passes).apply_preset()
     sampling = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     heldout = arithmetic_problems(64, seed=1, split="heldout")
-    one = replace(cfg, eval_samples=1)
+    one = replace(cfg, eval_samples=1).core()
     draws = AcceptanceDraws(acceptance_splits(train, heldout, 0, rows), lambda team, r, label:
                             sat.evaluate(team, r, sampling, one, HF, label=label)["eval_rewards"])
     team = Team([incumbent], math_team_config())

@@ -43,7 +43,7 @@ def summary(run: Path) -> dict:
     return {"run": str(run), "stages": last["stage"], "start": first["eval_accuracy"], "start_se": first["eval_stderr"],
             "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
             first["eval_accuracy"], "change_se": change_se, "certified": cert["lower_bound"] if cert else None,
-            "agents_start": first["eval_agent_accuracy"], "agents_end": last["eval_agent_accuracy"],
+            "agents_start": first["eval_agent_reward"], "agents_end": last["eval_agent_reward"],
             "seconds": seconds, "rows": rows}
 
 

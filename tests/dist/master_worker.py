@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from harness.config import Config
+
 import sat
 from harness.run_folder import load_checkpoint, save_checkpoint
 from rollout import SamplingConfig, rollout
@@ -33,15 +35,16 @@ base = load_agent("tiny", seed=0, dtype=torch.bfloat16)
 batch = rollout(Team([base], math_team_config()), arithmetic_problems(8, seed=0), 4,
                 SamplingConfig(temperature=1.0, max_new_tokens=4), HF)
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
-cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
-                 keep_optimizer_state=True).apply_preset()
-inputs = build_inputs(batch, 0, [], cfg)
+cfg = Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu", lr=1e-5,
+             keep_optimizer_state=True).apply_preset()
+inputs = build_inputs(batch, 0, [], cfg.core())
 
 
 def turn(t: Team) -> None:
     torch.manual_seed(1)  # the same minibatch permutation
     ref = copy.deepcopy(t.agents[0].model)
-    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, trust_regions_for(cfg, 1), {}, {0: ref})[0])
+    regions = trust_regions_for(cfg, 1)
+    train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg.core(), regions, {}, {0: ref})[0])
 
 
 def masters(agent: Agent) -> list[torch.Tensor]:

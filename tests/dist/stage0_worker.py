@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from harness.config import Config
+
 import sat
 from plug_and_play import Stage0Fit, stage0_align
 from rollout import SamplingConfig
@@ -31,8 +33,8 @@ from team import Agent, Team
 from harness.loading import load_agent
 
 torch.set_num_threads(1)
-cfg = sat.Config(agents="tiny x2", batch_size=32, group_size=4, minibatch_size=23, device="cpu", stage0_delta=0.05,
-                 stage0_fit_tol=50.0, stage0_max_passes=30, rollout_blocks=4, shard_rollouts=True).apply_preset()
+cfg = Config(agents="tiny x2", batch_size=32, group_size=4, minibatch_size=23, device="cpu", stage0_delta=0.05,
+             stage0_fit_tol=50.0, stage0_max_passes=30, rollout_blocks=4, shard_rollouts=True).apply_preset()
 sampling = SamplingConfig(temperature=1.0, max_new_tokens=4)
 torch.manual_seed(0)
 team = Team([load_agent("tiny", seed=k) for k in range(2)], math_team_config(protocol="chain"))

@@ -9,6 +9,8 @@ import weakref
 
 import torch
 
+from harness.config import Config
+
 import sat
 from rollout import SamplingConfig, rollout
 from scale import distributed
@@ -28,15 +30,16 @@ torch.manual_seed(0)
 team = Team([load_agent("tiny", seed=0)], math_team_config())
 batch = rollout(team, arithmetic_problems(8, seed=0), 4, SamplingConfig(temperature=1.0, max_new_tokens=4), HF)
 batch.rewards = (torch.arange(len(batch)) % 3 == 0).float()  # a reward with signal in every group
-cfg = sat.Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()
-inputs = build_inputs(batch, 0, [], cfg)
+cfg = Config(agents="tiny", epochs=1, minibatch_size=len(batch), kl_check_every=0, device="cpu").apply_preset()
+inputs = build_inputs(batch, 0, [], cfg.core())
 before = [p.detach().clone() for p in team.agents[0].model.parameters()]
 
 
 def one_update(t: Team) -> TrainStats:
     torch.manual_seed(1)  # the same minibatch permutation
     ref = copy.deepcopy(t.agents[0].model)
-    return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg, trust_regions_for(cfg, 1), {}, {0: ref})[0])
+    regions = trust_regions_for(cfg, 1)
+    return train_sharded(t, 0, lambda: train_agents(t, [0], {0: inputs}, cfg.core(), regions, {}, {0: ref})[0])
 
 
 def main() -> None:
