@@ -377,7 +377,7 @@ def test_loss_gives_tokens_agent_j_did_not_write_no_gradient(game, ratio):
     trained = moved(team.agents[j], seed=9, scale=0.05)
     ended = [i for i, r in enumerate(batch.rounds) if r == 1]
     rows = torch.tensor(sorted(set(ended) | set(range(0, len(batch), 97))))  # [b] one-round and two-round episodes
-    cfg = Config(agents="tiny x2", temperature=TEMPERATURE, ratio=ratio, eps_clip=0.2, kl_estimator="k3")
+    cfg = Config(agents="tiny x2", temperature=TEMPERATURE, ratio=ratio, eps_clip=0.2, kl_estimator="k3").apply_preset()
     turn = copy.copy(batch.turns[j])  # the behaviour log-probs of the rows used: the unmoved agent's forward
     turn.behaviour_logprobs = torch.zeros(turn.response_ids.shape)  # [N, Lr]
     turn.behaviour_logprobs[rows] = turn_forward(team.agents[j].model, turn.tensors, rows, TEMPERATURE)[0]
@@ -404,7 +404,7 @@ def test_loss_gives_tokens_agent_j_did_not_write_no_gradient(game, ratio):
 
         handle = trained.model.model.norm.register_forward_hook(hook)
         try:
-            loss = _micro_batch_loss(trained, inputs, rows, cfg, 0.5, None, _Tally())
+            loss = _micro_batch_loss(trained, inputs, rows, cfg.core(), 0.5, None, _Tally())
             loss.backward()
         finally:
             handle.remove()
