@@ -18,7 +18,7 @@ import harness.cli
 import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
-from harness.config import Config, parse_agents
+from harness.config import VLLM_MAX_LORA_RANK, Config, parse_agents
 from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
 from harness.processes import ONE_PROCESS
 from harness.run_folder import latest_checkpoint
@@ -204,11 +204,18 @@ def test_bad_lora_options_are_one_line(argv, line, capsys):
     assert capsys.readouterr().err.strip() == f"sat.py: error: {line}"
 
 
-def test_lora_with_vllm_is_refused_in_one_line():
-    cfg = Config(lora=4, backend="vllm").apply_preset()
-    with pytest.raises(ValueError, match=r"^--lora with --backend vllm: the vLLM engines do not serve adapters yet; "
-                                         r"use --backend hf$"):
+def test_lora_with_vllm_is_refused_only_above_the_ranks_vllm_serves():
+    from scale.vllm_lora import VLLM_LORA_RANKS, engine_lora_rank, lora_rank_error
+
+    Config(lora=VLLM_MAX_LORA_RANK, backend="vllm").apply_preset().validate()  # served: no error
+    cfg = Config(lora=VLLM_MAX_LORA_RANK + 1, backend="vllm").apply_preset()
+    with pytest.raises(ValueError) as err:
         cfg.validate()
+    assert str(err.value) == lora_rank_error(VLLM_MAX_LORA_RANK + 1)  # the config and the engine say one thing
+    assert VLLM_LORA_RANKS[-1] == VLLM_MAX_LORA_RANK
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 16, 64, 65, 512)] == [1, 8, 8, 16, 16, 64, 128, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        engine_lora_rank(513)
 
 
 def test_lora_settings_reach_the_peft_config():
