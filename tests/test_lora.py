@@ -218,6 +218,33 @@ def test_lora_with_vllm_is_refused_only_above_the_ranks_vllm_serves():
         engine_lora_rank(513)
 
 
+def test_vllm_serves_one_engine_per_base_with_room_for_every_adapter():
+    """The LoRA engines' sizing (``scale.vllm_lora``, no vLLM needed): one engine per distinct base, room for every
+    agent's adapter; a team mixing adapters and whole models, and a stale or never-loaded adapter, get one line."""
+    from harness.loading import load_agent
+    from harness.math_grading import math_team_config
+    from scale.vllm_lora import check_adapter_in_sync, lora_bases, lora_engine_kwargs
+    from scale.vllm_weights import plain_name
+    from team import Team
+
+    def team(members):
+        return Team(members, math_team_config(protocol="chain"))
+
+    agents = tiny_adapters(3)
+    other = load_agents(parse_agents("tiny"), "cpu", torch.float32, [7], SETTINGS)  # a base of its own
+    assert lora_bases(team(agents)) == 1 and lora_bases(team(agents[:2] + other)) == 2
+    assert lora_bases(team([load_agent("tiny")])) is None  # whole models: one engine per agent
+    with pytest.raises(ValueError, match="mixes adapter agents and whole models"):
+        lora_bases(team(agents[:1] + [load_agent("tiny")]))
+    assert lora_engine_kwargs(3, 4) == dict(enable_lora=True, max_lora_rank=8, max_loras=3, max_cpu_loras=3)
+    check_adapter_in_sync(2, 2, "a")
+    for served in (None, 1):
+        with pytest.raises(RuntimeError, match="refusing to sample from a stale adapter"):
+            check_adapter_in_sync(served, 2, "a")
+    layer = "model.layers.0.self_attn.qkv_proj"
+    assert plain_name(f"{layer}.base_layer.weight") == f"{layer}.weight"  # an engine's LoRA wrapper, named as loaded
+
+
 def test_lora_settings_reach_the_peft_config():
     settings = lora.lora_settings(8, 16.0, "q_proj, v_proj")
     assert settings == LoraSettings(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
