@@ -111,9 +111,10 @@ def check_adapter_in_sync(served_version: int | None, agent_version: int, name: 
 # -- The backend: one engine per base, one adapter per agent ---------------------------------------------
 @dataclass
 class Served:
-    """The adapter an engine serves for one agent: its vLLM request, the agent's adapter version it holds, and
-    its folder."""
+    """The adapter an engine serves for one agent: the engine, its vLLM request, the agent's adapter version it
+    holds, and its folder."""
 
+    eng: Engine
     request: object  # vllm.lora.request.LoRARequest
     version: int
     path: Path
@@ -149,24 +150,35 @@ class VLLMLoraBackend(VLLMBackend):
         return self._create(base)
 
     def _close(self, key) -> None:
-        for agent_key in [k for k, s in self.served.items() if s.agent_ref() is None or
-                          id(getattr(s.agent_ref(), "base", None)) == key]:
-            self._forget(agent_key)
+        closing = self.engines[key]
+        for agent_key, served in list(self.served.items()):
+            if served.eng is closing:
+                self._forget(agent_key)  # goes with its engine
+            elif served.agent_ref() is None:
+                self._forget(agent_key, unload=True)  # a collected agent's adapter on another engine
         super()._close(key)
 
-    def _forget(self, agent_key: int) -> None:
+    def _forget(self, agent_key: int, unload: bool = False) -> None:
+        """Drop an agent's adapter entry and folder; ``unload``: remove it from its engine too (the engine stays)."""
         served = self.served.pop(agent_key)
+        if unload and served.eng.llm is not None:
+            served.eng.llm.llm_engine.remove_lora(served.request.lora_int_id)
         shutil.rmtree(served.path, ignore_errors=True)
+
+    def served_for(self, agent) -> Served | None:
+        """What the engine serves for this very agent (an entry left by a collected agent whose id was reused is
+        dropped)."""
+        served = self.served.get(id(agent))
+        if served is not None and served.agent_ref() is not agent:
+            self._forget(id(agent), unload=True)
+            return None
+        return served
 
     def release(self, agent) -> None:
         """Drop the agent's adapter from its base's engine (a plug-and-play swap replaced the agent); the engine
         stays for the base's other agents."""
-        served = self.served.get(id(agent))
-        eng = self.engines.get(id(agent.base)) if agent.base is not None else None
-        if served is not None and eng is not None:
-            eng.llm.llm_engine.remove_lora(served.request.lora_int_id)
-        if served is not None:
-            self._forget(id(agent))
+        if self.served_for(agent) is not None:
+            self._forget(id(agent), unload=True)
         self.logprobs.pop(id(agent), None)
 
     # -- versions ---------------------------------------------------------------
@@ -180,7 +192,7 @@ class VLLMLoraBackend(VLLMBackend):
     def assert_in_sync(self, agent) -> None:
         eng = self.engine(agent)
         check_in_sync(eng.version, self.base_version(agent), eng.name)
-        served = self.served.get(id(agent))
+        served = self.served_for(agent)
         check_adapter_in_sync(None if served is None else served.version, self.adapter_version(agent),
                               agent.spec.name)
 
@@ -192,10 +204,8 @@ class VLLMLoraBackend(VLLMBackend):
 
         from harness.lora import write_peft_folder
 
-        old = self.served.get(id(agent))
-        if old is not None:
-            eng.llm.llm_engine.remove_lora(old.request.lora_int_id)
-            self._forget(id(agent))
+        if self.served_for(agent) is not None:
+            self._forget(id(agent), unload=True)
         lora_id, self.next_lora_id = self.next_lora_id, self.next_lora_id + 1
         path = Path(self._tmp.name) / f"adapter_{lora_id}"
         write_peft_folder(agent, path)
@@ -203,7 +213,7 @@ class VLLMLoraBackend(VLLMBackend):
                               lora_path=str(path))
         if not eng.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"agent {agent.spec.name}: its base's vLLM engine refused its adapter ({path})")
-        self.served[id(agent)] = Served(request, version, path, weakref.ref(agent))
+        self.served[id(agent)] = Served(eng, request, version, path, weakref.ref(agent))
 
     # -- actions ----------------------------------------------------------------
     def wake_for_rollout(self, agent) -> Engine:
@@ -213,7 +223,7 @@ class VLLMLoraBackend(VLLMBackend):
         base = base_of(agent)
         load = eng.version < 0 or eng.pending
         self._run(eng, base, plan_wake(eng.awake, load), self.base_version(agent) if load else eng.version)
-        served = self.served.get(id(agent))
+        served = self.served_for(agent)
         if served is None or served.pending:
             self.load_adapter(eng, agent, self.adapter_version(agent))
         return eng
@@ -228,7 +238,7 @@ class VLLMLoraBackend(VLLMBackend):
         eng = self.engine(agent)
         version = self.base_version(agent)
         self._run(eng, base, plan_sync(eng.awake, eng.version != version), version)
-        served, adapter = self.served.get(id(agent)), self.adapter_version(agent)
+        served, adapter = self.served_for(agent), self.adapter_version(agent)
         if served is not None and served.version != adapter:
             if "weights" in eng.awake:
                 self.load_adapter(eng, agent, adapter)
