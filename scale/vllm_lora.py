@@ -76,8 +76,8 @@ def make_team_backend(name: str, team, seed: int, train_fraction: float | None =
                       health: bool = True, max_model_len: int | None = None):
     """The sampler of ``team`` (``rollout_vllm.make_backend``'s arguments): for a team of adapters on vLLM one engine
     per base (``VLLMLoraBackend``), each serving up to len(team) adapters, its memory share sized for the bases."""
-    bases = lora_bases(team)
-    if name != "vllm" or bases is None:
+    bases = lora_bases(team) if name == "vllm" else None
+    if bases is None:
         return make_backend(name, len(team), seed, train_fraction, tensor_parallel, health, max_model_len)
     if tensor_parallel > 1:
         raise ValueError("--lora with --backend vllm serves a team from one process; drop --vllm-tensor-parallel")
