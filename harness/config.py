@@ -33,6 +33,7 @@ STEP_RULES = ("fixed", "adaptive", "scaled")  # update.StepSize
 BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
+VLLM_MAX_LORA_RANK = 512  # the largest max_lora_rank a vLLM engine takes (scale.vllm_lora.VLLM_LORA_RANKS)
 ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (harness/upgrades.py)
 TOP_P_TRAINING_ERROR = ("--top-p {top_p} < 1 cannot be used for training: the sampler would draw from the nucleus "
                         "while the behaviour log-probs, ratios and KL use the full softmax (off by log Z_nucleus, "
@@ -353,7 +354,7 @@ class Config:
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
 
     def validate_lora(self) -> None:
-        """--lora and its options: a rank >= 1, a positive alpha, and the options only with --lora."""
+        """--lora and its options: a rank >= 1 (<= 512 on vLLM), a positive alpha, and the options only with --lora."""
         defaults = {f.name: f.default for f in fields(self)}
         if self.lora is None:
             for name in ("lora_alpha", "lora_targets"):
@@ -368,8 +369,9 @@ class Config:
             raise ValueError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
         if not self.lora_targets.strip(", "):
             raise ValueError("--lora-targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
-        if self.backend == "vllm":
-            raise ValueError("--lora with --backend vllm: the vLLM engines do not serve adapters yet; use --backend hf")
+        if self.backend == "vllm" and self.lora > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"--lora {self.lora} with --backend vllm: vLLM serves adapters up to rank "
+                             f"{VLLM_MAX_LORA_RANK}; use --lora {VLLM_MAX_LORA_RANK} or less, or --backend hf")
         if self.upgrade:
             raise ValueError("--upgrade with --lora: plug-and-play of an adapter team is not built yet; resume without "
                              "--upgrade, or upgrade a team trained without --lora")

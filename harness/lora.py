@@ -125,6 +125,18 @@ def save_adapter(agent: Agent, path: str | Path) -> None:
     """The agent's adapter in PEFT's layout (``peft.PeftModel.from_pretrained(base, path)`` loads it) and
     agent.json; the base is not written (its spec names it), unless the run trained it (``bases_team``: then once
     per team folder, ``base_folder_name``)."""
+    path = Path(path)
+    write_peft_folder(agent, path)
+    (path / "agent.json").write_text(json.dumps(adapter_meta(agent)))
+    base_folder = path.parent / base_folder_name(agent.adapter)
+    if agent.adapter.base_trained and not base_folder.is_dir():
+        agent.base.model.save_pretrained(base_folder)
+        agent.base.tokenizer.save_pretrained(base_folder)
+
+
+def write_peft_folder(agent: Agent, path: str | Path) -> None:
+    """The agent's adapter alone in PEFT's layout (adapter_config.json + adapter_model.safetensors, its targets
+    resolved to module names): what ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -138,11 +150,6 @@ def save_adapter(agent: Agent, path: str | Path) -> None:
     state = get_peft_model_state_dict(agent.model)  # {key without the adapter name: tensor}
     save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    (path / "agent.json").write_text(json.dumps(adapter_meta(agent)))
-    base_folder = path.parent / base_folder_name(agent.adapter)
-    if agent.adapter.base_trained and not base_folder.is_dir():
-        agent.base.model.save_pretrained(base_folder)
-        agent.base.tokenizer.save_pretrained(base_folder)
 
 
 @torch.no_grad()

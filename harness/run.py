@@ -47,8 +47,8 @@ from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_hf import HF, check_sampler
-from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
+from scale.vllm_lora import make_team_backend
 from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
 from team import Agent, Problem, Team
@@ -350,9 +350,9 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
-                               tensor_parallel=cfg.vllm_tensor_parallel,
-                               max_model_len=memory.run_max_len(cfg, len(run.team)))
+    run.backend = make_team_backend(cfg.backend, run.team, cfg.seed, train_fraction=train_fraction,
+                                    tensor_parallel=cfg.vllm_tensor_parallel,
+                                    max_model_len=memory.run_max_len(cfg, len(run.team)))
     try:
         return train_team(cfg, run, train, heldout, state, rows)
     finally:

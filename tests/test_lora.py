@@ -18,7 +18,7 @@ import harness.cli
 import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
-from harness.config import Config, parse_agents
+from harness.config import VLLM_MAX_LORA_RANK, Config, parse_agents
 from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
 from harness.processes import ONE_PROCESS
 from harness.run_folder import latest_checkpoint
@@ -204,11 +204,45 @@ def test_bad_lora_options_are_one_line(argv, line, capsys):
     assert capsys.readouterr().err.strip() == f"sat.py: error: {line}"
 
 
-def test_lora_with_vllm_is_refused_in_one_line():
-    cfg = Config(lora=4, backend="vllm").apply_preset()
-    with pytest.raises(ValueError, match=r"^--lora with --backend vllm: the vLLM engines do not serve adapters yet; "
-                                         r"use --backend hf$"):
+def test_lora_with_vllm_is_refused_only_above_the_ranks_vllm_serves():
+    from scale.vllm_lora import VLLM_LORA_RANKS, engine_lora_rank, lora_rank_error
+
+    Config(lora=VLLM_MAX_LORA_RANK, backend="vllm").apply_preset().validate()  # served: no error
+    cfg = Config(lora=VLLM_MAX_LORA_RANK + 1, backend="vllm").apply_preset()
+    with pytest.raises(ValueError) as err:
         cfg.validate()
+    assert str(err.value) == lora_rank_error(VLLM_MAX_LORA_RANK + 1)  # the config and the engine say one thing
+    assert VLLM_LORA_RANKS[-1] == VLLM_MAX_LORA_RANK
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 16, 64, 65, 512)] == [1, 8, 8, 16, 16, 64, 128, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        engine_lora_rank(513)
+
+
+def test_vllm_serves_one_engine_per_base_with_room_for_every_adapter():
+    """The LoRA engines' sizing (``scale.vllm_lora``, no vLLM needed): one engine per distinct base, room for every
+    agent's adapter; a team mixing adapters and whole models, and a stale or never-loaded adapter, get one line."""
+    from harness.loading import load_agent
+    from harness.math_grading import math_team_config
+    from scale.vllm_lora import check_adapter_in_sync, lora_bases, lora_engine_kwargs
+    from scale.vllm_weights import plain_name
+    from team import Team
+
+    def team(members):
+        return Team(members, math_team_config(protocol="chain"))
+
+    agents = tiny_adapters(3)
+    other = load_agents(parse_agents("tiny"), "cpu", torch.float32, [7], SETTINGS)  # a base of its own
+    assert lora_bases(team(agents)) == 1 and lora_bases(team(agents[:2] + other)) == 2
+    assert lora_bases(team([load_agent("tiny")])) is None  # whole models: one engine per agent
+    with pytest.raises(ValueError, match="mixes adapter agents and whole models"):
+        lora_bases(team(agents[:1] + [load_agent("tiny")]))
+    assert lora_engine_kwargs(3, 4) == dict(enable_lora=True, max_lora_rank=8, max_loras=3, max_cpu_loras=3)
+    check_adapter_in_sync(2, 2, "a")
+    for served in (None, 1):
+        with pytest.raises(RuntimeError, match="refusing to sample from a stale adapter"):
+            check_adapter_in_sync(served, 2, "a")
+    layer = "model.layers.0.self_attn.qkv_proj"
+    assert plain_name(f"{layer}.base_layer.weight") == f"{layer}.weight"  # an engine's LoRA wrapper, named as loaded
 
 
 def test_lora_settings_reach_the_peft_config():
