@@ -47,7 +47,7 @@ from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
 from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_hf import HF, check_sampler
-from scale.rollout_vllm import make_backend
+from scale.rollout_vllm import make_backend, team_engines
 from scale.torchrun import Torchrun
 from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
@@ -125,8 +125,6 @@ def validate_run_inputs(cfg: "Config") -> None:
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
     team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
-    if team_environment(cfg) is not None and cfg.backend == "vllm":
-        raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
         team_roles(cfg, len(parse_agents(cfg.agents)))
     if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):
@@ -350,7 +348,7 @@ def run_resolved(resolved: Resolved, log=None) -> list[dict]:
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    run.backend = make_backend(cfg.backend, len(run.team), cfg.seed, train_fraction=train_fraction,
+    run.backend = make_backend(cfg.backend, team_engines(run.team), cfg.seed, train_fraction=train_fraction,
                                tensor_parallel=cfg.vllm_tensor_parallel,
                                max_model_len=memory.run_max_len(cfg, len(run.team)))
     try:
