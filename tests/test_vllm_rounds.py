@@ -29,6 +29,8 @@ from team import Problem, Team  # noqa: E402
 BOUND = 1e-4  # fp32 engine vs fp32 training forward: mean |log pi_vllm - log pi_train| per sampled token
 ROWS = [Problem(f"row-{i}", "", "", None, {"seed": i}) for i in range(2)]
 SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6)
+RULES = "One question each, of six characters at most; the oracle answers every agent in turn. " * 3  # 264 chars:
+# with the tiny agents' one token a character, the opening spans two of a CPU engine's 128-token cache blocks
 
 
 class Oracle:
@@ -38,7 +40,7 @@ class Oracle:
 
     def reset(self, seed: int, **_) -> str:
         self.heard: list[str] = []
-        return f"Ask the oracle {seed}."
+        return f"Ask the oracle {seed}. " + RULES
 
     def ask(self, responses: list[str]) -> list[list[dict]]:
         return [[{"role": "user", "content": f"Q{k}: {text[:6]}"}] for k, text in enumerate(responses)]
