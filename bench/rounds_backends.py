@@ -12,6 +12,7 @@ agent's generate of each round split into the prefill (one forward over the left
 ``generate_hf`` chunks them: the first step of its ``decode``) and the rest (decoding).
 
     python bench/rounds_backends.py                       # SmolLM2-135M x3, env:guess-numbers, 8 episodes, 4 rounds
+    python bench/rounds_backends.py --agents "SmolLM2-135M x2" --kv-cache-mib 512    # a machine short of memory
     python bench/rounds_backends.py --task env:detective-cases --task-option turns=4 --max-rounds 4
     python bench/rounds_backends.py --agents "tiny x2" --prompts 2 --max-rounds 2 --max-new-tokens 4 --repeats 1 \\
         --backends hf                                     # CI
@@ -96,6 +97,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--backends", default="hf,vllm")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="each CPU engine's KV cache (default: memory.cpu_kv_cache_bytes, 16 of the longest episodes)")
     return p.parse_args(argv)
 
 
@@ -127,6 +130,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         backends[name] = make_backend(name, team_engines(team), seed=0, health=False,
                                       max_model_len=memory.run_max_len(cfg, len(team)))
+        if args.kv_cache_mib and name == "vllm":
+            backends[name].kv_cache_bytes = args.kv_cache_mib << 20
         rollout(team, problems[:1], 1, sampling, backends[name], score=False, seed=1)  # vLLM: engines start here
         started[name] = time.perf_counter() - t0
     try:
