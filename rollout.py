@@ -22,6 +22,7 @@ that to pair the held-out evaluations of consecutive stages and a step's before/
 from __future__ import annotations
 
 import hashlib
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -261,6 +262,9 @@ class Episode:
     done: bool = False
     spoken: list[list[tuple[int, bool]]] = field(default_factory=list)  # per round, per agent: (tokens, cut)
     turn_scores: list[float] = field(default_factory=list)  # per round: the environment's turn_score(), if any
+    # per agent, aligned with ids[k][prompt_len[k]:]: the engine's own log-prob of each of its sampled tokens, nan on
+    # context tokens; None once a turn came from a sampler that gives none (HF), as for the health metric
+    engine_logprobs: list[list[float] | None] = field(default_factory=list)
 
 
 def start_episode(team: Team, problem: Problem) -> Episode:
@@ -268,7 +272,7 @@ def start_episode(team: Team, problem: Problem) -> Episode:
     n = len(team)
     return Episode(problem, Problem(problem.id, opening, problem.answer, problem.system, problem.columns), state,
                    [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [(ENVIRONMENT, opening)], [1] * n,
-                   [True] * n, [False] * n)
+                   [True] * n, [False] * n, engine_logprobs=[[] for _ in range(n)])
 
 
 def episode_context(team: Team, e: Episode, k: int) -> list[int]:
@@ -290,6 +294,8 @@ def episode_context(team: Team, e: Episode, k: int) -> list[int]:
                                             team.config.enable_thinking)
     e.ids[k] += delta
     e.own[k] += [0] * len(delta)
+    if e.engine_logprobs[k] is not None:
+        e.engine_logprobs[k] += [math.nan] * len(delta)
     e.seen[k] = upto
     return e.ids[k]
 
@@ -313,8 +319,10 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             agent = team.agents[k]
             contexts = [episode_context(team, episodes[i], k) for i in live]
             seeds = response_seeds(seed, len(flat), k, r)
-            for i, response in zip(live, backend.generate(agent, contexts, sampling, [seeds[i] for i in live])):
-                speak(episodes[i], k, response, agent.tokenizer)
+            drawn = backend.generate(agent, contexts, sampling, [seeds[i] for i in live])
+            engine = backend.last_logprobs(agent) or [None] * len(live)  # [live][len] vLLM's own, for health
+            for i, response, logprobs in zip(live, drawn, engine):
+                speak(episodes[i], k, response, agent.tokenizer, logprobs)
         responses = {i: [text for _, text in episodes[i].said[-n:]] for i in live}
         replies = responder_replies(team, episodes, responses, r, sampling, backend)
         for i in live:
@@ -365,10 +373,15 @@ def responder_replies(team: Team, episodes: list[Episode], responses: dict[int, 
     return {i: [next(decoded) for _ in chats] for i, chats in asked.items()}
 
 
-def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
-    """Agent k's sampled turn: its tokens into its view (its own: mask 1), its text into the transcript."""
+def speak(e: Episode, k: int, response: list[int], tokenizer, engine_logprobs: list[float] | None = None) -> None:
+    """Agent k's sampled turn: its tokens into its view (its own: mask 1), its text into the transcript, and the
+    sampling engine's log-probabilities of them where it gave some (vLLM's, for the health metric)."""
     e.ids[k] += response
     e.own[k] += [1] * len(response)
+    if engine_logprobs is None or e.engine_logprobs[k] is None:
+        e.engine_logprobs[k] = None
+    else:
+        e.engine_logprobs[k] += list(engine_logprobs[: len(response)])
     e.ended_with_eos[k] = tokenizer.eos_token_id in response
     if k == 0:
         e.spoken.append([])
@@ -379,7 +392,8 @@ def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
 
 def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: SamplingConfig, backend, score: bool) -> Turn:
     """Agent k's tokens in every episode as one Turn: the first prompt as context, the rest of its view as the
-    response, its mask 1 on the agent's own tokens only; texts and answers from its last turn."""
+    response, its mask 1 on the agent's own tokens only; texts and answers from its last turn; the engine's own
+    log-probabilities laid over the response (nan on context) where every turn came with them."""
     agent = team.agents[k]
     pad = agent.tokenizer.pad_token_id
     ctx, cmask = left_pad([e.ids[k][: e.prompt_len[k]] for e in episodes], pad)  # [N, Lc]
@@ -389,8 +403,9 @@ def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: Sampling
     logp = behaviour_logprobs(agent, tensors, sampling) if score else torch.zeros(resp.shape)  # [N, Lr]
     agent.procs.release(agent.model)
     texts = [next(text for speaker, text in reversed(e.said) if speaker == k) for e in episodes]
+    engine = [e.engine_logprobs[k] for e in episodes]
     return Turn(k, ctx, cmask, resp, own, logp, texts, [team.extract(t) for t in texts],
-                torch.tensor([e.truncated[k] for e in episodes]), None)
+                torch.tensor([e.truncated[k] for e in episodes]), None if None in engine else engine)
 
 
 def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], transcripts: list[str]):

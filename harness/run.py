@@ -125,8 +125,6 @@ def validate_run_inputs(cfg: "Config") -> None:
     if reasoning_gym_task.task_name(cfg.task) and not cfg.data:
         reasoning_gym_task.check_installed()
     team_reward(cfg)  # a missing file or name, or wrong arguments: refused in seconds, before any model is loaded
-    if team_environment(cfg) is not None and cfg.backend == "vllm":
-        raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if not cfg.resume:  # a resumed team keeps the roles in its checkpoint
         team_roles(cfg, len(parse_agents(cfg.agents)))
     if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):

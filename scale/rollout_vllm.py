@@ -294,6 +294,7 @@ class VLLMBackend:
         self.engines: dict[int, Engine] = {}
         self.book = VersionBook()
         self.logprobs: dict[int, list[list[float]]] = {}  # the last generate call's, per agent
+        self.prompt_reads: dict[int, tuple[int, int]] = {}  # per agent: (prompt tokens, of them from the prefix cache)
         self.device: str | None = None
         self.sleep_mode = True
         self._tmp = tempfile.TemporaryDirectory(prefix="sat_vllm_")
@@ -425,6 +426,9 @@ class VLLMBackend:
         params = [SamplingParams(**sampling_kwargs(sampling, s, tok.eos_token_id, self.health_logprobs))
                   for s in request_seeds(seeds)]
         outputs = eng.llm.generate(build_requests(contexts), params, use_tqdm=False, **self.request_kwargs(agent))
+        read, cached = self.prompt_reads.get(id(agent), (0, 0))
+        self.prompt_reads[id(agent)] = (read + sum(map(len, contexts)),
+                                        cached + sum(o.num_cached_tokens or 0 for o in outputs))
         responses = outputs_to_responses(outputs, tok.eos_token_id)
         if self.health_logprobs:
             self.logprobs[id(agent)] = outputs_to_logprobs(outputs, responses)
@@ -433,6 +437,12 @@ class VLLMBackend:
     def request_kwargs(self, agent) -> dict:
         """Extra arguments of every ``LLM.generate`` call for the agent (none: the engine is the agent's own)."""
         return {}
+
+    def prefix_cache_share(self, agent) -> float:
+        """The share of the prompt tokens of the agent's generate calls so far that its engine read from its prefix
+        cache (vLLM's ``num_cached_tokens``): an episode's later rounds re-read the earlier ones from there."""
+        read, cached = self.prompt_reads.get(id(agent), (0, 0))
+        return cached / read if read else 0.0
 
     def last_logprobs(self, agent) -> list[list[float]] | None:
         """The engine's log-probabilities of the agent's last generate call (``health_logprobs``)."""
@@ -458,6 +468,12 @@ class VLLMBackend:
         outputs = eng.llm.generate(prompts, params, use_tqdm=False, **self.request_kwargs(agent))
         return [scored_logprobs(o.prompt_logprobs, p["prompt_token_ids"], len(c))
                 for o, p, c in zip(outputs, prompts, contexts)]
+
+
+def team_engines(team) -> int:
+    """The engines a team's rollouts need: one per agent, and one for the environment's frozen responder model
+    (``TeamConfig.responder``), which answers every question of a round in one generate on its own engine."""
+    return len(team) + (team.config.responder is not None)
 
 
 def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from adapter import own_parameters
 from scale import distributed
-from scale.rollout_vllm import Engine, VLLMBackend, make_backend, plan_sync, plan_wake
+from scale.rollout_vllm import Engine, VLLMBackend, make_backend, plan_sync, plan_wake, team_engines
 from scale.vllm_weights import check_in_sync, weights_fingerprint
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
@@ -78,7 +78,10 @@ def make_team_backend(name: str, team, seed: int, train_fraction: float | None =
     per base (``VLLMLoraBackend``), each serving up to len(team) adapters, its memory share sized for the bases."""
     bases = lora_bases(team) if name == "vllm" else None
     if bases is None:
-        return make_backend(name, len(team), seed, train_fraction, tensor_parallel, health, max_model_len)
+        return make_backend(name, team_engines(team), seed, train_fraction, tensor_parallel, health, max_model_len)
+    if team.config.responder is not None:
+        raise ValueError("an --env-model responder with --lora --backend vllm: the adapter engines do not serve "
+                         "it yet; use --backend hf (or drop --lora)")
     if tensor_parallel > 1:
         raise ValueError("--lora with --backend vllm serves a team from one process; drop --vllm-tensor-parallel")
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
