@@ -4,12 +4,15 @@ they were; with --lora it is the agents' base for the whole run; either way its 
 counts its weights once (none while it is a shared base) and its generate's KV cache."""
 import pytest
 import torch
+from test_responder import ORACLE, ROWS, oracle_team
+from test_responder import SAMPLING as ORACLE_SAMPLING
 
 import harness.cli
+import rollout as rollout_module
 from harness.loading import load_agent, save_agent
 from harness.responder import shared_responder, shares_weights
 from harness.run import build_team
-from rollout import SamplingConfig
+from rollout import SamplingConfig, rollout
 from scale import memory
 from scale.rollout_hf import HF
 
@@ -127,3 +130,40 @@ def test_the_plan_of_a_loaded_responder_is_its_weights_and_its_kv(folder):
     assert weights == memory.count_parameters(config) * 4  # float32 on CPU, counted although shared at the start
     tokens = max(cfg.token_budget, memory.responder_max_len(cfg, 2))
     assert kv == tokens * memory.kv_bytes_per_token(config, 4)
+
+
+class Clock:
+    """A clock that moves only when a backend says it spent time: the rounds' split is then exact."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class SlowBackend:
+    """The HF backend; each generate of the model ``slow`` advances ``clock`` by ``pause`` seconds."""
+
+    def __init__(self, slow, pause: float, clock: Clock):
+        self.slow, self.pause, self.clock = slow, pause, clock
+
+    def generate(self, agent, contexts, sampling, seeds):
+        if agent is self.slow:
+            self.clock.now += self.pause
+        return HF.generate(agent, contexts, sampling, seeds)
+
+    def __getattr__(self, name):
+        return getattr(HF, name)
+
+
+def test_each_rounds_wall_time_is_split_between_the_agents_the_responder_and_the_steps(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(rollout_module, "time", clock)
+    responder = load_agent("tiny", seed=7)
+    team = oracle_team(responder)
+    batch = rollout(team, ROWS, 1, ORACLE_SAMPLING, SlowBackend(responder, 3.0, clock), score=False, seed=3)
+    assert [(r["agents_seconds"], r["responder_seconds"], r["step_seconds"]) for r in batch.per_round] == \
+        [(0.0, 3.0, 0.0)] * ORACLE.max_rounds  # one responder generate a round
+    batch = rollout(team, ROWS, 1, ORACLE_SAMPLING, SlowBackend(team.agents[1], 2.0, clock), score=False, seed=3)
+    assert [(r["agents_seconds"], r["responder_seconds"]) for r in batch.per_round] == [(2.0, 0.0)] * ORACLE.max_rounds
