@@ -149,7 +149,9 @@ def validate_run_inputs(cfg: "Config") -> None:
                 raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
             check_hub_available(resolve_agent_spec(model))
     if not cfg.resume:
-        memory.check_team_ram(cfg, parse_agents(cfg.agents))  # CPU: a team too large for the RAM, before the hub
+        responder = team_responder_spec(cfg, team_environment(cfg))
+        memory.check_team_ram(cfg, parse_agents(cfg.agents),  # CPU: a team too large for the RAM, before the hub
+                              parse_agents(responder)[0] if responder else None)
         for spec in parse_agents(cfg.agents):
             check_hub_available(spec)
 

@@ -636,18 +636,36 @@ def spec_model_config(spec):
     return config
 
 
-def check_team_ram(cfg, specs) -> None:
+def spec_responder_bytes(cfg, spec, team_specs) -> tuple[int, int]:
+    """``responder_plan`` before any weights load, from the responder's spec (``spec_model_config``): (0, 0) without
+    one or where its config cannot be read (the check after loading covers it); no weights where --lora makes it
+    the base of an agent (``harness.responder``)."""
+    config = spec_model_config(spec) if spec is not None else None
+    if config is None:
+        return 0, 0
+    from harness.lora import base_key
+
+    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    shared = cfg.lora is not None and any(base_key(s) == base_key(spec) for s in team_specs)
+    tokens = max(cfg.token_budget, responder_max_len(cfg, len(team_specs)))
+    return (0 if shared else count_parameters(config) * dtype_bytes,
+            tokens * kv_bytes_per_token(config, dtype_bytes))
+
+
+def check_team_ram(cfg, specs, responder=None) -> None:
     """Before any weights are loaded (``harness.run.validate_run_inputs``), on CPU: refuse in one line a team
     (``harness.config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
     loading it could exhaust the RAM. The team is estimated as ``check_run`` estimates it after loading, every
     slot as large as the agent with the most parameters, taken among the agents whose config
-    ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading). Nothing is checked off
-    CPU, or where the RAM cannot be read."""
+    ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading), with the environment's
+    ``responder`` spec, if any (``spec_responder_bytes``). Nothing is checked off CPU, or where the RAM cannot be
+    read."""
     if not on_cpu(cfg.device) or ram_bytes() is None:
         return
     configs = [c for c in map(spec_model_config, dict.fromkeys(specs)) if c is not None]
     if configs:
-        check_ram(cfg, max(configs, key=count_parameters), len(specs))
+        check_ram(cfg, max(configs, key=count_parameters), len(specs),
+                  responder=spec_responder_bytes(cfg, responder, specs))
 
 
 def main(argv=None) -> None:

@@ -9,6 +9,7 @@ from test_responder import SAMPLING as ORACLE_SAMPLING
 
 import harness.cli
 import rollout as rollout_module
+from harness.config import parse_agents
 from harness.loading import load_agent, save_agent
 from harness.responder import shared_responder, shares_weights
 from harness.run import build_team
@@ -167,3 +168,18 @@ def test_each_rounds_wall_time_is_split_between_the_agents_the_responder_and_the
         [(0.0, 3.0, 0.0)] * ORACLE.max_rounds  # one responder generate a round
     batch = rollout(team, ROWS, 1, ORACLE_SAMPLING, SlowBackend(team.agents[1], 2.0, clock), score=False, seed=3)
     assert [(r["agents_seconds"], r["responder_seconds"]) for r in batch.per_round] == [(2.0, 0.0)] * ORACLE.max_rounds
+
+
+def test_before_loading_a_responder_of_the_agents_base_under_lora_costs_no_weights():
+    def plan(*extra):
+        cfg = harness.cli.parse_args(["--agents", "Qwen3-4B x3", "--task", "env:detective-cases", "--device", "cpu",
+                                      *extra]).apply_preset()
+        specs = parse_agents(cfg.agents)
+        return memory.spec_responder_bytes(cfg, parse_agents("Qwen3-4B")[0], specs), cfg
+
+    (weights, kv), cfg = plan()
+    dims = memory.QWEN3_DIMS["qwen3-4b"]
+    assert weights == memory.count_parameters(dims) * 4 and kv > 0  # float32 on CPU
+    (weights, kv_lora), _ = plan("--lora", "8")
+    assert weights == 0 and kv_lora == kv
+    assert memory.spec_responder_bytes(cfg, parse_agents("tiny")[0], parse_agents(cfg.agents)) == (0, 0)
