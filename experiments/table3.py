@@ -72,8 +72,8 @@ def evaluate_teams(args, seeds: list[int], branches: dict[str, dict[int, list[di
 
 def header(names: list[str]) -> list[str]:
     """Table 3's columns: the composite before and after, the gain, each benchmark's change, Viol.%."""
-    return (["branch", "seeds", "Before %", "After %", "Gain (pp, 95% CI)"] + [f"d{n} (pp)" for n in names]
-            + ["Viol.% (stages)"])
+    deltas = [f"d{n.removeprefix('env:')} (pp)" for n in names]
+    return ["branch", "seeds", "Before %", "After %", "Gain (pp, 95% CI)"] + deltas + ["Viol.% (stages)"]
 
 
 def row(branch: str, before: dict[int, dict], after: dict[int, dict], runs: dict[int, list[dict]],

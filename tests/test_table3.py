@@ -32,8 +32,9 @@ def test_a_row_is_the_composites_their_paired_gain_and_the_share_of_violating_st
     stage = 2  # stages 0..2 are the base's; 3 and 4 follow the swap
     runs = {s: [{"stage": t, "violation": t == 4 and s == 1 or t == 1} for t in range(5)] for s in (0, 1)}
     row = table3.row("strong", before, after, runs, stage)
-    assert table3.header(["aime24", "aime25", "dc"]) == ["branch", "seeds", "Before %", "After %", "Gain (pp, 95% CI)",
-                                                       "daime24 (pp)", "daime25 (pp)", "ddc (pp)", "Viol.% (stages)"]
+    assert table3.header(["aime24", "aime25", "env:dc"]) == [
+        "branch", "seeds", "Before %", "After %", "Gain (pp, 95% CI)", "daime24 (pp)", "daime25 (pp)", "ddc (pp)",
+        "Viol.% (stages)"]
     # Before 20 and 20 %, After 30 and 30 %: mean 20.0 ± 0 and 30.0 ± 0; gain +10 in both seeds
     assert row[:4] == ["strong", "2", "20.0 ± 0.0", "30.0 ± 0.0"] and row[4] == "+10.0 ± 0.0"
     assert row[5:8] == ["+15.0", "+15.0", "+0.0"]  # aime24 +30 and 0, aime25 0 and +30, dc unchanged
