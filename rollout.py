@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -311,10 +312,12 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
     is 1 on the agent's own tokens only)."""
     env, n = team.config.environment, len(team)
     episodes = [start_episode(team, p) for p in flat]
+    seconds = []  # per round: (the agents' generates, the responder's generate, the environment's steps)
     for r in range(env.max_rounds):
         live = [i for i, e in enumerate(episodes) if not e.done]
         if not live:
             break
+        start = time.perf_counter()
         for k in range(n):
             agent = team.agents[k]
             contexts = [episode_context(team, episodes[i], k) for i in live]
@@ -324,7 +327,9 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
             for i, response, logprobs in zip(live, drawn, engine):
                 speak(episodes[i], k, response, agent.tokenizer, logprobs)
         responses = {i: [text for _, text in episodes[i].said[-n:]] for i in live}
+        spoken = time.perf_counter()
         replies = responder_replies(team, episodes, responses, r, sampling, backend)
+        replied = time.perf_counter()
         for i in live:
             e = episodes[i]
             observation, done = env.step(e.state, e.problem, responses[i], replies.get(i))
@@ -333,12 +338,13 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
                 e.turn_scores.append(score_of)
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
+        seconds.append((spoken - start, replied - spoken, time.perf_counter() - replied))
     turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
     transcripts = [transcript(e) for e in episodes]
     answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, transcripts)
     return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
                      transcripts=transcripts, rounds=[e.rounds for e in episodes],
-                     solved=[float(r) >= env.range[1] for r in rewards], per_round=round_stats(episodes, n))
+                     solved=[float(r) >= env.range[1] for r in rewards], per_round=round_stats(episodes, n, seconds))
 
 
 RESPONDER_TEMPERATURE = 0.7  # the responder's sampling temperature (AR-Bench's response model samples at 0.7)
@@ -421,9 +427,15 @@ def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], trans
     return [team.team_answer(a) for a in answers], rewards, rewards.expand(len(turns), -1).clone(), None
 
 
-def round_stats(episodes: list[Episode], n: int) -> list[dict]:
+ROUND_SECONDS = ("agents_seconds", "responder_seconds", "step_seconds")  # wall time, in round_stats
+
+
+def round_stats(episodes: list[Episode], n: int, seconds: list[tuple[float, float, float]] | None = None
+                ) -> list[dict]:
     """Per round: the episodes still going, and per agent its mean response tokens and the share cut at
-    --max-new-tokens; with an environment's ``turn_score``, its mean that round (logged, never trained on)."""
+    --max-new-tokens; with an environment's ``turn_score``, its mean that round (logged, never trained on);
+    with ``seconds`` (per round: the agents' generates, the responder model's, the environment's steps, where a
+    rules responder answers), its wall time split so."""
     out = []
     for r in range(max(e.rounds for e in episodes)):
         live = [e for e in episodes if e.rounds > r]
@@ -433,6 +445,8 @@ def round_stats(episodes: list[Episode], n: int) -> list[dict]:
         scores = [e.turn_scores[r] for e in live if len(e.turn_scores) > r]
         if scores:
             row["turn_score"] = sum(scores) / len(scores)
+        if seconds is not None:
+            row.update(zip(ROUND_SECONDS, seconds[r]))
         out.append(row)
     return out
 

@@ -33,10 +33,11 @@ from harness.environments import (
     probe_environment,
     responder_spec,
 )
-from harness.loading import check_hub_available, load_agent, load_agents, warm_start
+from harness.loading import check_hub_available, folder_spec, load_agent, load_agents, warm_start
 from harness.lora import bases_team, check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
+from harness.responder import shared_responder
 from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import env_game, load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
@@ -45,7 +46,7 @@ from harness.user_reward import check_reward, load_reward
 from reward import Reward
 from rollout import SamplingConfig
 from sat import RunState, evaluate, run_stages
-from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale import distributed, memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_hf import HF, check_sampler
 from scale.torchrun import Torchrun
 from scale.vllm_lora import make_team_backend
@@ -146,7 +147,9 @@ def validate_run_inputs(cfg: "Config") -> None:
                 raise ValueError(f"--upgrade slot {int(slot)} is out of range: the team has agents 1..{n_agents}")
             check_hub_available(resolve_agent_spec(model))
     if not cfg.resume:
-        memory.check_team_ram(cfg, parse_agents(cfg.agents))  # CPU: a team too large for the RAM, before the hub
+        responder = team_responder_spec(cfg, team_environment(cfg))
+        memory.check_team_ram(cfg, parse_agents(cfg.agents),  # CPU: a team too large for the RAM, before the hub
+                              parse_agents(responder)[0] if responder else None)
         for spec in parse_agents(cfg.agents):
             check_hub_available(spec)
 
@@ -217,15 +220,18 @@ def team_responder_spec(cfg: Config, env: Environment | None) -> str | None:
     return responder_spec(env, game_options(game, cfg.task_option, cfg.env_model) if game else {}, cfg.env_model)
 
 
-def attach_responder(cfg: Config, team: Team) -> None:
-    """The responder model the team's environment asks (``responder_spec``), loaded once on the run's device and
-    held frozen in the team's config (never trained, never checkpointed: its spec is in the run's config); tiny
-    weights are those of the slot after the team's last."""
+def attach_responder(cfg: Config, team: Team, at_start: bool = True) -> None:
+    """The responder model the team's environment asks (``responder_spec``), held frozen in the team's config
+    (never trained, never checkpointed: its spec is in the run's config): on the team's own weights where it can
+    (``harness.responder``: a --lora base for the whole run; an agent of the same model, ``at_start``, until that
+    agent first trains), else loaded once on the run's device (tiny weights: those of the slot after the team's
+    last)."""
     spec = team_responder_spec(cfg, team.config.environment)
     team.config.responder_max_tokens = cfg.env_model_max_tokens
     if spec:
-        responder = load_agent(parse_agents(spec)[0], cfg.device, getattr(torch, cfg.dtype),
-                               seed=cfg.seed * 100 + len(team))
+        parsed = folder_spec(parse_agents(spec)[0])
+        responder = (shared_responder(team, parsed, at_start, not distributed.active())
+                     or load_agent(parsed, cfg.device, getattr(torch, cfg.dtype), seed=cfg.seed * 100 + len(team)))
         responder.model.requires_grad_(False)
         team.config.responder = responder
 
@@ -239,7 +245,7 @@ def start_team(cfg: Config, train: list[Problem], instruction: str, resume_from:
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
         team.config.reward, team.config.environment = reward, team_environment(cfg)
-        attach_responder(cfg, team)
+        attach_responder(cfg, team, at_start=False)  # its agents have moved: only a --lora base is shared
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
