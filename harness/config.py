@@ -370,9 +370,6 @@ class Config:
             raise ValueError("--lora-targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
         if self.backend == "vllm":
             raise ValueError("--lora with --backend vllm: the vLLM engines do not serve adapters yet; use --backend hf")
-        if self.upgrade:
-            raise ValueError("--upgrade with --lora: plug-and-play of an adapter team is not built yet; resume without "
-                             "--upgrade, or upgrade a team trained without --lora")
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no

@@ -102,6 +102,38 @@ def base_key(spec: AgentSpec) -> tuple:
     return spec.kind, spec.source, spec.tiny_layers
 
 
+def saved_base_key(spec: AgentSpec, adapter: Adapter) -> tuple:
+    """Agents of a checkpoint share one base when their keys match: ``base_key``, and for a base the run trained
+    (``Adapter.base_trained``) its seed too, since two trained tiny bases of one shape are different weights (the
+    team's warm-started base and an upgraded slot's own, ``replacement_agent``)."""
+    return base_key(spec) + ((adapter.base_seed,) if adapter.base_trained else ())
+
+
+def team_base(team: Team, spec: AgentSpec) -> Agent | None:
+    """The base that a team's adapter agent of the same base as ``spec`` holds (``base_key``), if one does and the run
+    did not train it; None otherwise (a trained base is that run's own weights, not the model ``spec`` names)."""
+    for agent in team.agents:
+        if agent.adapter is not None and not agent.adapter.base_trained and base_key(agent.spec) == base_key(spec):
+            return agent.base
+    return None
+
+
+def replacement_agent(team: Team, spec: AgentSpec, settings: LoraSettings, seed: int, load_base, warm_base=None
+                      ) -> Agent:
+    """--upgrade SLOT=MODEL with --lora: MODEL's base with a fresh adapter (B = 0, so it starts as the base itself,
+    the pi_pre of Stage-0). The base is the team's copy where an agent already holds the same one (``team_base``),
+    else ``load_base(spec, seed)``; ``warm_base(base)``, if given (a tiny replacement's warm start, standing in for a
+    stronger pretrained model), trains a base of its own first, which checkpoints then carry (``base_trained``)."""
+    shared = None if warm_base is not None else team_base(team, spec)
+    if shared is not None:
+        owner = next(a for a in team.agents if a.base is shared)
+        return with_adapter(shared, Adapter(settings, owner.adapter.base_seed), seed, spec)
+    base = load_base(spec, seed)
+    if warm_base is not None:
+        warm_base(base)
+    return with_adapter(base, Adapter(settings, seed, base_trained=warm_base is not None), seed)
+
+
 def adapter_meta(agent: Agent) -> dict:
     """agent.json of an adapter agent: its base's spec and seed and the adapter's settings."""
     s = agent.adapter.settings

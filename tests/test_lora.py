@@ -20,6 +20,7 @@ from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
 from harness.config import Config, parse_agents
 from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
+from harness.math_grading import math_team_config
 from harness.processes import ONE_PROCESS
 from harness.run_folder import latest_checkpoint
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
@@ -196,8 +197,6 @@ def test_targets_the_model_lacks_are_one_line():
     (["--lora", "4", "--shard-rollouts"], "--lora runs on one process: launch with python, not torchrun, and drop "
                                           "--shard-rollouts (one GPU holds a team of adapters on a shared base: "
                                           "python -m scale.memory ... --lora R)"),
-    (["--lora", "4", "--upgrade", "2=tiny"], "--upgrade with --lora: plug-and-play of an adapter team is not built "
-                                             "yet; resume without --upgrade, or upgrade a team trained without --lora"),
 ])
 def test_bad_lora_options_are_one_line(argv, line, capsys):
     assert harness.cli.main(argv) == 2
@@ -292,3 +291,78 @@ def check_exported_adapter(run, out):
     team = load_saved_team(latest_checkpoint(run) / "team")
     assert torch.allclose(logits(exported, inputs(4)), logits(team.agents[1].model, inputs(4)), atol=1e-6)
     assert main([str(run), "--agent", "3", "--out", str(out)]) == 2  # a two-agent team
+
+
+def random_states(rows: int, seed: int):
+    """Stage-0 states of random token rows (4 context, 6 response tokens) over the tiny vocabulary's letters."""
+    import stage0_states
+
+    g = torch.Generator().manual_seed(seed)
+    ctx, resp = torch.randint(5, 90, (rows, 4), generator=g), torch.randint(5, 90, (rows, 6), generator=g)
+    return stage0_states.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
+
+
+def test_stage0_fits_the_fresh_adapter_alone_and_leaves_the_shared_base_and_other_agents_bit_exact():
+    import plug_and_play
+
+    incumbent, new, other = tiny_adapters(3)
+    perturb(incumbent.model, 0.05, seed=1)  # a trained incumbent, away from the base
+    perturb(other.model, 0.05, seed=2)
+    ids = inputs(5)
+    base_before = {n: t.clone() for n, t in new.model.state_dict().items() if ".lora_" not in n}
+    kept = [logits(m, ids) for m in (incumbent.model, other.model)]
+    # delta_0 beyond reach in 5 passes: Stage-0 pulls the adapter toward pi_cur all the way (t(s) -> 0), then says so
+    settings = plug_and_play.Stage0Settings(1e-3, 0.99, 3e-3, 5, 0.5, temperature=1.0, rows_per_step=8,
+                                            token_budget=4096)
+    with pytest.raises(plug_and_play.Stage0Unreachable) as err:
+        plug_and_play.fit_stage0(new.model, incumbent.model, random_states(4, 3), random_states(2, 4), settings)
+    record = err.value.fit.record
+    assert record["kl_quantile"] < 0.6 * record["kl_quantile_before"]  # the adapter did the work (0.062 -> ~0.02)
+    after = new.model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in base_before.items())  # the base, bit for bit
+    assert any(p.abs().sum() > 0 for n, p in new.model.named_parameters() if "lora_B" in n)  # B left 0
+    assert all(torch.equal(logits(m, ids), k) for m, k in zip((incumbent.model, other.model), kept))
+    assert not any(p.requires_grad for p in new.model.parameters())
+
+
+def test_an_upgrade_with_lora_shares_a_base_the_team_holds_and_loads_its_own_otherwise():
+    team_agents = tiny_adapters(3)
+    team = harness.run.Team(team_agents, math_team_config())
+    loaded = []
+
+    def load_base(spec, seed):
+        loaded.append(spec.name)
+        return load_agents([spec], "cpu", torch.float32, [seed])[0]
+
+    same = lora.replacement_agent(team, parse_agents("tiny-2L")[0], SETTINGS, 51, load_base)
+    assert loaded == [] and base_tensors(same.model) == base_tensors(team_agents[0].model)
+    assert all(torch.equal(a, b) for a, b in zip(logits(same.model, inputs(6)), logits(team_agents[0].model, inputs(6))))
+    warmed = []
+    own = lora.replacement_agent(team, parse_agents("tiny-2L")[0], SETTINGS, 51, load_base, warm_base=warmed.append)
+    assert loaded == ["tiny-2L"] and warmed == [own.base] and own.adapter.base_trained
+    assert set(base_tensors(own.model).values()).isdisjoint(base_tensors(team_agents[0].model).values())
+    other = lora.replacement_agent(team, parse_agents("tiny-3L")[0], SETTINGS, 52, load_base)
+    assert loaded == ["tiny-2L", "tiny-3L"] and other.model.config.num_hidden_layers == 3
+
+
+@pytest.mark.slow  # a run, an upgrade with Stage-0 and a resumed stage: about a minute on two busy cores
+def test_an_upgrade_of_an_adapter_team_leaves_the_others_bit_exact_and_resumes(tmp_path):
+    harness.run.run(small_config(tmp_path, stages=1, lora=4, warmup_steps=20), log=lambda *_: None)
+    run_dir = tmp_path / "run"
+    before = load_saved_team(latest_checkpoint(run_dir) / "team")
+    harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
+                                            "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"]),
+                    log=lambda *_: None)
+    team_dir = latest_checkpoint(run_dir) / "team"
+    assert latest_checkpoint(run_dir).name == "stage_0001_upgraded"
+    assert sorted(p.name for p in team_dir.iterdir()) == ["agent_0", "agent_1", "base_0", "base_51", "team.json"]
+    upgraded = load_saved_team(team_dir)
+    ids = inputs(7)
+    assert torch.equal(logits(upgraded.agents[0].model, ids), logits(before.agents[0].model, ids))
+    saved = upgraded.agents[0].model.state_dict()
+    assert all(torch.equal(saved[n], t) for n, t in before.agents[0].model.state_dict().items())
+    assert upgraded.agents[1].model.config.num_hidden_layers == 3 and upgraded.agents[1].adapter.base_trained
+    event = json.loads((run_dir / "upgrades.json").read_text())[0]
+    assert event["to"] == "tiny-3L" and event["stage0"]["kl_quantile"] <= 0.05
+    more = harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--stages", "2"]), log=lambda *_: None)
+    assert [r["stage"] for r in more] == [0, 1, 2] and more[-1]["upgrades"][0]["to"] == "tiny-3L"
