@@ -271,9 +271,13 @@ def test_the_planner_prints_the_lora_table_and_refuses_what_lora_cannot_run(caps
     memory.main(["--model", "qwen3-4b", "--rows", "2", "--max-seq-len", "33792", "--lora", "64"])
     out = capsys.readouterr().out
     assert "--lora 64: one base shared by the 3 agents, each a LoRA adapter of 132.1 M parameters" in out
+    memory.main(["--model", "qwen3-4b", "--rows", "2", "--max-seq-len", "33792", "--lora", "64", "--gpus", "1,2,8"])
+    rows = capsys.readouterr().out.splitlines()  # one process a run: every row is the one-GPU plan
+    assert "sat.py refuses torchrun with --lora" in rows[0] and len(rows) == 5
+    assert [r.split()[:5] for r in rows[2:]] == [[n, "41.0", "34.5", "1.5", n] for n in ("1", "2", "8")]
     with pytest.raises(SystemExit):
-        memory.main(["--lora", "64", "--gpus", "1,2"])
-    assert "--lora plans one process on one GPU" in capsys.readouterr().err
+        memory.main(["--lora", "64", "--stage0", "qwen3-8b"])
+    assert "--lora with --stage0: the planner has no Stage-0 plan of adapters" in capsys.readouterr().err
 
 
 def check_exported_adapter(run, out):
