@@ -109,25 +109,22 @@ def saved_base_key(spec: AgentSpec, adapter: Adapter) -> tuple:
     return base_key(spec) + ((adapter.base_seed,) if adapter.base_trained else ())
 
 
-def team_base(team: Team, spec: AgentSpec) -> Agent | None:
-    """The base that a team's adapter agent of the same base as ``spec`` holds (``base_key``), if one does and the run
-    did not train it; None otherwise (a trained base is that run's own weights, not the model ``spec`` names)."""
-    for agent in team.agents:
-        if agent.adapter is not None and not agent.adapter.base_trained and base_key(agent.spec) == base_key(spec):
-            return agent.base
-    return None
+def team_agent_of_base(team: Team, spec: AgentSpec) -> Agent | None:
+    """A team agent whose adapter sits on the base ``spec`` names (``base_key``), if one does. A base the run trained
+    (the tiny warm start, ``bases_team``) counts: in that run it is what the spec's model is."""
+    return next((a for a in team.agents if a.adapter is not None and base_key(a.spec) == base_key(spec)), None)
 
 
 def replacement_agent(team: Team, spec: AgentSpec, settings: LoraSettings, seed: int, load_base, warm_base=None
                       ) -> Agent:
     """--upgrade SLOT=MODEL with --lora: MODEL's base with a fresh adapter (B = 0, so it starts as the base itself,
-    the pi_pre of Stage-0). The base is the team's copy where an agent already holds the same one (``team_base``),
-    else ``load_base(spec, seed)``; ``warm_base(base)``, if given (a tiny replacement's warm start, standing in for a
-    stronger pretrained model), trains a base of its own first, which checkpoints then carry (``base_trained``)."""
-    shared = None if warm_base is not None else team_base(team, spec)
-    if shared is not None:
-        owner = next(a for a in team.agents if a.base is shared)
-        return with_adapter(shared, Adapter(settings, owner.adapter.base_seed), seed, spec)
+    the pi_pre of Stage-0). The base is the team's copy where an agent already sits on the same one
+    (``team_agent_of_base``), else ``load_base(spec, seed)``; ``warm_base(base)``, if given (a tiny replacement's warm
+    start, standing in for a stronger pretrained model), trains a base of its own first, which checkpoints then carry
+    (``base_trained``)."""
+    owner = None if warm_base is not None else team_agent_of_base(team, spec)
+    if owner is not None:
+        return with_adapter(owner.base, replace(owner.adapter, settings=settings), seed, spec)
     base = load_base(spec, seed)
     if warm_base is not None:
         warm_base(base)

@@ -349,24 +349,26 @@ def test_an_upgrade_with_lora_shares_a_base_the_team_holds_and_loads_its_own_oth
     assert loaded == ["tiny-2L", "tiny-3L"] and other.model.config.num_hidden_layers == 3
 
 
-@pytest.mark.slow  # a run, an upgrade with Stage-0 and a resumed stage: about a minute on two busy cores
+@pytest.mark.slow  # a run, an upgrade with Stage-0 and a resumed stage: minutes on two busy cores
 def test_an_upgrade_of_an_adapter_team_leaves_the_others_bit_exact_and_resumes(tmp_path):
+    """Slot 2 gets a fresh adapter on the team's own (warm-started) base: Stage-0 trains that adapter while agent 1,
+    which sits on the same base tensors, stays bit for bit what it was."""
     harness.run.run(small_config(tmp_path, stages=1, lora=4, warmup_steps=20), log=lambda *_: None)
     run_dir = tmp_path / "run"
     before = load_saved_team(latest_checkpoint(run_dir) / "team")
-    harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny-3L", "--stages", "1",
-                                            "--stage0-delta", "0.05", "--upgrade-warmup-steps", "20"]),
+    harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny", "--stages", "1",
+                                            "--stage0-delta", "0.05", "--upgrade-warmup-steps", "0"]),
                     log=lambda *_: None)
     team_dir = latest_checkpoint(run_dir) / "team"
     assert latest_checkpoint(run_dir).name == "stage_0001_upgraded"
-    assert sorted(p.name for p in team_dir.iterdir()) == ["agent_0", "agent_1", "base_0", "base_51", "team.json"]
+    assert sorted(p.name for p in team_dir.iterdir()) == ["agent_0", "agent_1", "base_0", "team.json"]
     upgraded = load_saved_team(team_dir)
+    assert base_tensors(upgraded.agents[0].model) == base_tensors(upgraded.agents[1].model)  # one base still
     ids = inputs(7)
     assert torch.equal(logits(upgraded.agents[0].model, ids), logits(before.agents[0].model, ids))
     saved = upgraded.agents[0].model.state_dict()
     assert all(torch.equal(saved[n], t) for n, t in before.agents[0].model.state_dict().items())
-    assert upgraded.agents[1].model.config.num_hidden_layers == 3 and upgraded.agents[1].adapter.base_trained
     event = json.loads((run_dir / "upgrades.json").read_text())[0]
-    assert event["to"] == "tiny-3L" and event["stage0"]["kl_quantile"] <= 0.05
+    assert event["to"] == "tiny" and event["stage0"]["kl_quantile"] <= 0.05
     more = harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--stages", "2"]), log=lambda *_: None)
-    assert [r["stage"] for r in more] == [0, 1, 2] and more[-1]["upgrades"][0]["to"] == "tiny-3L"
+    assert [r["stage"] for r in more] == [0, 1, 2] and more[-1]["upgrades"][0]["to"] == "tiny"
