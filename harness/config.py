@@ -372,9 +372,9 @@ class Config:
         if self.backend == "vllm" and self.lora > VLLM_MAX_LORA_RANK:
             raise ValueError(f"--lora {self.lora} with --backend vllm: vLLM serves adapters up to rank "
                              f"{VLLM_MAX_LORA_RANK}; use --lora {VLLM_MAX_LORA_RANK} or less, or --backend hf")
-        if self.upgrade:
-            raise ValueError("--upgrade with --lora: plug-and-play of an adapter team is not built yet; resume without "
-                             "--upgrade, or upgrade a team trained without --lora")
+        if self.upgrade and self.backend == "vllm":  # the adapter engines are sized for the bases at the start
+            raise ValueError("--upgrade with --lora --backend vllm: the adapter engines serve the bases the team "
+                             "started with; run the upgrade with --backend hf")
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no

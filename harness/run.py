@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from advantage import make_value_head
-from harness import reasoning_gym_task, records, run_folder
+from harness import lora, reasoning_gym_task, records, run_folder
 from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness.config import Config, check_episode_options, parse_agents, resolve_agent_spec, threads_from_env
 from harness.environments import (
@@ -508,11 +508,23 @@ def acceptance_draws(cfg: Config, train: list[Problem], heldout: list[Problem], 
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
     """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
-    own (longer) warm start, standing in for a stronger pretrained model."""
+    own (longer) warm start, standing in for a stronger pretrained model. With --lora: its base with a fresh
+    adapter, the base shared with the team where an agent holds it (``lora.replacement_agent``)."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=cfg.seed * 100 + 50 + slot)
-    if agent.spec.kind == "tiny":
-        steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+    seed = cfg.seed * 100 + 50 + slot
+    steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+
+    def warm(agent: Agent) -> None:
         holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
         warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + 7, slots=[slot])
+
+    settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets)
+    if settings is not None:
+        parsed = folder_spec(resolve_agent_spec(spec))
+        return lora.replacement_agent(team, parsed, settings, seed,
+                                      lambda s, sd: team.procs.load_agent(load_agent, s, cfg.device, dtype, seed=sd),
+                                      warm if parsed.kind == "tiny" and steps > 0 else None)
+    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=seed)
+    if agent.spec.kind == "tiny":
+        warm(agent)
     return agent

@@ -35,6 +35,7 @@ the training peak too (CPU_VLLM_PEAKS).
     python -m scale.memory --model qwen3-4b --n-agents 3                 # one GPU: the table per component
     python -m scale.memory --model qwen3-8b --rows 2 --gpus 1,2,4,8      # per-rank plan under torchrun
     python -m scale.memory --model qwen3-4b --stage0 qwen3-8b --gpus 1,2,4,8   # Stage-0 of --upgrade, per rank
+    python -m scale.memory --model qwen3-4b --rows 2 --lora 64 --gpus 1,2,4,8   # adapters: one GPU a run
 """
 from __future__ import annotations
 
@@ -391,6 +392,21 @@ def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[f
     return "\n".join(rows)
 
 
+def lora_plan_table(model: str, n_agents: int, rank: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
+    """--lora on a node of N GPUs: sat.py runs a team of adapters as one process on one GPU (it refuses torchrun
+    with --lora: the agents' shared base would have to be one set of FSDP2 shards for all of them), so whatever N is,
+    a run's peaks are the one-GPU plan, and N GPUs hold N such runs (seeds) side by side, not one run faster."""
+    est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=1, lora_rank=rank, **kw)
+    fits = _fit_columns(max(est[p] for p in PEAKS), gib_list)
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents} --lora {rank}, one process on one GPU at any --gpus "
+            "(sat.py refuses torchrun with --lora): N GPUs run N such runs side by side",
+            f"{'gpus':>4} {'train/GPU GiB':>15} {'rollout/GPU GiB':>17} {'grads+AdamW/GPU':>17} {'runs':>5}  "
+            + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
+    rows += [f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
+             f"{est['grads_optimizer'] / GiB:>17.1f} {n:>5}  {fits}" for n in gpus_list]
+    return "\n".join(rows)
+
+
 def stage0_plan_table(model: str, replacement: str, n_agents: int, gpus_list: list[int], gib_list: list[float],
                       **kw) -> str:
     """Per-rank Stage-0 peaks (estimates) of ``--upgrade SLOT=replacement`` in a team of ``n_agents`` x ``model``
@@ -696,13 +712,13 @@ def main(argv=None) -> None:
                         "FSDP2 shards, as a torchrun run on CUDA holds them (--no-shard-frozen: whole on every rank)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK",
                    help="agents as LoRA adapters of this rank (all linear layers) on one shared base, as sat.py --lora "
-                        "RANK holds them (one process only)")
+                        "RANK holds them (one process on one GPU: with --gpus N, N such runs side by side)")
     args = p.parse_args(argv)
     if args.lora is not None and args.lora < 1:
         p.exit(2, f"{p.prog}: error: --lora must be >= 1 (got {args.lora})\n")
-    if args.lora is not None and (args.stage0 or str(args.gpus) != "1"):
-        p.exit(2, f"{p.prog}: error: --lora plans one process on one GPU (sat.py --lora refuses torchrun and "
-                  "--upgrade): use --gpus 1 and no --stage0\n")
+    if args.lora is not None and args.stage0:
+        p.exit(2, f"{p.prog}: error: --lora with --stage0: the planner has no Stage-0 plan of adapters (sat.py checks "
+                  "an upgrade's Stage-0 as whole weights, an upper bound); drop one of them\n")
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
             p.exit(2, f"{p.prog}: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
@@ -718,8 +734,11 @@ def main(argv=None) -> None:
     kw = dict(update=args.update, micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
               gradient_checkpointing=checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
               logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
-              engine_tensor_parallel=args.vllm_tensor_parallel,
-              **({"lora_rank": args.lora} if args.lora is not None else {}))
+              engine_tensor_parallel=args.vllm_tensor_parallel)
+    if args.lora is not None and (len(gpus) > 1 or gpus[0] > 1):
+        print(lora_plan_table(args.model, args.n_agents, args.lora, gpus, gib, **kw))
+        return
+    kw.update({"lora_rank": args.lora} if args.lora is not None else {})
     if len(gpus) > 1 or gpus[0] > 1:
         print(plan_table(args.model, args.n_agents, gpus, gib, shard_frozen=args.shard_frozen, **kw))
         return
