@@ -65,7 +65,7 @@ from harness.eval_setting import (
 from harness.math_grading import DEFAULT_REWARD, answers_match, majority_vote, normalize_answer
 from reward import Reward
 from rollout import SamplingConfig, TeamBatch, rollout
-from scale.rollout_vllm import make_backend  # the entry point picks the backend
+from scale.vllm_lora import make_team_backend  # the entry point picks the backend
 from team import Problem, Team
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -292,7 +292,7 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
         log(f"team: {', '.join(identity['agents'])} | protocol {identity['protocol']} | thinking "
             f"{'on' if identity['enable_thinking'] else 'off'} | {device}/{backend} | "
             f"{sum(t[-1] for t in todo)} of {total} samples to generate")
-        sampler = make_backend(backend, len(team), cfg.seed, health=False)  # vLLM: one engine per agent
+        sampler = make_team_backend(backend, team, cfg.seed, health=False)  # vLLM: an engine per agent, or per base
         try:
             generate(team, sampler, sampling, benches, todo, cfg.seed, pred_path, written, total)
         finally:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adapter import own_parameters
 from harness.processes import ONE_PROCESS, OneProcess
 from kl_projection import geometric_mixture_at, geometric_mixture_projection
 from rollout import SamplingConfig, rollout
@@ -204,12 +205,19 @@ def fit_pass(new_model, pre_model, cur_model, states: Stage0States, t: torch.Ten
 
 def _trainable(new_model, lr: float, procs: OneProcess):
     """(the copy Stage-0 trains, its optimizer): ``new_model`` itself (bf16: on fp32 master weights), or the
-    processes' fp32 training copy whose parts are the masters (``procs.trainable``)."""
+    processes' fp32 training copy whose parts are the masters (``procs.trainable``). What it fits is the model's
+    own parameters (``adapter.own_parameters``): the whole model, or with --lora its fresh adapter alone. An
+    adapter agent's base is frozen and may be shared with the team's other agents (``lora.replacement_agent``), so
+    fitting it would move them; and after Stage-0 the agent trains, checkpoints and is served as base + adapter, so
+    Eq. (7)'s target is fitted in that family (the fit tolerance reports how close a rank-r adapter gets)."""
     trained = procs.trainable(new_model)
-    trained.requires_grad_(True).train()
+    own = own_parameters(trained)
+    for p in own:
+        p.requires_grad_(True)
+    trained.train()
     if next(new_model.parameters()).dtype != torch.float32 and trained is new_model:
-        return trained, MasterWeightAdamW(list(trained.parameters()), None, [], lr=lr)
-    return trained, torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0, betas=ADAMW_BETAS)
+        return trained, MasterWeightAdamW(own, None, [], lr=lr)
+    return trained, torch.optim.AdamW(own, lr=lr, weight_decay=0.0, betas=ADAMW_BETAS)
 
 
 def fit_stage0(new_model, cur_model, fit: Stage0States, held: Stage0States, settings: Stage0Settings, log=None,

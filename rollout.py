@@ -22,6 +22,8 @@ that to pair the held-out evaluations of consecutive stages and a step's before/
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -264,6 +266,9 @@ class Episode:
     done: bool = False
     spoken: list[list[tuple[int, bool]]] = field(default_factory=list)  # per round, per agent: (tokens, cut)
     turn_scores: list[float] = field(default_factory=list)  # per round: the environment's turn_score(), if any
+    # per agent, aligned with ids[k][prompt_len[k]:]: the engine's own log-prob of each of its sampled tokens, nan on
+    # context tokens; None once a turn came from a sampler that gives none (HF), as for the health metric
+    engine_logprobs: list[list[float] | None] = field(default_factory=list)
 
 
 def start_episode(team: Team, problem: Problem) -> Episode:
@@ -271,7 +276,7 @@ def start_episode(team: Team, problem: Problem) -> Episode:
     n = len(team)
     return Episode(problem, Problem(problem.id, opening, problem.answer, problem.system, problem.columns), state,
                    [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [(ENVIRONMENT, opening)], [1] * n,
-                   [True] * n, [False] * n)
+                   [True] * n, [False] * n, engine_logprobs=[[] for _ in range(n)])
 
 
 def episode_context(team: Team, e: Episode, k: int) -> list[int]:
@@ -293,6 +298,8 @@ def episode_context(team: Team, e: Episode, k: int) -> list[int]:
                                             team.config.enable_thinking)
     e.ids[k] += delta
     e.own[k] += [0] * len(delta)
+    if e.engine_logprobs[k] is not None:
+        e.engine_logprobs[k] += [math.nan] * len(delta)
     e.seen[k] = upto
     return e.ids[k]
 
@@ -308,18 +315,24 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
     is 1 on the agent's own tokens only)."""
     env, n = team.config.environment, len(team)
     episodes = [start_episode(team, p) for p in flat]
+    seconds = []  # per round: (the agents' generates, the responder's generate, the environment's steps)
     for r in range(env.max_rounds):
         live = [i for i, e in enumerate(episodes) if not e.done]
         if not live:
             break
+        start = time.perf_counter()
         for k in range(n):
             agent = team.agents[k]
             contexts = [episode_context(team, episodes[i], k) for i in live]
             seeds = response_seeds(seed, len(flat), k, r)
-            for i, response in zip(live, backend.generate(agent, contexts, sampling, [seeds[i] for i in live])):
-                speak(episodes[i], k, response, agent.tokenizer)
+            drawn = backend.generate(agent, contexts, sampling, [seeds[i] for i in live])
+            engine = backend.last_logprobs(agent) or [None] * len(live)  # [live][len] vLLM's own, for health
+            for i, response, logprobs in zip(live, drawn, engine):
+                speak(episodes[i], k, response, agent.tokenizer, logprobs)
         responses = {i: [text for _, text in episodes[i].said[-n:]] for i in live}
+        spoken = time.perf_counter()
         replies = responder_replies(team, episodes, responses, r, sampling, backend)
+        replied = time.perf_counter()
         for i in live:
             e = episodes[i]
             observation, done = env.step(e.state, e.problem, responses[i], replies.get(i))
@@ -328,12 +341,13 @@ def episode_rollout(team: Team, flat: list[Problem], group_ids: torch.Tensor, sa
                 e.turn_scores.append(score_of)
             e.rounds += 1
             e.done = done or e.rounds == env.max_rounds
+        seconds.append((spoken - start, replied - spoken, time.perf_counter() - replied))
     turns = [episode_turn(team, k, episodes, sampling, backend, score) for k in range(n)]
     transcripts = [transcript(e) for e in episodes]
     answers, rewards, own, counterfactual = score_episodes(team, episodes, turns, transcripts)
     return TeamBatch([e.problem for e in episodes], group_ids, turns, answers, rewards, own, counterfactual,
                      transcripts=transcripts, rounds=[e.rounds for e in episodes],
-                     solved=[float(r) >= env.range[1] for r in rewards], per_round=round_stats(episodes, n))
+                     solved=[float(r) >= env.range[1] for r in rewards], per_round=round_stats(episodes, n, seconds))
 
 
 RESPONDER_TEMPERATURE = 0.7  # the responder's sampling temperature (AR-Bench's response model samples at 0.7)
@@ -368,10 +382,15 @@ def responder_replies(team: Team, episodes: list[Episode], responses: dict[int, 
     return {i: [next(decoded) for _ in chats] for i, chats in asked.items()}
 
 
-def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
-    """Agent k's sampled turn: its tokens into its view (its own: mask 1), its text into the transcript."""
+def speak(e: Episode, k: int, response: list[int], tokenizer, engine_logprobs: list[float] | None = None) -> None:
+    """Agent k's sampled turn: its tokens into its view (its own: mask 1), its text into the transcript, and the
+    sampling engine's log-probabilities of them where it gave some (vLLM's, for the health metric)."""
     e.ids[k] += response
     e.own[k] += [1] * len(response)
+    if engine_logprobs is None or e.engine_logprobs[k] is None:
+        e.engine_logprobs[k] = None
+    else:
+        e.engine_logprobs[k] += list(engine_logprobs[: len(response)])
     e.ended_with_eos[k] = tokenizer.eos_token_id in response
     if k == 0:
         e.spoken.append([])
@@ -382,7 +401,8 @@ def speak(e: Episode, k: int, response: list[int], tokenizer) -> None:
 
 def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: SamplingConfig, backend, score: bool) -> Turn:
     """Agent k's tokens in every episode as one Turn: the first prompt as context, the rest of its view as the
-    response, its mask 1 on the agent's own tokens only; texts and answers from its last turn."""
+    response, its mask 1 on the agent's own tokens only; texts and answers from its last turn; the engine's own
+    log-probabilities laid over the response (nan on context) where every turn came with them."""
     agent = team.agents[k]
     pad = agent.tokenizer.pad_token_id
     ctx, cmask = left_pad([e.ids[k][: e.prompt_len[k]] for e in episodes], pad)  # [N, Lc]
@@ -392,8 +412,9 @@ def episode_turn(team: Team, k: int, episodes: list[Episode], sampling: Sampling
     logp = behaviour_logprobs(agent, tensors, sampling) if score else torch.zeros(resp.shape)  # [N, Lr]
     agent.procs.release(agent.model)
     texts = [next(text for speaker, text in reversed(e.said) if speaker == k) for e in episodes]
+    engine = [e.engine_logprobs[k] for e in episodes]
     return Turn(k, ctx, cmask, resp, own, logp, texts, [team.extract(t) for t in texts],
-                torch.tensor([e.truncated[k] for e in episodes]), None)
+                torch.tensor([e.truncated[k] for e in episodes]), None if None in engine else engine)
 
 
 def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], transcripts: list[str]):
@@ -409,9 +430,15 @@ def score_episodes(team: Team, episodes: list[Episode], turns: list[Turn], trans
     return [team.team_answer(a) for a in answers], rewards, rewards.expand(len(turns), -1).clone(), None
 
 
-def round_stats(episodes: list[Episode], n: int) -> list[dict]:
+ROUND_SECONDS = ("agents_seconds", "responder_seconds", "step_seconds")  # wall time, in round_stats
+
+
+def round_stats(episodes: list[Episode], n: int, seconds: list[tuple[float, float, float]] | None = None
+                ) -> list[dict]:
     """Per round: the episodes still going, and per agent its mean response tokens and the share cut at
-    --max-new-tokens; with an environment's ``turn_score``, its mean that round (logged, never trained on)."""
+    --max-new-tokens; with an environment's ``turn_score``, its mean that round (logged, never trained on);
+    with ``seconds`` (per round: the agents' generates, the responder model's, the environment's steps, where a
+    rules responder answers), its wall time split so."""
     out = []
     for r in range(max(e.rounds for e in episodes)):
         live = [e for e in episodes if e.rounds > r]
@@ -421,6 +448,8 @@ def round_stats(episodes: list[Episode], n: int) -> list[dict]:
         scores = [e.turn_scores[r] for e in live if len(e.turn_scores) > r]
         if scores:
             row["turn_score"] = sum(scores) / len(scores)
+        if seconds is not None:
+            row.update(zip(ROUND_SECONDS, seconds[r]))
         out.append(row)
     return out
 

@@ -77,6 +77,7 @@ class Agent:
         self.master_shards: list[torch.Tensor] | None = None  # under torchrun: this rank's shards of it
         self._prompt_cache: dict = {}  # (messages, thinking) -> prompt ids; the tokenizer never changes
         self._text_cache: dict = {}  # text -> ids
+        self.before_training: list = []  # callables run once, before this agent first gets an optimizer
         self.freeze()
 
     @property
@@ -106,7 +107,11 @@ class Agent:
 
     def start_training(self, lr: float, weight_decay: float = 0.0, extra_params=None) -> torch.optim.Optimizer:
         """Give this agent gradients and an AdamW (its offloaded moments if it has them); the others
-        stay frozen. ``extra_params`` (e.g. a value head) form a second group (``param_groups``)."""
+        stay frozen. ``extra_params`` (e.g. a value head) form a second group (``param_groups``). First runs and
+        drops the ``before_training`` callables (a responder sharing these weights takes its own copy)."""
+        hooks, self.before_training = self.before_training, []
+        for hook in hooks:
+            hook()
         params = own_parameters(self.model)  # the whole model, or its adapter (a shared base stays frozen)
         for p in params:
             p.requires_grad_(True)

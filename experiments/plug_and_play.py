@@ -27,6 +27,14 @@ accuracy after Stage-0), and the cost (Stage-0's seconds plus the k stages').
     python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp \
         --branches continue,strong,strong-raw,strong-certified,weak-certified
 
+With --table3 BENCH, a third table (table3.md) holds the paper's own columns: the composite of the eval_aime.py
+benchmarks BENCH before the swap and after the k stages, the gain, each benchmark's change and Viol.% (the share
+of the stages after the swap flagged as violations); experiments/table3.py. The paper's Table 3 on a GPU node:
+
+    python experiments/plug_and_play.py --agents "Qwen3-4B x3" --strong Qwen3-8B --weak Qwen3-1.7B --seeds 0,1,2 \
+        --stages 10 --more-stages 3 --table3 aime24,aime25,env:detective-cases \
+        --table3-options "--k 64 --env-model Qwen2.5-32B-Instruct" --out runs/table3
+
 A second table (acceptance.md) holds what the certified branches chose: the share of seeds swapped, the candidates
 picked, the certification bound, the held-out change the swap made (paired with the base's last evaluation) and
 how often a swap fell on the held-out rows, and the share of the raw swap's change each rule kept.
@@ -46,6 +54,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parent))  # common.py; the core modules come first
 
 import common  # noqa: E402
+import table3  # noqa: E402
 
 BRANCHES = ("strong", "weak", "continue", "strong-raw")  # the default set
 ACCEPT_BRANCHES = ("strong-certified", "weak-certified", "strong-raw-accept", "weak-raw")  # on request
@@ -62,7 +71,18 @@ def parse_args(argv=None):
                    help="warm start of a tiny weak replacement (default 0: untrained)")
     p.add_argument("--branches", default=",".join(BRANCHES),
                    help=f"any of {', '.join(BRANCHES + ACCEPT_BRANCHES)} (default: the first four)")
+    p.add_argument("--table3", default=None, metavar="BENCH",
+                   help="also report the paper's Table 3 columns (experiments/table3.py): the composite of these "
+                        "eval_aime.py --bench names before the swap and after the k stages, e.g. "
+                        "aime24,aime25,env:detective-cases (default: none)")
+    p.add_argument("--table3-options", default="", metavar="OPTIONS",
+                   help="eval_aime.py options of every Table 3 evaluation, one quoted string, e.g. "
+                        "'--k 64 --env-model Qwen2.5-32B-Instruct'")
     args, rest = common.parse(p, argv)
+    if args.table3:
+        table3.check_options(args.table3, args.table3_options)
+    elif args.table3_options:
+        p.error("--table3-options needs --table3 BENCH")
     args.branches = common.parse_list(args.branches, BRANCHES + ACCEPT_BRANCHES, "--branches")
     n = len(common.parse_agents(args.agents))
     if args.slot > n:
@@ -258,6 +278,9 @@ def main(argv=None) -> int:
             table += f"\n\nEvery candidate of {branch}:\n\n" + common.markdown_table(header, cand)
         common.write_table(args.out, "Plug-and-play: how the replacement entered (--upgrade-accept)", table,
                            [ACCEPT_NOTES, CANDIDATE_NOTES], name="acceptance.md")
+    if args.table3:
+        before, after = table3.evaluate_teams(args, args.seeds, {b: r for b, r in branches.items() if r})
+        table3.write(args, before, after, branches)
     curves = {"base": bases, **{b: list(r.values()) for b, r in branches.items() if r}}
     common.plot_curves(Path(args.out) / "plot.png", {f"slot {args.slot} swapped after stage {args.stages}": curves})
     print(f"plot: {Path(args.out) / 'plot.png'}")

@@ -35,6 +35,7 @@ REUSES = ("weights", "regenerate")
 BASELINES = ("counterfactual", "group")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_new")
 BACKENDS = ("hf", "vllm")
+VLLM_MAX_LORA_RANK = 512  # the largest max_lora_rank a vLLM engine takes (scale.vllm_lora.VLLM_LORA_RANKS)
 ACCEPT_RULES = ("stage0", "raw", "certified")  # how an --upgrade replacement enters the team (harness/upgrades.py)
 
 
@@ -360,7 +361,7 @@ class Config:
             raise ValueError(f"--device {self.device} but CUDA is not available here: use --device cpu")
 
     def validate_lora(self) -> None:
-        """--lora and its options: a rank >= 1, a positive alpha, and the options only with --lora."""
+        """--lora and its options: a rank >= 1 (<= 512 on vLLM), a positive alpha, and the options only with --lora."""
         defaults = {f.name: f.default for f in fields(self)}
         if self.lora is None:
             for name in ("lora_alpha", "lora_targets"):
@@ -375,11 +376,12 @@ class Config:
             raise ValueError(f"--lora-alpha must be > 0 (got {self.lora_alpha})")
         if not self.lora_targets.strip(", "):
             raise ValueError("--lora-targets is empty: name modules (e.g. q_proj,v_proj) or use all-linear")
-        if self.backend == "vllm":
-            raise ValueError("--lora with --backend vllm: the vLLM engines do not serve adapters yet; use --backend hf")
-        if self.upgrade:
-            raise ValueError("--upgrade with --lora: plug-and-play of an adapter team is not built yet; resume without "
-                             "--upgrade, or upgrade a team trained without --lora")
+        if self.backend == "vllm" and self.lora > VLLM_MAX_LORA_RANK:
+            raise ValueError(f"--lora {self.lora} with --backend vllm: vLLM serves adapters up to rank "
+                             f"{VLLM_MAX_LORA_RANK}; use --lora {VLLM_MAX_LORA_RANK} or less, or --backend hf")
+        if self.upgrade and self.backend == "vllm":  # the adapter engines are sized for the bases at the start
+            raise ValueError("--upgrade with --lora --backend vllm: the adapter engines serve the bases the team "
+                             "started with; run the upgrade with --backend hf")
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no

@@ -336,11 +336,12 @@ def load_saved_agents(folders: list[Path], device: str, dtype: torch.dtype, load
             agents.append(load(folder, device, dtype))
             continue
         spec, adapter = saved
-        if lora.base_key(spec) not in bases:  # a base the run trained: from the team folder, else from its spec
+        key = lora.saved_base_key(spec, adapter)
+        if key not in bases:  # a base the run trained: from the team folder, else from its spec
             trained = Path(folder).parent / lora.base_folder_name(adapter)
-            bases[lora.base_key(spec)] = load_agent(AgentSpec(spec.name, "local", str(trained)) if adapter.base_trained
-                                                    else spec, device, dtype, seed=adapter.base_seed)
-        agent = lora.with_adapter(bases[lora.base_key(spec)], adapter, adapter.base_seed, spec)
+            bases[key] = load_agent(AgentSpec(spec.name, "local", str(trained)) if adapter.base_trained else spec,
+                                    device, dtype, seed=adapter.base_seed)
+        agent = lora.with_adapter(bases[key], adapter, adapter.base_seed, spec)
         lora.load_adapter_weights(agent, folder)
         agents.append(agent)
     return agents

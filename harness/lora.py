@@ -102,6 +102,35 @@ def base_key(spec: AgentSpec) -> tuple:
     return spec.kind, spec.source, spec.tiny_layers
 
 
+def saved_base_key(spec: AgentSpec, adapter: Adapter) -> tuple:
+    """Agents of a checkpoint share one base when their keys match: ``base_key``, and for a base the run trained
+    (``Adapter.base_trained``) its seed too, since two trained tiny bases of one shape are different weights (the
+    team's warm-started base and an upgraded slot's own, ``replacement_agent``)."""
+    return base_key(spec) + ((adapter.base_seed,) if adapter.base_trained else ())
+
+
+def team_agent_of_base(team: Team, spec: AgentSpec) -> Agent | None:
+    """A team agent whose adapter sits on the base ``spec`` names (``base_key``), if one does. A base the run trained
+    (the tiny warm start, ``bases_team``) counts: in that run it is what the spec's model is."""
+    return next((a for a in team.agents if a.adapter is not None and base_key(a.spec) == base_key(spec)), None)
+
+
+def replacement_agent(team: Team, spec: AgentSpec, settings: LoraSettings, seed: int, load_base, warm_base=None
+                      ) -> Agent:
+    """--upgrade SLOT=MODEL with --lora: MODEL's base with a fresh adapter (B = 0, so it starts as the base itself,
+    the pi_pre of Stage-0). The base is the team's copy where an agent already sits on the same one
+    (``team_agent_of_base``), else ``load_base(spec, seed)``; ``warm_base(base)``, if given (a tiny replacement's warm
+    start, standing in for a stronger pretrained model), trains a base of its own first, which checkpoints then carry
+    (``base_trained``)."""
+    owner = None if warm_base is not None else team_agent_of_base(team, spec)
+    if owner is not None:
+        return with_adapter(owner.base, replace(owner.adapter, settings=settings), seed, spec)
+    base = load_base(spec, seed)
+    if warm_base is not None:
+        warm_base(base)
+    return with_adapter(base, Adapter(settings, seed, base_trained=warm_base is not None), seed)
+
+
 def adapter_meta(agent: Agent) -> dict:
     """agent.json of an adapter agent: its base's spec and seed and the adapter's settings."""
     s = agent.adapter.settings
@@ -125,6 +154,18 @@ def save_adapter(agent: Agent, path: str | Path) -> None:
     """The agent's adapter in PEFT's layout (``peft.PeftModel.from_pretrained(base, path)`` loads it) and
     agent.json; the base is not written (its spec names it), unless the run trained it (``bases_team``: then once
     per team folder, ``base_folder_name``)."""
+    path = Path(path)
+    write_peft_folder(agent, path)
+    (path / "agent.json").write_text(json.dumps(adapter_meta(agent)))
+    base_folder = path.parent / base_folder_name(agent.adapter)
+    if agent.adapter.base_trained and not base_folder.is_dir():
+        agent.base.model.save_pretrained(base_folder)
+        agent.base.tokenizer.save_pretrained(base_folder)
+
+
+def write_peft_folder(agent: Agent, path: str | Path) -> None:
+    """The agent's adapter alone in PEFT's layout (adapter_config.json + adapter_model.safetensors, its targets
+    resolved to module names): what ``peft.PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -138,11 +179,6 @@ def save_adapter(agent: Agent, path: str | Path) -> None:
     state = get_peft_model_state_dict(agent.model)  # {key without the adapter name: tensor}
     save_file({PEFT_PREFIX + k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    (path / "agent.json").write_text(json.dumps(adapter_meta(agent)))
-    base_folder = path.parent / base_folder_name(agent.adapter)
-    if agent.adapter.base_trained and not base_folder.is_dir():
-        agent.base.model.save_pretrained(base_folder)
-        agent.base.tokenizer.save_pretrained(base_folder)
 
 
 @torch.no_grad()

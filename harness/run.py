@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from advantage import make_value_head
-from harness import reasoning_gym_task, records, run_folder
+from harness import lora, reasoning_gym_task, records, run_folder
 from harness.certified_acceptance import AcceptanceDraws, acceptance_splits
 from harness.config import Config, check_episode_options, parse_agents, resolve_agent_spec, threads_from_env
 from harness.environments import (
@@ -37,6 +37,7 @@ from harness.loading import (
     UPGRADE_WARM_START_OFFSET,
     agent_seed,
     check_hub_available,
+    folder_spec,
     load_agent,
     load_agents,
     replacement_seed,
@@ -45,6 +46,7 @@ from harness.loading import (
 from harness.lora import bases_team, check_resume_lora, lora_settings
 from harness.math_grading import DEFAULT_REWARD, math_team_config
 from harness.processes import ONE_PROCESS, OneProcess
+from harness.responder import shared_responder
 from harness.roles import Roles, load_roles, save_roles
 from harness.tasks import env_game, load_task
 from harness.trackers import Trackers, check_report_to, parse_report_to
@@ -53,10 +55,10 @@ from harness.user_reward import check_reward, load_reward
 from reward import Reward
 from sat import RunState, evaluate, run_stages
 from sat_config import SatConfig
-from scale import memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale import distributed, memory  # the entry point picks the processes (scale.torchrun) and the backend
 from scale.rollout_hf import check_sampler
-from scale.rollout_vllm import make_backend
 from scale.torchrun import Torchrun
+from scale.vllm_lora import make_team_backend
 from scale.vllm_ranks import check_tensor_parallel
 from stage_record import StageRecord
 from step_rules import StepSize
@@ -160,8 +162,6 @@ def check_options(cfg: Config) -> None:
 def validate_run_inputs(inputs: Resolved) -> None:
     """Checks of the run's inputs, on disk and network, before any model is built (docs/errors.md)."""
     cfg = inputs.cfg
-    if inputs.environment is not None and cfg.backend == "vllm":
-        raise ValueError("--backend vllm does not serve an environment's multi-round episodes yet: use --backend hf")
     if cfg.lora is not None and (cfg.shard_rollouts or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise ValueError("--lora runs on one process: launch with python, not torchrun, and drop --shard-rollouts "
                          "(one GPU holds a team of adapters on a shared base: python -m scale.memory ... --lora R)")
@@ -172,7 +172,8 @@ def validate_run_inputs(inputs: Resolved) -> None:
     for item in cfg.upgrade:
         check_hub_available(resolve_agent_spec(parse_upgrade(item, inputs.n_agents)[1]))
     if not cfg.resume:
-        memory.check_team_ram(cfg, inputs.specs)  # CPU: a team too large for the RAM, before the hub
+        memory.check_team_ram(cfg, inputs.specs,  # CPU: a team too large for the RAM, before the hub
+                              parse_agents(inputs.responder)[0] if inputs.responder else None)
         for spec in inputs.specs:
             check_hub_available(spec)
 
@@ -243,15 +244,18 @@ def team_responder_spec(cfg: Config, env: Environment | None) -> str | None:
     return responder_spec(env, game_options(game, cfg.task_option, cfg.env_model) if game else {}, cfg.env_model)
 
 
-def attach_responder(inputs: Resolved, team: Team) -> None:
-    """The responder model the team's environment asks (``inputs.responder``), loaded once on the run's device and
-    held frozen in the team's config (never trained, never checkpointed: its spec is in the run's config); tiny
-    weights are those of the slot after the team's last."""
+def attach_responder(inputs: Resolved, team: Team, at_start: bool = True) -> None:
+    """The responder model the team's environment asks (``inputs.responder``), held frozen in the team's config
+    (never trained, never checkpointed: its spec is in the run's config): on the team's own weights where it can
+    (``harness.responder``: a --lora base for the whole run; an agent of the same model, ``at_start``, until that
+    agent first trains), else loaded once on the run's device (tiny weights: those of the slot after the team's
+    last)."""
     cfg = inputs.cfg
     team.config.responder_max_tokens = cfg.env_model_max_tokens
     if inputs.responder:
-        responder = load_agent(parse_agents(inputs.responder)[0], cfg.device, getattr(torch, cfg.dtype),
-                               seed=agent_seed(cfg.seed, len(team)))
+        parsed = folder_spec(parse_agents(inputs.responder)[0])
+        responder = (shared_responder(team, parsed, at_start, not distributed.active())
+                     or load_agent(parsed, cfg.device, getattr(torch, cfg.dtype), seed=agent_seed(cfg.seed, len(team))))
         responder.model.requires_grad_(False)
         team.config.responder = responder
 
@@ -279,7 +283,7 @@ def start_team(inputs: Resolved, train: list[Problem], instruction: str, log) ->
         team, state, rng, controllers = run_folder.load_checkpoint(resume_from, cfg.device, getattr(torch, cfg.dtype),
                                                                 procs)
         team.config.reward, team.config.environment = inputs.reward, inputs.environment
-        attach_responder(inputs, team)
+        attach_responder(inputs, team, at_start=False)  # its agents have moved: only a --lora base is shared
         start, run_dir = state["stage"], run_folder.run_folder_of(resume_from) or Path(cfg.resume)
         rows = [r for r in run_folder.read_metrics(run_dir) if r["stage"] <= start]
         if [r["stage"] for r in rows] != list(range(start + 1)):
@@ -399,9 +403,9 @@ def run_resolved(inputs: Resolved, log=None) -> list[dict]:
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)
-    backend = make_backend(cfg.backend, len(start.team), cfg.seed, train_fraction=train_fraction,
-                           tensor_parallel=cfg.vllm_tensor_parallel,
-                           max_model_len=memory.run_max_len(cfg, len(start.team)))
+    backend = make_team_backend(cfg.backend, start.team, cfg.seed, train_fraction=train_fraction,
+                                tensor_parallel=cfg.vllm_tensor_parallel,
+                                max_model_len=memory.run_max_len(cfg, len(start.team)))
     try:
         return train_stages(inputs, start.run_state(backend, log), train, heldout, start.saved, start.rows)
     finally:
@@ -557,11 +561,23 @@ def acceptance_draws(cfg: Config, core: SatConfig, train: list[Problem], heldout
 
 def load_replacement(spec: str, cfg, team: Team, train: list[Problem], slot: int) -> Agent:
     """The new model for an upgraded slot (--shard-frozen: read straight into shards). A tiny spec gets its
-    own (longer) warm start, standing in for a stronger pretrained model."""
+    own (longer) warm start, standing in for a stronger pretrained model. With --lora: its base with a fresh
+    adapter, the base shared with the team where an agent holds it (``lora.replacement_agent``)."""
     dtype = getattr(torch, cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16"))
-    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=replacement_seed(cfg.seed, slot))
-    if agent.spec.kind == "tiny":
-        steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+    seed = replacement_seed(cfg.seed, slot)
+    steps = cfg.upgrade_warmup_steps if cfg.upgrade_warmup_steps is not None else 2 * cfg.warmup_steps
+
+    def warm(agent: Agent) -> None:
         holder = Team(team.agents[:slot] + [agent] + team.agents[slot + 1 :], team.config)  # the slot's prompt format
         warm_start(holder, train, steps, cfg.warmup_p_wrong, cfg.seed + UPGRADE_WARM_START_OFFSET, slots=[slot])
+
+    settings = lora_settings(cfg.lora, cfg.lora_alpha, cfg.lora_targets)
+    if settings is not None:
+        parsed = folder_spec(resolve_agent_spec(spec))
+        return lora.replacement_agent(team, parsed, settings, seed,
+                                      lambda s, sd: team.procs.load_agent(load_agent, s, cfg.device, dtype, seed=sd),
+                                      warm if parsed.kind == "tiny" and steps > 0 else None)
+    agent = team.procs.load_agent(load_agent, spec, cfg.device, dtype, seed=seed)
+    if agent.spec.kind == "tiny":
+        warm(agent)
     return agent

@@ -35,6 +35,7 @@ the training peak too (CPU_VLLM_PEAKS).
     python -m scale.memory --model qwen3-4b --n-agents 3                 # one GPU: the table per component
     python -m scale.memory --model qwen3-8b --rows 2 --gpus 1,2,4,8      # per-rank plan under torchrun
     python -m scale.memory --model qwen3-4b --stage0 qwen3-8b --gpus 1,2,4,8   # Stage-0 of --upgrade, per rank
+    python -m scale.memory --model qwen3-4b --rows 2 --lora 64 --gpus 1,2,4,8   # adapters: one GPU a run
 """
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ from logprobs import KL_CHUNK_POSITIONS, LOGITS_CHUNK_TOKENS, head_chunk_positio
 GiB = 1024 ** 3
 
 PHASES = ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies", "activations",
-          "kv_cache", "engine_weights", "gathered", "gathered_rollout")
+          "kv_cache", "engine_weights", "gathered", "gathered_rollout", "responder_weights", "responder_kv")
 PEAKS = {
     "peak_training": ("weights", "master_weights", "grads_optimizer", "reference", "trust_region_copies",
-                      "activations", "gathered"),
-    "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered_rollout"),
+                      "activations", "gathered", "responder_weights"),
+    "peak_rollout": ("weights", "engine_weights", "kv_cache", "gathered_rollout", "responder_weights",
+                     "responder_kv"),
 }
 FIXES = {  # one-line fixes per component, for check_fits
     "weights": "put fewer or smaller agents on this GPU, or run under torchrun with --shard-frozen "
@@ -63,6 +65,9 @@ FIXES = {  # one-line fixes per component, for check_fits
     "engine_weights": "use --backend hf (no second copy of the weights in vLLM engines)",
     "gathered": "use more GPUs or a smaller model (FSDP2 gathers whole layers)",
     "gathered_rollout": "use more GPUs or a smaller model (FSDP2 gathers whole layers)",
+    "responder_weights": "use a smaller --env-model, or the same model as an agent with --lora (it then shares "
+                         "the agents' base)",
+    "responder_kv": "use a smaller --token-budget or --env-model-max-tokens",
 }
 PHASE_NOTES = {
     "weights": "all agents, training copies",
@@ -75,6 +80,8 @@ PHASE_NOTES = {
     "engine_weights": "vLLM engines' copy (asleep in training)",
     "gathered": "--shard-frozen: units gathered whole at once",
     "gathered_rollout": "--shard-frozen: units gathered whole in the rollout",
+    "responder_weights": "the environment's responder model (--env-model; none: a --lora base it shares)",
+    "responder_kv": "the responder's generate KV cache",
 }
 
 
@@ -208,7 +215,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
                     backend: str = "hf", rollout_tokens: int | None = None, logits_chunk_tokens: int | None = None,
                     optimizer_bytes_per_param: int = 8, trust_region_copies: int = 2, gpus: int = 1,
                     engine_tensor_parallel: int = 1, shard_frozen: bool = False, lora_rank: int | None = None,
-                    lora_targets: tuple[str, ...] = ("all-linear",), n_bases: int = 1) -> dict[str, int]:
+                    lora_targets: tuple[str, ...] = ("all-linear",), n_bases: int = 1,
+                    responder_bytes: tuple[int, int] = (0, 0)) -> dict[str, int]:
     """Bytes per component and the two peaks (module docstring), per rank.
 
     micro_batch_tokens: tokens of one gradient micro-batch. max_seq_len: the longest context + response.
@@ -218,7 +226,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
     ``shard_frozen``: weights, reference and snapshots / gpus, plus ``gathered``). engine_tensor_parallel: K of
     ``--vllm-tensor-parallel`` (a rank holds 1/K of every engine). lora_rank (--lora): ``n_bases`` bases shared by
     the agents plus an adapter each (``adapter_parameters``); masters, gradients, AdamW, the reference and the
-    snapshots cover an adapter, and an engine holds a base with the adapters (one engine per base)."""
+    snapshots cover an adapter, and an engine holds a base with the adapters (one engine per base).
+    responder_bytes: (weights, KV cache) of an environment's responder model (``responder_plan``), counted once."""
     if update not in ("sequential", "joint"):
         raise ValueError(f"update must be 'sequential' or 'joint' (got {update!r})")
     if backend not in ("hf", "vllm"):
@@ -255,6 +264,8 @@ def estimate_memory(model_config, n_agents: int, update: str = "sequential", dty
         "engine_weights": _ceil_div(all_weights, engine_tensor_parallel) if backend == "vllm" else 0,
         "gathered": 0,
         "gathered_rollout": 0,
+        "responder_weights": responder_bytes[0],
+        "responder_kv": responder_bytes[1],
     }
     if shard_frozen and gpus > 1:
         for part in ("weights", "reference", "trust_region_copies"):
@@ -381,6 +392,21 @@ def plan_table(model: str, n_agents: int, gpus_list: list[int], gib_list: list[f
     return "\n".join(rows)
 
 
+def lora_plan_table(model: str, n_agents: int, rank: int, gpus_list: list[int], gib_list: list[float], **kw) -> str:
+    """--lora on a node of N GPUs: sat.py runs a team of adapters as one process on one GPU (it refuses torchrun
+    with --lora: the agents' shared base would have to be one set of FSDP2 shards for all of them), so whatever N is,
+    a run's peaks are the one-GPU plan, and N GPUs hold N such runs (seeds) side by side, not one run faster."""
+    est = estimate_memory(QWEN3_DIMS[model], n_agents, gpus=1, lora_rank=rank, **kw)
+    fits = _fit_columns(max(est[p] for p in PEAKS), gib_list)
+    rows = [f"ESTIMATES (not measured): {model} x{n_agents} --lora {rank}, one process on one GPU at any --gpus "
+            "(sat.py refuses torchrun with --lora): N GPUs run N such runs side by side",
+            f"{'gpus':>4} {'train/GPU GiB':>15} {'rollout/GPU GiB':>17} {'grads+AdamW/GPU':>17} {'runs':>5}  "
+            + "  ".join(f"{g:>6g} GiB" for g in gib_list)]
+    rows += [f"{n:>4} {est['peak_training'] / GiB:>15.1f} {est['peak_rollout'] / GiB:>17.1f} "
+             f"{est['grads_optimizer'] / GiB:>17.1f} {n:>5}  {fits}" for n in gpus_list]
+    return "\n".join(rows)
+
+
 def stage0_plan_table(model: str, replacement: str, n_agents: int, gpus_list: list[int], gib_list: list[float],
                       **kw) -> str:
     """Per-rank Stage-0 peaks (estimates) of ``--upgrade SLOT=replacement`` in a team of ``n_agents`` x ``model``
@@ -429,10 +455,11 @@ QWEN3_DIMS = {
 }
 
 
-def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
+def run_estimate(cfg, model_config, n_agents: int, responder: tuple[int, int] = (0, 0)) -> dict[str, int]:
     """``estimate_memory`` of a run (``harness.config.Config``) of ``n_agents`` agents, each taken as large as
     ``model_config`` (the biggest agent), per rank; with --upgrade also Stage-0's (``stage0_rank_bytes``, the
-    replacement taken to be as large as the biggest agent)."""
+    replacement taken to be as large as the biggest agent); ``responder``: its (weights, KV) bytes
+    (``responder_plan``)."""
     gpus, dtype_bytes = int(os.environ.get("WORLD_SIZE", "1")), 4 if cfg.dtype == "float32" else 2
     seq = run_max_len(cfg, n_agents)  # prompt allowance (+ earlier answers) + response
     rows = max(1, min(cfg.minibatch_size, cfg.token_budget // seq))  # rows of a training micro-batch
@@ -442,13 +469,37 @@ def run_estimate(cfg, model_config, n_agents: int) -> dict[str, int]:
                           rollout_tokens=cfg.token_budget, logits_chunk_tokens=head_chunk_tokens(rows, seq),
                           trust_region_copies=3 if cfg.kl_check_every else 2,  # + the in-loop inside snapshot
                           gpus=gpus, engine_tensor_parallel=cfg.vllm_tensor_parallel,
-                          shard_frozen=bool(cfg.shard_frozen), **lora_plan(cfg))
+                          shard_frozen=bool(cfg.shard_frozen), responder_bytes=responder, **lora_plan(cfg))
     if cfg.upgrade:  # Stage-0 of --upgrade per rank (the replacement taken to be as large as the biggest agent)
         est.update(stage0_rank_bytes(model_config, model_config, n_agents, gpus=gpus,
                                      dtype_bytes=dtype_bytes, micro_batch_tokens=cfg.token_budget,
                                      gradient_checkpointing=cfg.gradient_checkpointing,
                                      shard_frozen=bool(cfg.shard_frozen)))
     return est
+
+
+def responder_max_len(cfg, n_agents: int) -> int:
+    """The longest chat a responder answers, with its reply: the prompt allowance (its system turn, the card) and,
+    per round of an episode, a question (one agent turn, at most --max-new-tokens) and its reply (at most
+    --env-model-max-tokens): a suspect's memory grows by one exchange a round at most per agent."""
+    return PROMPT_ALLOWANCE + (cfg.max_rounds or 1) * n_agents * (cfg.max_new_tokens + cfg.env_model_max_tokens)
+
+
+def responder_plan(cfg, team) -> tuple[int, int]:
+    """(weights, KV cache) bytes of the responder a run's environment asks (``team.config.responder``), counted
+    once: its weights (none while it is a --lora base the agents share, ``harness.responder.shares_weights``; a
+    responder sharing an agent's tensors is counted, since it takes its own copy when that agent first trains),
+    and its batched generate's KV cache, one chunk of --token-budget tokens or its longest chat
+    (``responder_max_len``), at its own layers' bytes per token; (0, 0) without one."""
+    from harness.responder import shares_weights
+
+    responder = team.config.responder
+    if responder is None:
+        return 0, 0
+    config, dtype_bytes = responder.model.config, responder.dtype.itemsize
+    weights = 0 if shares_weights(team) else count_parameters(config) * dtype_bytes
+    tokens = max(cfg.token_budget, responder_max_len(cfg, len(team)))
+    return weights, tokens * kv_bytes_per_token(config, dtype_bytes)
 
 
 def lora_plan(cfg) -> dict:
@@ -477,12 +528,12 @@ def check_run(cfg, team, log) -> float | None:
     None off CUDA."""
     if on_cpu(cfg.device):
         biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
-        check_ram(cfg, biggest.model.config, len(team), log)
+        check_ram(cfg, biggest.model.config, len(team), log, responder_plan(cfg, team))
         return None
     if not cfg.device.startswith("cuda"):
         return None
     biggest = max(team.agents, key=lambda a: sum(p.numel() for p in a.model.parameters()))
-    est = run_estimate(cfg, biggest.model.config, len(team))
+    est = run_estimate(cfg, biggest.model.config, len(team), responder_plan(cfg, team))
     available = available_bytes(cfg.device)
     log(format_table(est, available))
     if available is not None:
@@ -536,12 +587,13 @@ def ram_per_process() -> int | None:
     return None if ram is None else ram // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def cpu_plan(cfg, model_config, n_agents: int) -> tuple[dict[str, int], dict, dict, dict]:
+def cpu_plan(cfg, model_config, n_agents: int, responder: tuple[int, int] = (0, 0)
+             ) -> tuple[dict[str, int], dict, dict, dict]:
     """(estimate, peaks, notes, fixes) of a CPU run. With --backend vllm (the CPU build) each agent has an engine
     whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the run's longest
     sequence, ``run_max_len``, or the model's max_position_embeddings where that is shorter), and engines stay
     resident in training (CPU_VLLM_PEAKS)."""
-    est = run_estimate(cfg, model_config, n_agents)
+    est = run_estimate(cfg, model_config, n_agents, responder)
     if cfg.backend != "vllm":
         return est, PEAKS, PHASE_NOTES, CPU_FIXES
     max_len = (model_config.get("max_position_embeddings") if isinstance(model_config, dict)
@@ -553,7 +605,7 @@ def cpu_plan(cfg, model_config, n_agents: int) -> tuple[dict[str, int], dict, di
     return est, CPU_VLLM_PEAKS, CPU_VLLM_NOTES, CPU_VLLM_FIXES
 
 
-def check_ram(cfg, model_config, n_agents: int, log=None) -> None:
+def check_ram(cfg, model_config, n_agents: int, log=None, responder: tuple[int, int] = (0, 0)) -> None:
     """A CPU run (``harness.config.Config``) of ``n_agents`` agents as large as ``model_config``: log its memory table
     against this machine's RAM (``ram_per_process``) and refuse in one line if a peak does not fit. Where the RAM
     cannot be read, nothing is checked (and the log says so)."""
@@ -562,7 +614,7 @@ def check_ram(cfg, model_config, n_agents: int, log=None) -> None:
         if log:
             log("memory: this machine's RAM cannot be read (no MemTotal in /proc/meminfo): no memory check")
         return
-    est, peaks, notes, fixes = cpu_plan(cfg, model_config, n_agents)
+    est, peaks, notes, fixes = cpu_plan(cfg, model_config, n_agents, responder)
     if log:
         log(format_table(est, available, peaks, notes))
     check_fits(est, available, RAM, peaks, notes, fixes)
@@ -600,18 +652,36 @@ def spec_model_config(spec):
     return config
 
 
-def check_team_ram(cfg, specs) -> None:
+def spec_responder_bytes(cfg, spec, team_specs) -> tuple[int, int]:
+    """``responder_plan`` before any weights load, from the responder's spec (``spec_model_config``): (0, 0) without
+    one or where its config cannot be read (the check after loading covers it); no weights where --lora makes it
+    the base of an agent (``harness.responder``)."""
+    config = spec_model_config(spec) if spec is not None else None
+    if config is None:
+        return 0, 0
+    from harness.lora import base_key
+
+    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    shared = cfg.lora is not None and any(base_key(s) == base_key(spec) for s in team_specs)
+    tokens = max(cfg.token_budget, responder_max_len(cfg, len(team_specs)))
+    return (0 if shared else count_parameters(config) * dtype_bytes,
+            tokens * kv_bytes_per_token(config, dtype_bytes))
+
+
+def check_team_ram(cfg, specs, responder=None) -> None:
     """Before any weights are loaded (``harness.run.validate_run_inputs``), on CPU: refuse in one line a team
     (``harness.config.Config``, its agent specs) whose memory plan (``check_ram``) exceeds this machine's RAM, before
     loading it could exhaust the RAM. The team is estimated as ``check_run`` estimates it after loading, every
     slot as large as the agent with the most parameters, taken among the agents whose config
-    ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading). Nothing is checked off
-    CPU, or where the RAM cannot be read."""
+    ``spec_model_config`` reads (tiny and GGUF agents are left to the check after loading), with the environment's
+    ``responder`` spec, if any (``spec_responder_bytes``). Nothing is checked off CPU, or where the RAM cannot be
+    read."""
     if not on_cpu(cfg.device) or ram_bytes() is None:
         return
     configs = [c for c in map(spec_model_config, dict.fromkeys(specs)) if c is not None]
     if configs:
-        check_ram(cfg, max(configs, key=count_parameters), len(specs))
+        check_ram(cfg, max(configs, key=count_parameters), len(specs),
+                  responder=spec_responder_bytes(cfg, responder, specs))
 
 
 def main(argv=None) -> None:
@@ -642,13 +712,13 @@ def main(argv=None) -> None:
                         "FSDP2 shards, as a torchrun run on CUDA holds them (--no-shard-frozen: whole on every rank)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK",
                    help="agents as LoRA adapters of this rank (all linear layers) on one shared base, as sat.py --lora "
-                        "RANK holds them (one process only)")
+                        "RANK holds them (one process on one GPU: with --gpus N, N such runs side by side)")
     args = p.parse_args(argv)
     if args.lora is not None and args.lora < 1:
         p.exit(2, f"{p.prog}: error: --lora must be >= 1 (got {args.lora})\n")
-    if args.lora is not None and (args.stage0 or str(args.gpus) != "1"):
-        p.exit(2, f"{p.prog}: error: --lora plans one process on one GPU (sat.py --lora refuses torchrun and "
-                  "--upgrade): use --gpus 1 and no --stage0\n")
+    if args.lora is not None and args.stage0:
+        p.exit(2, f"{p.prog}: error: --lora with --stage0: the planner has no Stage-0 plan of adapters (sat.py checks "
+                  "an upgrade's Stage-0 as whole weights, an upper bound); drop one of them\n")
     for name in ("n_agents", "rows", "max_seq_len", "rollout_tokens", "vllm_tensor_parallel"):
         if getattr(args, name) < 1:
             p.exit(2, f"{p.prog}: error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})\n")
@@ -664,8 +734,11 @@ def main(argv=None) -> None:
     kw = dict(update=args.update, micro_batch_tokens=args.rows * args.max_seq_len, max_seq_len=args.max_seq_len,
               gradient_checkpointing=checkpointing, backend=args.backend, rollout_tokens=args.rollout_tokens,
               logits_chunk_tokens=head_chunk_tokens(args.rows, args.max_seq_len),
-              engine_tensor_parallel=args.vllm_tensor_parallel,
-              **({"lora_rank": args.lora} if args.lora is not None else {}))
+              engine_tensor_parallel=args.vllm_tensor_parallel)
+    if args.lora is not None and (len(gpus) > 1 or gpus[0] > 1):
+        print(lora_plan_table(args.model, args.n_agents, args.lora, gpus, gib, **kw))
+        return
+    kw.update({"lora_rank": args.lora} if args.lora is not None else {})
     if len(gpus) > 1 or gpus[0] > 1:
         print(plan_table(args.model, args.n_agents, gpus, gib, shard_frozen=args.shard_frozen, **kw))
         return

@@ -294,6 +294,7 @@ class VLLMBackend:
         self.engines: dict[int, Engine] = {}
         self.book = VersionBook()
         self.logprobs: dict[int, list[list[float]]] = {}  # the last generate call's, per agent
+        self.prompt_reads: dict[int, tuple[int, int]] = {}  # per agent: (prompt tokens, of them from the prefix cache)
         self.device: str | None = None
         self.sleep_mode = True
         self._tmp = tempfile.TemporaryDirectory(prefix="sat_vllm_")
@@ -314,6 +315,9 @@ class VLLMBackend:
         return self._create(agent)
 
     def _create(self, agent) -> Engine:
+        if agent.adapter is not None and type(self) is VLLMBackend:
+            raise ValueError(f"agent {agent.spec.name} is a LoRA adapter on a shared base: serve its team with "
+                             "vllm_lora.make_team_backend, one engine per base")
         prepare_environment()
         if self.device is None:
             self.device, self.sleep_mode = engine_platform()
@@ -421,11 +425,24 @@ class VLLMBackend:
         tok = agent.tokenizer
         params = [SamplingParams(**sampling_kwargs(sampling, s, tok.eos_token_id, self.health_logprobs))
                   for s in request_seeds(seeds)]
-        outputs = eng.llm.generate(build_requests(contexts), params, use_tqdm=False)
+        outputs = eng.llm.generate(build_requests(contexts), params, use_tqdm=False, **self.request_kwargs(agent))
+        read, cached = self.prompt_reads.get(id(agent), (0, 0))
+        self.prompt_reads[id(agent)] = (read + sum(map(len, contexts)),
+                                        cached + sum(o.num_cached_tokens or 0 for o in outputs))
         responses = outputs_to_responses(outputs, tok.eos_token_id)
         if self.health_logprobs:
             self.logprobs[id(agent)] = outputs_to_logprobs(outputs, responses)
         return responses
+
+    def request_kwargs(self, agent) -> dict:
+        """Extra arguments of every ``LLM.generate`` call for the agent (none: the engine is the agent's own)."""
+        return {}
+
+    def prefix_cache_share(self, agent) -> float:
+        """The share of the prompt tokens of the agent's generate calls so far that its engine read from its prefix
+        cache (vLLM's ``num_cached_tokens``): an episode's later rounds re-read the earlier ones from there."""
+        read, cached = self.prompt_reads.get(id(agent), (0, 0))
+        return cached / read if read else 0.0
 
     def last_logprobs(self, agent) -> list[list[float]] | None:
         """The engine's log-probabilities of the agent's last generate call (``health_logprobs``)."""
@@ -443,14 +460,20 @@ class VLLMBackend:
         prompt log-probabilities. ``check=False`` skips the version check, to look at a stale engine."""
         from vllm import SamplingParams  # optional extra
 
-        self.wake_for_rollout(agent)
+        eng = self.wake_for_rollout(agent)
         if check:
             self.assert_in_sync(agent)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         prompts = build_requests([list(c) + list(r) for c, r in zip(contexts, responses)])
-        outputs = self.engines[id(agent)].llm.generate(prompts, params, use_tqdm=False)
+        outputs = eng.llm.generate(prompts, params, use_tqdm=False, **self.request_kwargs(agent))
         return [scored_logprobs(o.prompt_logprobs, p["prompt_token_ids"], len(c))
                 for o, p, c in zip(outputs, prompts, contexts)]
+
+
+def team_engines(team) -> int:
+    """The engines a team's rollouts need: one per agent, and one for the environment's frozen responder model
+    (``TeamConfig.responder``), which answers every question of a round in one generate on its own engine."""
+    return len(team) + (team.config.responder is not None)
 
 
 def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | None = None,
@@ -459,7 +482,7 @@ def make_backend(name: str, n_engines: int, seed: int, train_fraction: float | N
     ``tensor_parallel`` ranks; on CUDA sized from the GPU fraction training keeps). ``health``: the engines
     also return their log-probabilities of the sampled tokens (``VLLMBackend.health``). ``max_model_len``: the
     longest sequence the run reaches (``memory.run_max_len``; the model's own limit where that is shorter); a
-    CPU engine's KV cache is sized to it."""
+    CPU engine's KV cache is sized to it. A team of adapters (--lora): ``vllm_lora.make_team_backend``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend '{name}': choose one of {', '.join(BACKENDS)}")
     if name == "hf":

@@ -201,6 +201,20 @@ def refresh_packed_copies(model) -> list[str]:
     return refreshed
 
 
+LORA_WRAPPED = ".base_layer."  # an engine with enable_lora wraps each LoRA-capable layer, its weights under this
+
+
+def plain_name(name: str) -> str:
+    """An engine parameter's name as its checkpoint (and ``load_weights``) names it: a LoRA wrapper's
+    ``base_layer`` dropped."""
+    return name.replace(LORA_WRAPPED, ".")
+
+
+def engine_parameter_names(model) -> set[str]:
+    """The checkpoint names of every parameter of an engine's model (``plain_name``)."""
+    return {plain_name(name) for name, _ in model.named_parameters()}
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); called by name with ``LLM.collective_rpc``."""
 
@@ -209,7 +223,7 @@ class WeightSyncExtension:
         (must be empty), or None when this vLLM's load_weights does not report what it loaded."""
         weights = [(name, _materialize(obj)) for name, obj in _unpack(payload)]
         model = _engine_model(self)
-        expected = {name for name, _ in model.named_parameters()}
+        expected = engine_parameter_names(model)
         loaded: list = []
         reload = getattr(self, "reload_weights", None)
         if callable(reload):
@@ -235,7 +249,7 @@ class WeightSyncExtension:
         del weights
         if not loaded or loaded[0] is None:
             return None
-        return sorted(expected - set(loaded[0]))
+        return sorted(expected - {plain_name(n) for n in loaded[0]})
 
     # -- a push in groups (one decoder layer at a time) ------------------------------------------
     def sat_begin_push(self) -> bool:
@@ -275,7 +289,7 @@ class WeightSyncExtension:
         refresh_packed_copies(model)
         if push["loaded"] is None:
             return None
-        return sorted({name for name, _ in model.named_parameters()} - push["loaded"])
+        return sorted(engine_parameter_names(model) - {plain_name(n) for n in push["loaded"]})
 
 
 def _layerwise_api():

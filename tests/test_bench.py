@@ -26,6 +26,9 @@ RUNS = {
                      "hf-generate,hf"],
                     r"(?m)^hf-generate +[\d.]+ +\d+ +[\d.]+ +[\d.]+\nhf +[\d.]+ +\d+ +[\d.]+ +[\d.]+\n"
                     r"ratio hf/hf-generate tokens/s: [\d.]+$"),
+    "rounds_backends.py": (["--agents", "tiny x2", "--prompts", "2", "--max-rounds", "2", "--max-new-tokens", "4",
+                            "--repeats", "1", "--backends", "hf"],
+                           r"(?m)^hf +[\d.]+ +\d+ +[\d.]+ +[\d.]+  -\n(?:.*\n)*? +2 +4 +\d+ +[\d.]+ +-?[\d.]+ +\d+%$"),
     "real_stage.py": (["--agents", "tiny x2", "--batch-size", "8", "--minibatch-size", "8", "--eval-size", "4",
                        "--warmup-steps", "0", "--reuse", "regenerate"],
                       r"(?m)^stage 1 \(sat_stage\) [\d.]+ s of [\d.]+ s; generated \d+ tokens in [\d.]+ s"),

@@ -18,8 +18,9 @@ import harness.cli
 import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
 from harness import lora
-from harness.config import Config, parse_agents
+from harness.config import VLLM_MAX_LORA_RANK, Config, parse_agents
 from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
+from harness.math_grading import math_team_config
 from harness.processes import ONE_PROCESS
 from harness.run_folder import latest_checkpoint
 from trust_region import backtracking_line_search, interpolate_parameters, kl_quantile, per_state_kl
@@ -196,19 +197,54 @@ def test_targets_the_model_lacks_are_one_line():
     (["--lora", "4", "--shard-rollouts"], "--lora runs on one process: launch with python, not torchrun, and drop "
                                           "--shard-rollouts (one GPU holds a team of adapters on a shared base: "
                                           "python -m scale.memory ... --lora R)"),
-    (["--lora", "4", "--upgrade", "2=tiny"], "--upgrade with --lora: plug-and-play of an adapter team is not built "
-                                             "yet; resume without --upgrade, or upgrade a team trained without --lora"),
 ])
 def test_bad_lora_options_are_one_line(argv, line, capsys):
     assert harness.cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == f"sat.py: error: {line}"
 
 
-def test_lora_with_vllm_is_refused_in_one_line():
-    cfg = Config(lora=4, backend="vllm").apply_preset()
-    with pytest.raises(ValueError, match=r"^--lora with --backend vllm: the vLLM engines do not serve adapters yet; "
-                                         r"use --backend hf$"):
+def test_lora_with_vllm_is_refused_only_above_the_ranks_vllm_serves():
+    from scale.vllm_lora import VLLM_LORA_RANKS, engine_lora_rank, lora_rank_error
+
+    Config(lora=VLLM_MAX_LORA_RANK, backend="vllm").apply_preset().validate()  # served: no error
+    cfg = Config(lora=VLLM_MAX_LORA_RANK + 1, backend="vllm").apply_preset()
+    with pytest.raises(ValueError) as err:
         cfg.validate()
+    assert str(err.value) == lora_rank_error(VLLM_MAX_LORA_RANK + 1)  # the config and the engine say one thing
+    assert VLLM_LORA_RANKS[-1] == VLLM_MAX_LORA_RANK
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 16, 64, 65, 512)] == [1, 8, 8, 16, 16, 64, 128, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        engine_lora_rank(513)
+    upgrade = Config(lora=8, backend="vllm", upgrade=["2=tiny"]).apply_preset()
+    with pytest.raises(ValueError, match="^--upgrade with --lora --backend vllm: .*--backend hf$"):
+        upgrade.validate()
+
+
+def test_vllm_serves_one_engine_per_base_with_room_for_every_adapter():
+    """The LoRA engines' sizing (``scale.vllm_lora``, no vLLM needed): one engine per distinct base, room for every
+    agent's adapter; a team mixing adapters and whole models, and a stale or never-loaded adapter, get one line."""
+    from harness.loading import load_agent
+    from harness.math_grading import math_team_config
+    from scale.vllm_lora import check_adapter_in_sync, lora_bases, lora_engine_kwargs
+    from scale.vllm_weights import plain_name
+    from team import Team
+
+    def team(members):
+        return Team(members, math_team_config(protocol="chain"))
+
+    agents = tiny_adapters(3)
+    other = load_agents(parse_agents("tiny"), "cpu", torch.float32, [7], SETTINGS)  # a base of its own
+    assert lora_bases(team(agents)) == 1 and lora_bases(team(agents[:2] + other)) == 2
+    assert lora_bases(team([load_agent("tiny")])) is None  # whole models: one engine per agent
+    with pytest.raises(ValueError, match="mixes adapter agents and whole models"):
+        lora_bases(team(agents[:1] + [load_agent("tiny")]))
+    assert lora_engine_kwargs(3, 4) == dict(enable_lora=True, max_lora_rank=8, max_loras=3, max_cpu_loras=3)
+    check_adapter_in_sync(2, 2, "a")
+    for served in (None, 1):
+        with pytest.raises(RuntimeError, match="refusing to sample from a stale adapter"):
+            check_adapter_in_sync(served, 2, "a")
+    layer = "model.layers.0.self_attn.qkv_proj"
+    assert plain_name(f"{layer}.base_layer.weight") == f"{layer}.weight"  # an engine's LoRA wrapper, named as loaded
 
 
 def test_lora_settings_reach_the_peft_config():
@@ -272,9 +308,13 @@ def test_the_planner_prints_the_lora_table_and_refuses_what_lora_cannot_run(caps
     memory.main(["--model", "qwen3-4b", "--rows", "2", "--max-seq-len", "33792", "--lora", "64"])
     out = capsys.readouterr().out
     assert "--lora 64: one base shared by the 3 agents, each a LoRA adapter of 132.1 M parameters" in out
+    memory.main(["--model", "qwen3-4b", "--rows", "2", "--max-seq-len", "33792", "--lora", "64", "--gpus", "1,2,8"])
+    rows = capsys.readouterr().out.splitlines()  # one process a run: every row is the one-GPU plan
+    assert "sat.py refuses torchrun with --lora" in rows[0] and len(rows) == 5
+    assert [r.split()[:5] for r in rows[2:]] == [[n, "41.0", "34.5", "1.5", n] for n in ("1", "2", "8")]
     with pytest.raises(SystemExit):
-        memory.main(["--lora", "64", "--gpus", "1,2"])
-    assert "--lora plans one process on one GPU" in capsys.readouterr().err
+        memory.main(["--lora", "64", "--stage0", "qwen3-8b"])
+    assert "--lora with --stage0: the planner has no Stage-0 plan of adapters" in capsys.readouterr().err
 
 
 def check_exported_adapter(run, out):
@@ -292,3 +332,81 @@ def check_exported_adapter(run, out):
     team = load_saved_team(latest_checkpoint(run) / "team")
     assert torch.allclose(logits(exported, inputs(4)), logits(team.agents[1].model, inputs(4)), atol=1e-6)
     assert main([str(run), "--agent", "3", "--out", str(out)]) == 2  # a two-agent team
+
+
+def random_states(rows: int, seed: int):
+    """Stage-0 states of random token rows (4 context, 6 response tokens) over the tiny vocabulary's letters."""
+    import stage0_states
+
+    g = torch.Generator().manual_seed(seed)
+    ctx, resp = torch.randint(5, 90, (rows, 4), generator=g), torch.randint(5, 90, (rows, 6), generator=g)
+    return stage0_states.Stage0States(ctx, torch.ones_like(ctx), ctx, torch.ones_like(ctx), resp, torch.ones_like(resp))
+
+
+def test_stage0_fits_the_fresh_adapter_alone_and_leaves_the_shared_base_and_other_agents_bit_exact():
+    import plug_and_play
+
+    incumbent, new, other = tiny_adapters(3)
+    perturb(incumbent.model, 0.05, seed=1)  # a trained incumbent, away from the base
+    perturb(other.model, 0.05, seed=2)
+    ids = inputs(5)
+    base_before = {n: t.clone() for n, t in new.model.state_dict().items() if ".lora_" not in n}
+    kept = [logits(m, ids) for m in (incumbent.model, other.model)]
+    # delta_0 beyond reach in 5 passes: Stage-0 pulls the adapter toward pi_cur all the way (t(s) -> 0), then says so
+    settings = plug_and_play.Stage0Settings(1e-3, 0.99, 3e-3, 5, 0.5, temperature=1.0, rows_per_step=8,
+                                            token_budget=4096)
+    with pytest.raises(plug_and_play.Stage0Unreachable) as err:
+        plug_and_play.fit_stage0(new.model, incumbent.model, random_states(4, 3), random_states(2, 4), settings)
+    record = err.value.fit.record
+    assert record["kl_quantile"] < 0.6 * record["kl_quantile_before"]  # the adapter did the work (0.062 -> ~0.02)
+    after = new.model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in base_before.items())  # the base, bit for bit
+    assert any(p.abs().sum() > 0 for n, p in new.model.named_parameters() if "lora_B" in n)  # B left 0
+    assert all(torch.equal(logits(m, ids), k) for m, k in zip((incumbent.model, other.model), kept))
+    assert not any(p.requires_grad for p in new.model.parameters())
+
+
+def test_an_upgrade_with_lora_shares_a_base_the_team_holds_and_loads_its_own_otherwise():
+    team_agents = tiny_adapters(3)
+    team = harness.run.Team(team_agents, math_team_config())
+    loaded = []
+
+    def load_base(spec, seed):
+        loaded.append(spec.name)
+        return load_agents([spec], "cpu", torch.float32, [seed])[0]
+
+    same = lora.replacement_agent(team, parse_agents("tiny-2L")[0], SETTINGS, 51, load_base)
+    assert loaded == [] and base_tensors(same.model) == base_tensors(team_agents[0].model)
+    assert torch.equal(logits(same.model, inputs(6)), logits(team_agents[0].model, inputs(6)))  # B = 0: the base
+    warmed = []
+    own = lora.replacement_agent(team, parse_agents("tiny-2L")[0], SETTINGS, 51, load_base, warm_base=warmed.append)
+    assert loaded == ["tiny-2L"] and warmed == [own.base] and own.adapter.base_trained
+    assert set(base_tensors(own.model).values()).isdisjoint(base_tensors(team_agents[0].model).values())
+    other = lora.replacement_agent(team, parse_agents("tiny-3L")[0], SETTINGS, 52, load_base)
+    assert loaded == ["tiny-2L", "tiny-3L"] and other.model.config.num_hidden_layers == 3
+
+
+@pytest.mark.slow  # a run, an upgrade with Stage-0 and a resumed stage: minutes on two busy cores
+def test_an_upgrade_of_an_adapter_team_leaves_the_others_bit_exact_and_resumes(tmp_path):
+    """Slot 2 gets a fresh adapter on the team's own (warm-started) base: Stage-0 trains that adapter while agent 1,
+    which sits on the same base tensors, stays bit for bit what it was."""
+    harness.run.run(small_config(tmp_path, stages=1, lora=4, warmup_steps=20), log=lambda *_: None)
+    run_dir = tmp_path / "run"
+    before = load_saved_team(latest_checkpoint(run_dir) / "team")
+    harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--upgrade", "2=tiny", "--stages", "1",
+                                            "--stage0-delta", "0.005", "--upgrade-warmup-steps", "0"]),
+                    log=lambda *_: None)
+    team_dir = latest_checkpoint(run_dir) / "team"
+    assert latest_checkpoint(run_dir).name == "stage_0001_upgraded"
+    assert sorted(p.name for p in team_dir.iterdir()) == ["agent_0", "agent_1", "base_0", "team.json"]
+    upgraded = load_saved_team(team_dir)
+    assert base_tensors(upgraded.agents[0].model) == base_tensors(upgraded.agents[1].model)  # one base still
+    ids = inputs(7)
+    assert torch.equal(logits(upgraded.agents[0].model, ids), logits(before.agents[0].model, ids))
+    saved = upgraded.agents[0].model.state_dict()
+    assert all(torch.equal(saved[n], t) for n, t in before.agents[0].model.state_dict().items())
+    event = json.loads((run_dir / "upgrades.json").read_text())[0]
+    # delta_0 below where the fresh adapter starts (0.0127 here): Stage-0 fits it in (0.0044 after 46 passes)
+    assert event["to"] == "tiny" and event["stage0"]["kl_quantile_before"] > 0.005 >= event["stage0"]["kl_quantile"]
+    more = harness.run.run(harness.cli.parse_args(["--resume", str(run_dir), "--stages", "2"]), log=lambda *_: None)
+    assert [r["stage"] for r in more] == [0, 1, 2] and more[-1]["upgrades"][0]["to"] == "tiny"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.loading import load_agent
-from logprobs import cut_at_eos, right_pad
+from logprobs import cut_at_eos, left_pad, right_pad
 from rollout import SamplingConfig
 from scale import memory
 from scale import rollout_vllm as rv
@@ -480,6 +480,56 @@ def test_engine_logprobs_travel_with_each_turn_into_the_health_metric():
         assert h == pytest.approx(float(-turn.behaviour_logprobs[mask].mean()), rel=1e-6)
     plain = rollout_in_blocks(team, arithmetic_problems(3, seed=0), 2, sampling, seed=3, n_blocks=3, backend=HF)
     assert HF.health(team, plain) is None and all(t.sampler_logprobs is None for t in plain.turns)
+
+
+class Echo:
+    """Two rounds; the observation repeats the round's responses."""
+
+    max_rounds = 2
+
+    def reset(self, seed: int, **_) -> str:
+        return f"Say anything, {seed}."
+
+    def step(self, responses: list[str]) -> tuple[str, bool]:
+        return " | ".join(responses), False
+
+    def get_reward(self) -> float:
+        return 0.0
+
+
+def test_an_episodes_engine_logprobs_line_up_with_the_agents_own_tokens_of_every_round():
+    """With an environment, each round's engine log-probabilities land on that round's own tokens of the agent's
+    whole view (nan on the context between them), so ``health`` compares every round's sampled tokens with the
+    training forward's behaviour log-probabilities: here an engine whose log-probs are the training model's on the
+    very contexts it was given agrees with them to float rounding; one position off would not."""
+    from harness.environments import Environment
+    from harness.math_grading import math_team_config
+    from rollout import behaviour_logprobs, rollout
+    from scale.rollout_hf import HFBackend
+    from team import Problem, Team
+
+    class TrainingForwardEngine(HFBackend):  # HF samples; its "engine log-probs": the training forward, per round
+        def generate(self, agent, contexts, sampling, seeds):
+            drawn = super().generate(agent, contexts, sampling, seeds)
+            ctx, cmask = left_pad(contexts, agent.tokenizer.pad_token_id)  # [n, Lc]
+            resp, rmask = right_pad(drawn, agent.tokenizer.pad_token_id)  # [n, Lr]
+            lp = behaviour_logprobs(agent, (ctx, cmask, resp, rmask), sampling)  # [n, Lr]
+            self.last = [lp[i, : len(r)].tolist() for i, r in enumerate(drawn)]
+            return drawn
+
+        def last_logprobs(self, agent):
+            return self.last
+
+    team = Team([load_agent("tiny", seed=k) for k in range(2)],
+                math_team_config(protocol="chain", environment=Environment(Echo, "echo", 2, (0.0, 1.0))))
+    rows = [Problem(f"row-{i}", "", "", None, {"seed": i}) for i in range(2)]
+    batch = rollout(team, rows, 2, SamplingConfig(temperature=1.0, max_new_tokens=5), TrainingForwardEngine(),
+                    seed=4)
+    assert batch.rounds == [2] * 4
+    for turn, h in zip(batch.turns, rv.VLLMBackend(n_engines=2).health(team, batch)):
+        for row, mask in zip(turn.sampler_logprobs, turn.response_mask):
+            assert [not math.isnan(v) for v in row] == mask[: len(row)].bool().tolist()  # own tokens, every round
+        assert h < 1e-5
 
 
 def test_tensor_parallel_engine_kwargs_and_refusals():
