@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # every test here starts (or shares) a real vLLM 
 
 from adapter import LoraSettings, own_named_parameters  # noqa: E402
 from harness.loading import load_agents, resolve_agent_spec  # noqa: E402
-from logprobs import TurnTensors, batched_response_logprobs, left_pad, response_logprobs, right_pad  # noqa: E402
+from logprobs import TurnTensors, batched_response_logprobs, left_pad, right_pad, turn_forward  # noqa: E402
 from rollout import SamplingConfig, response_seeds  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
 from scale import vllm_lora  # noqa: E402
@@ -113,7 +113,7 @@ def test_a_trained_adapter_is_refused_until_sync_then_served_without_a_base_push
     c, cm = left_pad(ctx, tok.pad_token_id)
     r, rm = right_pad(fixed, tok.pad_token_id)
     dev = agent.device
-    logp = response_logprobs(agent.model, c.to(dev), cm.to(dev), r.to(dev), rm.to(dev), 1.0)
+    logp = turn_forward(agent.model, TurnTensors(c, cm, r, rm), slice(None), 1.0)[0]  # [N, Lr]
     (-(logp * rm.to(dev)).sum() / rm.sum()).backward()
     opt.step()
     agent.freeze()
