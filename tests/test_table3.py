@@ -1,24 +1,16 @@
 """experiments/table3.py: the paper's Table 3 columns of plug_and_play.py (Before, After, Gain, each benchmark's
 change, Viol.%) from the composites of eval_aime.py and the runs' metrics."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import test_experiments
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load(name: str):
-    """experiments/<name>.py as a module of its own name (plug_and_play.py would otherwise meet the core module)."""
-    spec = importlib.util.spec_from_file_location(f"experiments_{name}", REPO / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plug_and_play = load("plug_and_play")
+plug_and_play = test_experiments.plug_and_play
 table3 = sys.modules["table3"]  # the module plug_and_play.py imports
 
 

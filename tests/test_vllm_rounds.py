@@ -17,6 +17,8 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # starts three real vLLM engines
 
+import test_responder  # noqa: E402
+
 import rollout  # noqa: E402
 from harness.environments import Environment  # noqa: E402
 from harness.loading import load_agent  # noqa: E402
@@ -33,24 +35,13 @@ RULES = "One question each, of six characters at most; the oracle answers every 
 # with the tiny agents' one token a character, the opening spans two of a CPU engine's 128-token cache blocks
 
 
-class Oracle:
-    """Each agent's words go to the responder as one question; the observation is the replies; two rounds."""
+class Oracle(test_responder.Oracle):
+    """test_responder's oracle over two rounds, its opening long enough to span two CPU cache blocks."""
 
     max_rounds = 2
 
     def reset(self, seed: int, **_) -> str:
-        self.heard: list[str] = []
-        return f"Ask the oracle {seed}. " + RULES
-
-    def ask(self, responses: list[str]) -> list[list[dict]]:
-        return [[{"role": "user", "content": f"Q{k}: {text[:6]}"}] for k, text in enumerate(responses)]
-
-    def step(self, responses: list[str], replies: list[str]) -> tuple[str, bool]:
-        self.heard += replies
-        return "\n".join(f"Oracle to agent {k + 1}: {r}" for k, r in enumerate(replies)), False
-
-    def get_reward(self) -> float:
-        return float(len("".join(self.heard)) % 2)
+        return super().reset(seed) + " " + RULES
 
 
 class Counting:
