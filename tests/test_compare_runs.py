@@ -69,3 +69,14 @@ def test_stage_table_puts_each_paired_bound_beside_its_unpaired_figure(tmp_path)
     assert lines[1].split()[:10] == ["1", "0.500", "+0.100+-0.020", "25%", "+0.031", "-0.120", "+0.531", "-0.120",
                                      "no", "no"]
     assert lines[2].split()[8] == "yes" and lines[2].split()[-1] == "7"
+
+
+def test_an_evaluation_of_one_value_prints_no_standard_error(tmp_path):
+    """sat.py logs ``eval_stderr`` None when one held-out value gives no sample standard deviation."""
+    folder = write_run(tmp_path / "a", [0.0, 1.0])
+    rows = [dict(json.loads(line), eval_stderr=None) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert summary(folder)["change_se"] is None
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "compare_runs.py"), str(folder), "--plot",
+                          str(tmp_path / "p.png")], capture_output=True, text=True, check=True).stdout
+    assert " 0.000+--   1.000+--   +1.000+--" in out

@@ -39,7 +39,8 @@ def summary(run: Path) -> dict:
     rows = [r for r in rows if "eval_accuracy" in r]
     first, last = rows[0], rows[-1]
     cert = last.get("run_certificate")
-    change_se = cert["stderr"] if cert else math.hypot(first["eval_stderr"], last["eval_stderr"])
+    ses = (first["eval_stderr"], last["eval_stderr"])  # None for an evaluation of one value
+    change_se = cert["stderr"] if cert else (None if None in ses else math.hypot(*ses))
     return {"run": str(run), "stages": last["stage"], "start": first["eval_accuracy"], "start_se": first["eval_stderr"],
             "end": last["eval_accuracy"], "end_se": last["eval_stderr"], "change": last["eval_accuracy"] -
             first["eval_accuracy"], "change_se": change_se, "certified": cert["lower_bound"] if cert else None,
@@ -64,6 +65,11 @@ def stage_table(s: dict) -> list[str]:
     return lines
 
 
+def pm(value: float, se: float | None, spec: str) -> str:
+    """``value+-se`` (value in format ``spec``), with ``-`` for a standard error that one held-out value cannot give."""
+    return f"{value:{spec}}+-" + ("-" if se is None else f"{se:.3f}")
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -74,7 +80,7 @@ def plot(runs: list[dict], path: Path) -> None:
     for s in runs:
         stage = [r["stage"] for r in s["rows"]]
         acc = [r["eval_accuracy"] for r in s["rows"]]
-        se = [r["eval_stderr"] for r in s["rows"]]
+        se = [r["eval_stderr"] or 0.0 for r in s["rows"]]  # no band where one value gave no error
         line, = ax.plot(stage, acc, "o-", label=Path(s["run"]).name)
         ax.fill_between(stage, [a - e for a, e in zip(acc, se)], [a + e for a, e in zip(acc, se)],
                         color=line.get_color(), alpha=0.15)
@@ -99,8 +105,8 @@ def main(argv=None) -> None:
           f"{'agents start -> end':>30} {'stage min':>9}")
     for s in runs:
         certified = "-" if s["certified"] is None else f"{s['certified']:+.3f}"
-        print(f"{Path(s['run']).name:<24} {s['stages']:>6} {s['start']:>7.3f}+-{s['start_se']:.3f} "
-              f"{s['end']:>7.3f}+-{s['end_se']:.3f} {s['change']:>+8.3f}+-{s['change_se']:.3f} {certified:>9} "
+        print(f"{Path(s['run']).name:<24} {s['stages']:>6} {pm(s['start'], s['start_se'], '>7.3f')} "
+              f"{pm(s['end'], s['end_se'], '>7.3f')} {pm(s['change'], s['change_se'], '>+8.3f')} {certified:>9} "
               f"{fmt(s['agents_start']) + ' -> ' + fmt(s['agents_end']):>30} {s['seconds'] / 60:>9.1f}")
     changes = [s["change"] for s in runs]
     spread = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
