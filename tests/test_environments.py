@@ -185,10 +185,10 @@ def test_the_built_in_games_train_and_evaluate(tmp_path):
 
 
 def test_a_roles_next_template_addresses_the_later_rounds():
+    from harness.episodes import episode_context, speak, start_episode
     from harness.loading import load_agent
     from harness.math_grading import math_team_config
     from harness.roles import parse_roles
-    from rollout import episode_context, speak, start_episode
     from team import Team
 
     roles = parse_roles({"agents": [{"user": "{problem}", "next": "Round {round}. {turns}"}]}, "roles", 2,
