@@ -1,31 +1,10 @@
-"""Evaluate a team on AIME24 / AIME25 / MATH-500, or any task: avg@K, pass@k, maj@K (paper, Section 6, Table 1).
+"""The evaluation's metrics (paper, Section 6, Table 1): avg@K, the unbiased pass@k and maj@K, with bootstrap intervals.
 
-Paper setting: avg@64 on AIME24/25, avg@4 on MATH-500, temperature 0.8, top_p 1.0, up to 32,768 new tokens. A
---ckpt team samples with its run's own temperature, top_p and max new tokens (the run folder's config.json) unless
-the command line gives them (``harness.eval_setting.resolve_generation``).
-Each sample is one joint trajectory of the whole team (``rollout.rollout``, as in training); the team answer
-is the majority vote (independent) or the last agent's answer (chain).
-
-    python eval_aime.py --agents "Qwen3-4B x3" --thinking --bench aime24,aime25 --k 64 --out runs/eval-base
-    python eval_aime.py --ckpt runs/sat --bench aime24,aime25 --k 64 --out runs/eval-sat   # a sat.py run
-    python eval_aime.py --agents "Qwen3-4B x3" --data data/aime24.jsonl --k 64             # offline copy
-    OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \
-        --max-new-tokens 16 --out /tmp/ev                                                 # CPU smoke run
-    python eval_aime.py --ckpt runs/kk --bench reasoning-gym:knights_knaves --task-option n_people=2 --k 4
-    python eval_aime.py --ckpt runs/mine --data mine.csv --reward my_reward.py:reward --k 8   # its own prompts
-
-A benchmark with a reward of its own (a reasoning-gym task, or --reward as in sat.py) scores each sample with it:
-avg@K is the mean reward (partial credit included), pass@k counts samples at the reward's maximum, maj@K is the
-reward of the first sample that gives the most common team answer. The math benchmarks keep answer matching of
-the team's voted answer.
-
-Metrics per benchmark, for the team and each agent (its own answer inside the joint trajectory): avg@K,
-the unbiased pass@1 and pass@K, maj@K, each with a 95% percentile bootstrap over problems (2000 resamples,
-seed 0), the dominant uncertainty with 30 problems. --out holds predictions.jsonl (a row per benchmark,
-problem, sample and who), summary.json and run.json. Resumable: rows are appended (fsync) after every chunk,
-each chunk is seeded from (seed, benchmark, first problem, chunk), and the summary is computed from
-predictions.jsonl alone, so an interrupted run gives the same summary; a rerun into the same --out with a
-different setting (run.json) is refused.
+Each problem has K samples, each one joint trajectory of the whole team. ``problem_metrics`` gives a problem's
+avg@K, pass@1, pass@K and maj@K (with a benchmark's own reward: avg@K is the mean reward, pass@k counts samples at
+the reward's maximum, maj@K is the reward of the first sample giving the most common answer); ``aggregate`` their
+means over problems, each with a 95% percentile bootstrap interval (2000 resamples, seed 0), the dominant
+uncertainty with 30 problems. ``python eval_aime.py`` runs the evaluation (``harness.evaluation``; ``--help``).
 """
 from __future__ import annotations
 
