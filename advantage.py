@@ -171,9 +171,7 @@ def credit_correlation(adv: torch.Tensor, correct: torch.Tensor) -> float | None
     return float((a * c).sum()) / denom if denom > 0 else None
 
 
-# ---------------------------------------------------------------------------
-# Agent j's weighted advantages from the batch (Algorithm 1, lines 6-7) and the step's estimate
-# ---------------------------------------------------------------------------
+# -- Agent j's weighted advantages from the batch (Algorithm 1, lines 6-7) and the step's estimate -----------------
 @dataclass
 class UpdateInputs:
     """What agent j's update needs from the batch."""

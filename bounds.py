@@ -56,12 +56,10 @@ def certificate(surrogate_advantage: float, kl_max: float, adv_max: float, gamma
             raise ValueError(f"{name} must be finite, got {value}")
     if not 0.0 <= gamma < 1.0:
         raise ValueError(f"gamma must be in [0, 1), got {gamma}")
-    if kl_max < 0:
-        raise ValueError(f"kl_max must be >= 0 (a KL divergence), got {kl_max}")
-    if adv_max < 0:
-        raise ValueError(f"adv_max must be >= 0 (a maximum of |A|), got {adv_max}")
-    if zeta < 0:
-        raise ValueError(f"zeta must be >= 0 (an absolute bias), got {zeta}")
+    for name, value, what in (("kl_max", kl_max, "a KL divergence"), ("adv_max", adv_max, "a maximum of |A|"),
+                              ("zeta", zeta, "an absolute bias")):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 ({what}), got {value}")
     if n_samples is not None and (int(n_samples) != n_samples or n_samples < 1):
         raise ValueError(f"n_samples must be a positive integer or None, got {n_samples}")
     if int(n_agents) != n_agents or n_agents < 1:
@@ -73,17 +71,10 @@ def certificate(surrogate_advantage: float, kl_max: float, adv_max: float, gamma
     gain = float(surrogate_advantage) * horizon
     occupancy_penalty = 2.0 * gamma * horizon**2 * float(adv_max) * math.sqrt(float(kl_max) / 2.0)
     bias_penalty = float(zeta) * horizon
-    if n_samples is None:
-        sample_penalty = 0.0
-    else:
-        sample_penalty = float(adv_max) * horizon * math.sqrt(math.log(2.0 * n_agents / delta_conf) / (2.0 * n_samples))
-    return {
-        "gain": gain,
-        "occupancy_penalty": occupancy_penalty,
-        "bias_penalty": bias_penalty,
-        "sample_penalty": sample_penalty,
-        "lower_bound": gain - occupancy_penalty - bias_penalty - sample_penalty,
-    }
+    sample_penalty = (0.0 if n_samples is None else
+                      float(adv_max) * horizon * math.sqrt(math.log(2.0 * n_agents / delta_conf) / (2.0 * n_samples)))
+    return {"gain": gain, "occupancy_penalty": occupancy_penalty, "bias_penalty": bias_penalty,
+            "sample_penalty": sample_penalty, "lower_bound": gain - occupancy_penalty - bias_penalty - sample_penalty}
 
 
 def hoeffding_radius(n: int, value_range: float, delta: float) -> float:
@@ -146,13 +137,10 @@ def paired_change_bound(before: list[float], after: list[float], reward_range: t
     rows. ``paired_lower_bound`` then gives P(lower_bound > T | H) <= delta_conf, and the same rule on
     -D gives ``upper_bound`` (P(upper_bound < T | H) <= delta_conf).
 
-    Uses: each SAT step (``sat.sat_stage`` with ``--reuse regenerate``: the turns step i changes drawn
-    before and after it on the stage's contexts, one seed per row for both), each stage and the whole run
-    (``records.stage_row``: the held-out evaluations, the same problems under the same seeds every stage).
-    Why not the paper's L_i with Hoeffding (Theorems 4.7/4.9) for a step: the estimate mean(w (r_j - 1) A)
-    uses the rows the step was trained on, so pi_j' is chosen to make it large, and r_j, a whole
-    response's ratio, is unbounded, so A's range does not bound its terms (tests/test_certificate.py
-    measures how often it exceeds the exact change). ``sat`` logs it as ``surrogate_estimate``.
+    Uses: each SAT step (``sat.sequential_update``), each stage and the whole run (``records.stage_row``), as the
+    module docstring says. Not the paper's L_i with Hoeffding (Theorems 4.7/4.9): that estimate is taken on the
+    rows the step was trained on, with an unbounded r_j (``advantage.step_estimates``; tests/test_certificate.py
+    measures how often it exceeds the exact change).
 
     Returns mean_change (mean(D), unbiased for T), stderr (its standard error), nonzero (the fraction of
     rows with D != 0), lower_bound, upper_bound, hoeffding_lower_bound, bernstein_lower_bound,

@@ -40,9 +40,7 @@ KL_CHUNK_POSITIONS = 1024  # positions of two [c, V] fp32 logits blocks in one e
 LOG_RATIO_CAP = 20.0
 
 
-# ---------------------------------------------------------------------------
-# Masked reductions over response positions
-# ---------------------------------------------------------------------------
+# -- Masked reductions over response positions ---------------------------------------------------------------------
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of x over entries where mask is true (padding may hold nan/inf: it is never read)."""
     kept = torch.where(mask.bool(), x, torch.zeros_like(x))  # [...]
@@ -57,9 +55,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total / count.clamp_min(1).to(total.dtype)
 
 
-# ---------------------------------------------------------------------------
-# Padding helpers
-# ---------------------------------------------------------------------------
+# -- Padding helpers -----------------------------------------------------------------------------------------------
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [N]
     width = int(lens.max())
@@ -105,9 +101,7 @@ def cut_at_eos(tokens: list[int], eos_id: int) -> list[int]:
     return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else list(tokens)
 
 
-# ---------------------------------------------------------------------------
-# Teacher-forced log-probabilities
-# ---------------------------------------------------------------------------
+# -- Teacher-forced log-probabilities ------------------------------------------------------------------------------
 def response_hidden_states(model, context_ids, context_mask, response_ids, response_mask) -> torch.Tensor:
     """Final hidden states at the positions that predict each response token: position Lc - 1 + t
     predicts response token t. Hidden states only, so the caller applies the LM head in chunks.
@@ -172,9 +166,7 @@ def token_logprobs_from_hidden(model, hidden, targets, temperature: float,
     return torch.cat(parts, dim=1)  # [n, Lr]
 
 
-# ---------------------------------------------------------------------------
-# The forward of a turn's rows at the turn's full width
-# ---------------------------------------------------------------------------
+# -- The forward of a turn's rows at the turn's full width ---------------------------------------------------------
 # Behaviour log-probs, the training forward and the KL measurement all run rows of the SAME
 # [N, Lc] + [N, Lr] tensors stored in the Turn, never re-padded or trimmed per chunk: in bf16 a row's
 # result depends on how much padding shares its batch (5e-3 in a log-prob after 5 extra padding

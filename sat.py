@@ -69,9 +69,7 @@ class RunState:
     log: Callable[[str], None] = print
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: one SAT stage (Algorithm 1, lines 4-14)
-# ---------------------------------------------------------------------------
+# -- ALGO LOGIC: one SAT stage (Algorithm 1, lines 4-14) -----------------------------------------------------------
 def order_agents(batch: TeamBatch, n: int, how: str, rng: random.Random) -> list[int]:
     """sigma for this stage. greedy: the agent that is weakest on this batch
     (lowest own accuracy) first, so the largest expected gain comes first and
@@ -252,9 +250,7 @@ def standard_error(values: torch.Tensor) -> float | None:
     return float(values.double().std(correction=1)) / math.sqrt(len(values))
 
 
-# ---------------------------------------------------------------------------
-# The loop over stages (Algorithm 1, lines 2-15)
-# ---------------------------------------------------------------------------
+# -- The loop over stages (Algorithm 1, lines 2-15) ----------------------------------------------------------------
 class Recorder(Protocol):
     """Where each evaluated stage goes (``harness.run.RunRecorder``: metrics, samples, checkpoints)."""
 

@@ -73,7 +73,7 @@ class StageRecord:
     vllm_logprob_abs_diff: list[float] | None = None  # --backend vllm: mean |log pi_vllm - log pi_train| per agent
     episode_rounds: float | None = None  # an environment's episodes: the mean rounds they ran
     success: float | None = None  # an environment's episodes: the share solved (team reward at the top of its range)
-    per_round: list[dict] | None = None  # an environment's episodes, round by round (rollout.round_stats)
+    per_round: list[dict] | None = None  # an environment's episodes, round by round (harness.episodes.round_stats)
 
     def row(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -51,9 +51,7 @@ VALUE_LOSS_WEIGHT = 0.5  # --adv gae: the value head's squared error, (V - G)^2 
 # kl_estimator, adv, ..., and the sampling temperature and token budget).
 
 
-# ---------------------------------------------------------------------------
-# Eq. (5) of Section 5: the objective L_i (ratio, clip, weights, KL penalty)
-# ---------------------------------------------------------------------------
+# -- Eq. (5) of Section 5: the objective L_i (ratio, clip, weights, KL penalty) ------------------------------------
 def kl_penalty(logp_new: torch.Tensor, logp_cur: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token sampled KL estimators for tokens a ~ pi_cur (the behaviour policy), r = pi_new(a) / pi_cur(a)
     (J. Schulman, "Approximating KL Divergence", 2020):
@@ -138,9 +136,7 @@ def negative_objective(logp: torch.Tensor, behaviour: torch.Tensor, mask: torch.
     return Objective(policy_loss + beta * kl, log_ratio, clipped, ratio)
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: OPTIMIZE(L_i), Algorithm 1 line 8
-# ---------------------------------------------------------------------------
+# -- ALGO LOGIC: OPTIMIZE(L_i), Algorithm 1 line 8 -----------------------------------------------------------------
 @dataclass
 class TrainStats:
     """What one agent's optimisation did (logged per agent and stage), and

@@ -248,13 +248,13 @@ def write_once(path: Path, text: str) -> None:
 def measure(ckpt: Path, heldout: Path, reward_name: str, samples: int, quiet: bool) -> float:
     """The team's mean ``reward_name`` on the held-out problems, ``samples`` draws each (eval_aime.py; resumable
     into ckpt/eval_<name>)."""
-    import eval_aime
+    from harness import evaluation
 
     out = Path(ckpt) / f"eval_{reward_name}"
     argv = ["--ckpt", str(ckpt), "--data", str(heldout), "--reward", f"{Path(__file__).resolve()}:{reward_name}",
             "--k", str(samples), "--max-new-tokens", "4", "--temperature", "1.0", "--instruction", "", "--out",
             str(out)]
-    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(argv), log=(lambda *_: None) if quiet else print)
+    summary = evaluation.evaluate_benchmarks(evaluation.parse_args(argv), log=(lambda *_: None) if quiet else print)
     return summary["benchmarks"]["heldout"]["metrics"]["team"][f"avg@{samples}"]["value"]
 
 

@@ -8,7 +8,7 @@
     Viol.%   the share of the stages after the swap, over every seed, flagged ``violation`` in metrics.jsonl (a fall
              of the held-out accuracy beyond 2 standard errors from the stage before)
 
-Each evaluation is ``eval_aime.evaluate`` (``--bench`` as eval_aime.py takes it, an env:NAME beside datasets
+Each evaluation is ``harness.evaluation.evaluate`` (``--bench`` as eval_aime.py takes it, an env:NAME beside datasets
 evaluated apart and averaged) on a run's checkpoint, into a folder of its own (OUT/table3/<team>/seed<S>), so a
 rerun skips what it finished and resumes what it did not (eval_aime.py is resumable). Before and every After share
 the evaluation's seed, so the samples of two teams are drawn under the same seeds (paired rows).
@@ -20,14 +20,15 @@ from pathlib import Path
 
 import common
 
-import eval_aime
+from harness import evaluation
+from harness.eval_setting import EvalConfig
 
 BEFORE = "before"  # the folder of the incumbent team's evaluations (OUT/table3/before/seed<S>)
 
 
-def eval_config(bench: str, options: str, ckpt: Path, out: Path) -> eval_aime.EvalConfig:
+def eval_config(bench: str, options: str, ckpt: Path, out: Path) -> EvalConfig:
     """eval_aime.py's options for one team: --bench, the user's --table3-options, the checkpoint and the folder."""
-    return eval_aime.parse_args(["--bench", bench, *shlex.split(options), "--ckpt", str(ckpt), "--out", str(out)])
+    return evaluation.parse_args(["--bench", bench, *shlex.split(options), "--ckpt", str(ckpt), "--out", str(out)])
 
 
 def check_options(bench: str, options: str) -> None:
@@ -49,7 +50,7 @@ def composite(bench: str, options: str, ckpt: Path, out: Path, quiet: bool) -> d
     """composite.json's content ({"benchmarks": {name: team avg@K}, "composite": their mean}) of the team in
     ``ckpt``, evaluated into ``out``; a single benchmark is its own composite."""
     cfg = eval_config(bench, options, ckpt, out)
-    result = eval_aime.evaluate(cfg, log=(lambda *_: None) if quiet else print)
+    result = evaluation.evaluate(cfg, log=(lambda *_: None) if quiet else print)
     if "composite" in result:
         return result
     team = {name: b["metrics"]["team"][f"avg@{cfg.k}"]["value"] for name, b in result["benchmarks"].items()}

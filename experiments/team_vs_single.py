@@ -47,6 +47,7 @@ import eval_aime  # noqa: E402
 import harness.cli
 import harness.eval_folder
 import harness.run
+from harness import evaluation  # noqa: E402
 
 TOKEN_TOLERANCE = 0.10
 SINGLE_STAGES = {"tokens": lambda n, stages: n * stages, "updates": lambda n, stages: stages}  # budget -> stages
@@ -80,11 +81,11 @@ def heldout_file(run: Path, path: Path) -> tuple[Path, str, object]:
 
 def evaluate(run: Path, data: Path, instruction: str, cfg, k: int, out: Path) -> list[dict]:
     """eval_aime.py on one run's last checkpoint (resumable); its predictions.jsonl rows."""
-    ecfg = eval_aime.parse_args(["--ckpt", str(run), "--data", str(data), "--k", str(k), "--instruction", instruction,
+    ecfg = evaluation.parse_args(["--ckpt", str(run), "--data", str(data), "--k", str(k), "--instruction", instruction,
                                  "--temperature", str(cfg.temperature), "--max-new-tokens", str(cfg.max_new_tokens),
                                  "--seed", str(cfg.seed), "--device", cfg.device, "--backend", cfg.backend,
                                  "--out", str(out)])
-    eval_aime.evaluate_benchmarks(ecfg, log=lambda *_: None)
+    evaluation.evaluate_benchmarks(ecfg, log=lambda *_: None)
     return harness.eval_folder.read_predictions(out / "predictions.jsonl")
 
 

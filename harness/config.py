@@ -388,8 +388,9 @@ class Config:
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no
-# agent's turns can be swapped out of it: rollout.score_episodes), so these options would silently mean something
-# else. Asked for, they are refused (check_episode_options); the baseline's default becomes group (apply_preset).
+# agent's turns can be swapped out of it: harness.episodes.score_episodes), so these options would silently mean
+# something else. Asked for, they are refused (check_episode_options); the baseline's default becomes group
+# (apply_preset).
 EPISODE_OPTIONS = {
     ("baseline", "counterfactual"): "no agent's turns can be swapped out of an episode, so there is no "
                                     "counterfactual baseline; use --baseline group (the default with an environment)",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from harness.config import ENV_TASK_PREFIX
 from harness.env_games import GAME_OPTIONS, GAMES, game_rows
+from harness.episodes import episode_rollout
 from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
 
@@ -69,6 +70,11 @@ class Environment:
             raise EnvironmentFault(f"{where}: reset returned {type(opening).__name__} {short(opening)}; return the "
                                    "opening observation as a str")
         return episode, opening
+
+    def play(self, team, flat: list, group_ids, sampling, backend, score: bool, seed: int):
+        """ROLLOUT over rounds in this environment (``harness.episodes.episode_rollout``), a ``rollout.TeamBatch``:
+        what ``rollout.rollout`` and ``rollout.regenerate`` call for a team handed an environment."""
+        return episode_rollout(team, flat, group_ids, sampling, backend, score, seed)
 
     @property
     def asks(self) -> bool:
@@ -299,7 +305,8 @@ def episode_reward(env: Environment) -> CheckedReward:
 
 
 def episode_columns(env: Environment | None) -> dict | None:
-    """The columns an episode adds to the reward's (``rollout.score_episodes``), with a value to probe it on."""
+    """The columns an episode adds to the reward's (``harness.episodes.score_episodes``), with a value to probe it
+    on."""
     return None if env is None else {"env_reward": env.range[0], "transcript": ""}
 
 

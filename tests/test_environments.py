@@ -143,7 +143,7 @@ TINY = ["--agents", "tiny x2", "--batch-size", "8", "--group-size", "4", "--epoc
 
 @pytest.mark.slow  # whole runs: sat.py, its resume and eval_aime.py
 def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_path, capsys):
-    import eval_aime
+    from harness import evaluation
     from harness.cli import main
 
     out, env = tmp_path / "run", f"{ROOT / 'examples' / 'addition_env.py'}:AdditionGame"
@@ -156,7 +156,7 @@ def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_p
     assert all(0 <= r["eval_success"] <= 1 and 1 <= r["eval_rounds"] <= 2 for r in rows)
     sample = json.loads((out / "samples.jsonl").read_text().splitlines()[-1])
     assert sample["transcript"].startswith("Environment: ") and "Agent 2: " in sample["transcript"]
-    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+    summary = evaluation.evaluate_benchmarks(evaluation.parse_args(
         ["--ckpt", str(out), "--data", str(ROOT / "examples" / "addition_heldout.jsonl"), "--k", "2", "--limit", "3",
          "--max-new-tokens", "4", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
     bench = summary["benchmarks"]["addition_heldout"]
@@ -168,7 +168,7 @@ def test_the_example_environment_trains_resumes_and_evaluates_at_tiny_size(tmp_p
 def test_the_built_in_games_train_and_evaluate(tmp_path):
     """Each built-in game through sat.py (one stage; guess-numbers with two digits) and eval_aime.py, tiny and short:
     their openings are long for a character tokenizer, so no warm start and few rows."""
-    import eval_aime
+    from harness import evaluation
     from harness.cli import main
 
     small = ["--agents", "tiny x2", "--batch-size", "4", "--group-size", "2", "--epochs", "1", "--minibatch-size", "4",
@@ -178,17 +178,17 @@ def test_the_built_in_games_train_and_evaluate(tmp_path):
                          "--out", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["generations"] >= 4 * 2 and 1 <= rows[1]["episode_rounds"] <= 2
-    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+    summary = evaluation.evaluate_benchmarks(evaluation.parse_args(
         ["--agents", "tiny", "--bench", "env:blocksworld", "--max-rounds", "1", "--k", "1", "--limit", "1",
          "--max-new-tokens", "3", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
     assert summary["benchmarks"]["env:blocksworld"]["rounds"] == {"mean": 1.0, "max": 1}
 
 
 def test_a_roles_next_template_addresses_the_later_rounds():
+    from harness.episodes import episode_context, speak, start_episode
     from harness.loading import load_agent
     from harness.math_grading import math_team_config
     from harness.roles import parse_roles
-    from rollout import episode_context, speak, start_episode
     from team import Team
 
     roles = parse_roles({"agents": [{"user": "{problem}", "next": "Round {round}. {turns}"}]}, "roles", 2,
@@ -259,7 +259,7 @@ def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_pa
     to train on, is skipped in one line; the first row's opening and what the per-agent figures mean are said once;
     a sample's transcript holds the environment's words; the baseline is the group's, no credit_correlation; and
     eval_aime.py evaluates the trained team on such rows."""
-    import eval_aime
+    from harness import evaluation
     from harness.cli import main
 
     out = tmp_path / "run"
@@ -279,7 +279,7 @@ def test_a_run_on_rows_without_problem_or_answer_says_what_the_agents_see(tmp_pa
     assert sample["transcript"].startswith("Environment: I am thinking of a whole number from 1 to 20.")
     assert re.search(r"\n\nEnvironment: Agent 1: (Say a number\.|-?\d+ is (right|too high|too low)\.)\nAgent 2: ",
                      sample["transcript"]), sample["transcript"]
-    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(  # the same rows evaluate a --ckpt team
+    summary = evaluation.evaluate_benchmarks(evaluation.parse_args(  # the same rows evaluate a --ckpt team
         ["--ckpt", str(out), "--data", str(NUMBER_HELDOUT), "--k", "1", "--limit", "2", "--max-new-tokens", "4",
          "--out", str(tmp_path / "eval")]), log=lambda *_: None)
     assert 1 <= summary["benchmarks"]["number_game_heldout"]["rounds"]["mean"] <= 2

@@ -1,7 +1,7 @@
 """Every row of docs/errors.md, driven as written: bad inputs and faults, each
 answered by one line on stderr and a non-zero exit, none by a traceback.
 
-The table's command column is run in-process (harness.cli.main / eval_aime.main /
+The table's command column is run in-process (harness.cli.main / harness.evaluation.main /
 scale.memory.main), so validation errors cost milliseconds; the line column is the
 whole last line of stderr, with "…" standing for any text and the placeholders
 below replaced by real paths:
@@ -27,10 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval_aime
 import harness.cli
 import harness.run
-from harness import run_folder
+from harness import evaluation, run_folder
 from harness.config import Config
 from harness.loading import load_agent
 from scale import memory
@@ -77,7 +76,7 @@ def finished_run(tmp_path_factory):
 
 def run_tool(command: str, capsys) -> tuple[int, str]:
     tool, *argv = shlex.split(command.replace("python -m scale.memory", "scale.memory"))
-    mains = {"sat.py": harness.cli.main, "eval_aime.py": eval_aime.main, "scale.memory": memory.main}
+    mains = {"sat.py": harness.cli.main, "eval_aime.py": evaluation.main, "scale.memory": memory.main}
     try:
         rc = mains[tool](argv)
     except SystemExit as exit_info:  # argparse and memory.py exit themselves

@@ -1,6 +1,6 @@
-"""eval_aime.py: metrics against brute force, AIME grading, end-to-end runs of
-tiny teams on AIME24 problems (both protocols, a checkpoint), resume after an
-interruption, and one-line CLI errors."""
+"""eval_aime.py (the metrics) and harness/evaluation.py (its loop): metrics against brute force, AIME grading,
+end-to-end runs of tiny teams on AIME24 problems (both protocols, a checkpoint), resume after an interruption,
+and one-line CLI errors."""
 import itertools
 import json
 import os
@@ -12,18 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import eval_aime
-from eval_aime import (
-    bootstrap_ci,
-    chunk_seed,
-    majority_correct,
-    pass_at_k,
-    plan_chunks,
-    problem_metrics,
-    summarize,
-)
+from eval_aime import bootstrap_ci, majority_correct, pass_at_k, problem_metrics
+from harness import evaluation
 from harness.eval_folder import read_predictions
 from harness.eval_setting import team_identity
+from harness.evaluation import chunk_seed, plan_chunks, summarize
 from harness.loading import load_agent, save_team
 from harness.math_grading import answers_match, extract_answer, math_team_config
 from team import Problem, Team
@@ -115,7 +108,7 @@ def run_cli(tmp_path, name, *extra):
     out = tmp_path / name
     argv = ["--agents", "tiny x3", "--data", str(AIME24), "--limit", "5", "--k", "2", "--max-new-tokens", "8",
             "--device", "cpu", "--out", str(out), *extra]
-    assert eval_aime.main(argv) == 0
+    assert evaluation.main(argv) == 0
     return out, json.loads((out / "summary.json").read_text())
 
 
@@ -134,7 +127,7 @@ def test_end_to_end_tiny_team(tmp_path, protocol, capsys):
     printed = capsys.readouterr().out
     assert "| aime24 | team |" in printed and "hit --max-new-tokens 8" in printed  # 8 tokens truncate: warned
     # A second run with the same flags finds everything written and generates nothing.
-    assert eval_aime.main(["--agents", "tiny x3", "--data", str(AIME24), "--limit", "5", "--k", "2",
+    assert evaluation.main(["--agents", "tiny x3", "--data", str(AIME24), "--limit", "5", "--k", "2",
                            "--max-new-tokens", "8", "--device", "cpu", "--out", str(out), "--protocol", protocol]) == 0
     assert "to generate" not in capsys.readouterr().out
 
@@ -167,12 +160,12 @@ def test_checkpoint_team_keeps_its_protocol(tmp_path):
     out = tmp_path / "ev"
     argv = ["--ckpt", str(tmp_path / "run"), "--data", str(AIME24), "--limit", "2", "--k", "2", "--max-new-tokens", "4",
             "--device", "cpu", "--out", str(out)]
-    assert eval_aime.main(argv) == 0
+    assert evaluation.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["setting"]["protocol"] == "chain" and summary["setting"]["ckpt"] == str((stage / "team").resolve())
     assert summary["setting"]["instruction"] == " Sum?"  # the prompts it was trained on, not the boxed default
     assert set(summary["benchmarks"]["aime24"]["metrics"]) == {"team", "agent_1", "agent_2"}
-    identity = team_identity(eval_aime.parse_args(argv + ["--instruction", ""]))
+    identity = team_identity(evaluation.parse_args(argv + ["--instruction", ""]))
     assert identity["instruction"] == ""  # an explicit --instruction still replaces it
 
 
@@ -189,26 +182,26 @@ def test_checkpoint_team_samples_with_its_runs_own_settings_unless_told(tmp_path
                                                  "agents": "tiny x2"}))
     out = tmp_path / "ev"
     argv = ["--ckpt", str(run), "--data", str(AIME24), "--limit", "1", "--k", "2", "--device", "cpu", "--out", str(out)]
-    assert eval_aime.main(argv) == 0
+    assert evaluation.main(argv) == 0
     printed = capsys.readouterr().out
     assert f"from {run / 'config.json'}: temperature 0.5, top_p 0.9, max_new_tokens 4 (the run's own; " in printed
     setting = json.loads((out / "summary.json").read_text())["setting"]
     assert (setting["max_new_tokens"], setting["temperature"], setting["top_p"]) == (4, 0.5, 0.9)
     explicit = ["--max-new-tokens", "4", "--temperature", "0.5", "--top-p", "0.9"]
-    assert eval_aime.main(argv + explicit) == 0  # the same effective setting: the same run.json, nothing to draw
+    assert evaluation.main(argv + explicit) == 0  # the same effective setting: the same run.json, nothing to draw
     assert "to generate" not in capsys.readouterr().out
     (run / "checkpoints" / "stage_0001" / "state.pt").write_bytes(b"")  # what marks a stage folder
     for stage in (run / "checkpoints" / "stage_0001", run / "checkpoints" / "stage_0001" / "team"):
-        identity = team_identity(eval_aime.parse_args(["--ckpt", str(stage), "--temperature", "0.8"]))
+        identity = team_identity(evaluation.parse_args(["--ckpt", str(stage), "--temperature", "0.8"]))
         assert (identity["max_new_tokens"], identity["temperature"], identity["top_p"]) == (4, 0.8, 0.9)
     (run / "config.json").unlink()  # a team without its run's config: the paper's evaluation sampling
-    identity = team_identity(eval_aime.parse_args(["--ckpt", str(run)]))
+    identity = team_identity(evaluation.parse_args(["--ckpt", str(run)]))
     assert (identity["max_new_tokens"], identity["temperature"], identity["top_p"]) == (32768, 0.8, 1.0)
 
 
 # -- clear errors ------------------------------------------------------------------------------
 def test_unknown_bench_is_one_line(tmp_path, capsys):
-    assert eval_aime.main(["--agents", "tiny x3", "--bench", "aime26", "--out", str(tmp_path)]) == 2
+    assert evaluation.main(["--agents", "tiny x3", "--bench", "aime26", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "unknown dataset 'aime26'" in err and "aime24" in err
 
@@ -230,11 +223,11 @@ def test_a_composite_of_datasets_and_an_environment_is_their_mean(tmp_path):
     and the composite the mean of the team's avg@K over every benchmark (the paper's Table 3 composite)."""
     data = Path(__file__).resolve().parents[1] / "data"
     out = tmp_path / "t3"
-    cfg = eval_aime.parse_args(["--agents", "tiny x2", "--bench",
+    cfg = evaluation.parse_args(["--agents", "tiny x2", "--bench",
                                 f"{data / 'aime24.jsonl'},{data / 'aime25.jsonl'},env:detective-cases",
                                 "--k", "2", "--limit", "1", "--max-new-tokens", "3", "--task-option", "turns=2",
                                 "--out", str(out)])
-    composite = eval_aime.evaluate(cfg, log=lambda *_: None)
+    composite = evaluation.evaluate(cfg, log=lambda *_: None)
     subs = {name: json.loads((out / folder / "summary.json").read_text())["benchmarks"][name]
             for folder, names in (("files", ["aime24", "aime25"]), ("env_detective-cases", ["env:detective-cases"]))
             for name in names}

@@ -54,21 +54,26 @@ def test_checker_finds_scale_out_in_the_paper(tmp_path):
 
 def test_checker_keeps_the_product_out_of_the_paper(tmp_path):
     """A paper module may take the processes seam it is handed but not the product's configuration (its own is
-    sat_config.SatConfig) nor the loading code; sat.py's ``__main__`` block (the command line) and the program
-    eval_aime.py are exempt."""
+    sat_config.SatConfig) nor the loading code; eval_aime.py's metrics may also take the answer grading; the
+    ``__main__`` blocks of sat.py and eval_aime.py (their command lines) are exempt."""
     (tmp_path / "harness").mkdir()
-    for name in ("__init__", "config", "loading", "cli", "processes"):
+    for name in ("__init__", "config", "loading", "cli", "processes", "math_grading"):
         (tmp_path / "harness" / f"{name}.py").write_text("")
     (tmp_path / "harness" / "cli.py").write_text("import sat\n")
+    (tmp_path / "harness" / "evaluation.py").write_text("import eval_aime\nfrom harness import loading\n")
     (tmp_path / "rollout.py").write_text("from harness.processes import ONE_PROCESS\n"
                                          "from harness.config import Config\nfrom harness.loading import x\n")
     (tmp_path / "sat.py").write_text("import rollout\nif __name__ == '__main__':\n    from harness.cli import main\n")
-    (tmp_path / "eval_aime.py").write_text("from harness import loading\n")
+    (tmp_path / "eval_aime.py").write_text("from harness import math_grading\nfrom harness import loading\n"
+                                           "if __name__ == '__main__':\n    from harness.evaluation import main\n")
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stdout
     assert "PRODUCT IN THE PAPER: rollout imports harness.loading (top)" in done.stdout
     assert "PRODUCT IN THE PAPER: rollout imports harness.config (top)" in done.stdout
     assert "rollout imports harness.processes" not in done.stdout
-    assert "CYCLE" not in done.stdout and "eval_aime imports" not in done.stdout and "sat imports" not in done.stdout
+    assert "PRODUCT IN THE PAPER: eval_aime imports harness.loading (top)" in done.stdout
+    assert "eval_aime imports harness.math_grading" not in done.stdout
+    assert "CYCLE" not in done.stdout and "sat imports" not in done.stdout and "harness.evaluation imports" not in \
+        done.stdout
     assert "| __main__: harness.cli" in done.stdout

@@ -13,11 +13,10 @@ import pytest
 import torch
 from test_sat import small_config, strip_timing
 
-import eval_aime
 import harness.cli
 import harness.run
 from adapter import LoraSettings, copy_sharing_base, own_parameters
-from harness import lora
+from harness import evaluation, lora
 from harness.config import VLLM_MAX_LORA_RANK, Config, parse_agents
 from harness.loading import load_agents, load_saved_agents, load_saved_team, save_agent
 from harness.math_grading import math_team_config
@@ -274,7 +273,7 @@ def test_a_resumed_lora_run_equals_a_straight_one_and_its_checkpoint_holds_adapt
     data = tmp_path / "two.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{k}+1", "answer": str(k + 1)}) + "\n" for k in range(2)))
     out = tmp_path / "ev"
-    assert eval_aime.main(["--ckpt", str(tmp_path / "a" / "run"), "--data", str(data), "--k", "2", "--max-new-tokens",
+    assert evaluation.main(["--ckpt", str(tmp_path / "a" / "run"), "--data", str(data), "--k", "2", "--max-new-tokens",
                            "4", "--device", "cpu", "--out", str(out)]) == 0
     assert set(json.loads((out / "summary.json").read_text())["benchmarks"]) == {"two"}
 

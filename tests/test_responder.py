@@ -1,13 +1,14 @@
-"""A responder model inside the environment (``Environment.ask``, ``rollout.responder_replies``): every question of
-a round, across all episodes, answered in one batched generate; each reply a function of its row, round, question
-and chat alone, so episodes replay exactly; the responder frozen, its words context only."""
+"""A responder model inside the environment (``Environment.ask``, ``harness.episodes.responder_replies``): every
+question of a round, across all episodes, answered in one batched generate; each reply a function of its row, round,
+question and chat alone, so episodes replay exactly; the responder frozen, its words context only."""
 import pytest
 import torch
 
 from harness.environments import Environment, EnvironmentFault, play, responder_spec
+from harness.episodes import responder_seed
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
-from rollout import SamplingConfig, responder_seed, rollout
+from rollout import SamplingConfig, rollout
 from scale.rollout_hf import HF
 from team import Problem, Team
 

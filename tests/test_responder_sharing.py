@@ -8,7 +8,7 @@ from test_responder import ORACLE, ROWS, oracle_team
 from test_responder import SAMPLING as ORACLE_SAMPLING
 
 import harness.cli
-import rollout as rollout_module
+from harness import episodes as episodes_module
 from harness.config import parse_agents
 from harness.loading import load_agent, save_agent
 from harness.responder import shared_responder, shares_weights
@@ -160,7 +160,7 @@ class SlowBackend:
 
 def test_each_rounds_wall_time_is_split_between_the_agents_the_responder_and_the_steps(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(rollout_module, "time", clock)
+    monkeypatch.setattr(episodes_module, "time", clock)
     responder = load_agent("tiny", seed=7)
     team = oracle_team(responder)
     batch = rollout(team, ROWS, 1, ORACLE_SAMPLING, SlowBackend(responder, 3.0, clock), score=False, seed=3)

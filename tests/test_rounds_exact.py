@@ -1,4 +1,4 @@
-"""Multi-round episodes (rollout.py, "Episodes") checked exactly, with no sampling noise.
+"""Multi-round episodes (harness/episodes.py) checked exactly, with no sampling noise.
 
 1. A team of two real (tiny) agents whose vocabulary is five tokens plays a deterministic game of up to two rounds
    through the real implementation, one token a turn, so every joint trajectory of a prompt can be enumerated
@@ -30,22 +30,20 @@ from test_toy_mdp_properties import check_stage_bound, check_step_bounds
 from advantage import UpdateInputs, step_estimates
 from harness.config import Config, resolve_agent_spec
 from harness.environments import Environment
-from harness.loading import TINY_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model, prepare_tokenizer
-from harness.math_grading import math_team_config
-from logprobs import TurnTensors, masked_sum, measure_kl, turn_forward
-from reward import Reward
-from rollout import (
+from harness.episodes import (
     ENVIRONMENT,
-    SamplingConfig,
-    TeamBatch,
     episode_context,
     episode_turn,
-    rollout,
     score_episodes,
     speak,
     start_episode,
     transcript,
 )
+from harness.loading import TINY_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model, prepare_tokenizer
+from harness.math_grading import math_team_config
+from logprobs import TurnTensors, masked_sum, measure_kl, turn_forward
+from reward import Reward
+from rollout import SamplingConfig, TeamBatch, rollout
 from scale.rollout_hf import HF
 from team import Agent, Problem, Team
 from update import _micro_batch_loss, _Tally

@@ -213,7 +213,7 @@ def strip_timing(records):
     for r in records:
         r = {k: v for k, v in r.items() if k not in TIMING_KEYS}
         r["agents"] = [{k: v for k, v in a.items() if k not in TIMING_KEYS} for a in r.get("agents", [])]
-        if "per_round" in r:  # an environment's rounds: their wall time split (rollout.ROUND_SECONDS)
+        if "per_round" in r:  # an environment's rounds: their wall time split (harness.episodes.ROUND_SECONDS)
             r["per_round"] = [{k: v for k, v in row.items() if not k.endswith("_seconds")} for row in r["per_round"]]
         out.append(r)
     return out

@@ -570,7 +570,7 @@ def test_a_reward_that_fails_is_refused_before_any_model_loads(tmp_path, capsys)
 
 @pytest.mark.slow  # a whole run and an evaluation
 def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys):
-    import eval_aime
+    from harness import evaluation
     from harness.config import Config
     from harness.tasks import load_task
 
@@ -585,7 +585,7 @@ def test_a_reasoning_gym_task_trains_and_evaluates_at_tiny_size(tmp_path, capsys
                  batch_size=8, group_size=2)
     train, heldout, _ = load_task(cfg)
     assert not {p.problem for p in train} & {p.problem for p in heldout}
-    summary = eval_aime.evaluate_benchmarks(eval_aime.parse_args(
+    summary = evaluation.evaluate_benchmarks(evaluation.parse_args(
         ["--ckpt", str(out), "--bench", "reasoning-gym:knights_knaves", "--task-option", "n_people=2", "--k", "2",
          "--limit", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "eval")]), log=lambda *_: None)
     team = summary["benchmarks"]["reasoning-gym:knights_knaves"]["metrics"]["team"]

@@ -292,8 +292,8 @@ def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
     """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
     logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
     vllm`` evaluates the trained checkpoint."""
-    import eval_aime
     import harness.cli
+    from harness import evaluation
 
     team2[1].close()  # the module's engines are no longer needed: a test using them after this one restarts them
     device = engine_device()
@@ -309,7 +309,7 @@ def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
     data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(4)))
     ev = tmp_path / "eval"
-    assert eval_aime.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
+    assert evaluation.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
                            "--device", device, "--backend", "vllm", "--out", str(ev)]) == 0
     rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)

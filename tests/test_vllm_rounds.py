@@ -1,5 +1,5 @@
 """An environment's multi-round episodes on real vLLM engines (CPU build or CUDA): tiny agents and a tiny responder,
-fp32, 2 rows, 2 rounds (``rollout.episode_rollout`` with ``scale.rollout_vllm.VLLMBackend``).
+fp32, 2 rows, 2 rounds (``harness.episodes.episode_rollout`` with ``scale.rollout_vllm.VLLMBackend``).
 
 Checked, with the engines started once for the module (each start costs half a minute or more on two CPU cores):
 - the draws are coupled by their seeds as the HF backend's are: the same seeds give the same transcripts (the second
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow  # starts three real vLLM engines
 import test_responder  # noqa: E402
 
 import rollout  # noqa: E402
+from harness import episodes  # noqa: E402
 from harness.environments import Environment  # noqa: E402
 from harness.loading import load_agent  # noqa: E402
 from harness.math_grading import math_team_config  # noqa: E402
@@ -79,7 +80,7 @@ def team_and_engines():
 def one_row_reseeded(monkeypatch, row: int) -> None:
     """Every response seed of ``row`` (each agent, each round) replaced; the other rows' kept."""
     seeds = rollout.response_seeds
-    monkeypatch.setattr(rollout, "response_seeds", lambda base, rows, agent, round_=0: [
+    monkeypatch.setattr(episodes, "response_seeds", lambda base, rows, agent, round_=0: [  # the rounds' draws
         s ^ 0x5A5A5A5A if i == row else s for i, s in enumerate(seeds(base, rows, agent, round_))])
 
 
