@@ -20,7 +20,8 @@ def test_quiet_prints_the_verdict_alone_when_the_graph_holds():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "check_imports.py"), "--tests", "--quiet"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.splitlines() == [
-        "import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, never scale/)"]
+        "import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, and eval_aime "
+        "the answer grader; never scale/)"]
 
 
 def test_checker_finds_a_lazy_cycle(tmp_path):

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPER_MAY_IMPORT = ("harness.processes",)
 ALSO_MAY_IMPORT = {"eval_aime": ("harness.math_grading",)}  # Section 6's metrics grade as the benchmarks do
 PACKAGES = ("harness", "scale")
+OK_LINE = ("import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, and eval_aime "
+           "the answer grader; never scale/)")
 EXTRA_DIRS = ("tests", "bench", "tools", "experiments")  # importers only (with --tests)
 
 
@@ -220,8 +222,7 @@ def report(graph: dict[str, dict[str, str]], core: set[str], quiet: bool = False
         print_graph(graph)
     for line in problems:
         print(line)
-    print("import graph: OK (a DAG; the paper's modules import from harness/ only the processes seam, never scale/)"
-          if not problems else "import graph: FAILED")
+    print(OK_LINE if not problems else "import graph: FAILED")
     return 1 if problems else 0
 
 
