@@ -1,8 +1,14 @@
-"""Shared pytest configuration: hypothesis profiles.
+"""Shared pytest configuration: hypothesis profiles, and the order files reach pytest-xdist's workers.
 
 Select with SAT_HYPOTHESIS_PROFILE=ci|dev (default ci):
 - ci:  deterministic (derandomize), few examples, no deadline: same result on every run.
 - dev: many random examples, for hunting counterexamples locally.
+
+The README's test command is `pytest -n 2 --dist loadfile`: each file's tests run on one worker, and a worker takes
+the next file from a queue when it runs low. xdist's default queue puts the files with the most tests first, so the
+files of two or three whole real-model runs (the longest ones) went last and the run ended on one worker.
+`LONGEST_FILES` lists them longest first and `pytest_collection_modifyitems` puts them at the head of the queue
+(longest-processing-time first), which leaves the short files to fill in at the end.
 """
 
 import os
@@ -14,6 +20,48 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=300, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("SAT_HYPOTHESIS_PROFILE", "ci"))
+
+# The files that take longest on an idle two-core machine, longest first (each file's seconds, setup + call +
+# teardown, from `pytest -n 2 --dist loadfile --durations` on a fresh clone at 99ade34; docs/results.md, "The tests and
+# the code's layout"). A file not listed keeps xdist's order after them (most tests first). The order changes only
+# when a file starts, never what a test computes; a stale list costs time, not correctness.
+LONGEST_FILES = (
+    "test_real_team.py",       # 254 s: the HF and the vLLM run of a real SmolLM2 team
+    "test_vllm_engine.py",     # ~220 s: real vLLM engines, two ranks
+    "test_distributed.py",     # ~210 s: ten sat.py processes and five torchrun launches
+    "test_certificate.py",     # ~150 s: the enumerable team's thousands of steps
+    "test_sat.py",             # whole tiny runs and their resumes
+    "test_run_records.py",     # a kill -9 at three points and the resumes
+    "test_vllm_lora.py",       # ~80 s: one vLLM engine serving LoRA adapters
+    "test_vllm_rounds.py",     # ~70 s: three vLLM engines over rounds
+    "test_experiments.py",     # the sequential-vs-joint and plug-and-play runs
+    "test_upgrade_accept.py",  # runs with a certified upgrade
+    "test_plug_and_play.py",   # Stage-0's memory profile and the closed-form fit
+    "test_trust_region.py",    # hypothesis over the exact tilt and projection
+)
+
+
+def file_rank(item) -> tuple[int, int]:
+    """(0, place in LONGEST_FILES) for a listed file, (1, 0) for the rest: a sort key that keeps the order inside
+    a file and among the files not listed."""
+    name = item.path.name
+    return (0, LONGEST_FILES.index(name)) if name in LONGEST_FILES else (1, 0)
+
+
+def pytest_configure(config):
+    """Queue files in collection order: xdist's reordering by test count (on by default) would undo
+    `pytest_collection_modifyitems`'s order."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first, then the rest with the files of most tests first (xdist's default order): a stable
+    sort, so each file's tests keep their order (some share a module's engines in that order)."""
+    count = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    items.sort(key=lambda item: (file_rank(item), -count[item.path]))
 
 
 @pytest.fixture(scope="session")

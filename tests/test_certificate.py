@@ -84,12 +84,14 @@ class Team:
         """[rows] response indices of agent k, one per row, given each row's state: from torch's generator
         ``g``, or (``seed``) token by token with the project's sampler under the rows' seeds, as
         ``rollout`` draws them, so that two draws under one seed share their random numbers."""
-        if seed is None:
-            probs = response_logp(self.thetas[k])[states].exp()  # [N, 1024]
-            return torch.multinomial(probs, 1, generator=g)[:, 0]
-        sampler, logits = SeededSampler(response_seeds(seed, self.rows, k), 1.0), self.thetas[k][states]  # [N, L, V]
-        tokens = torch.stack([sampler(None, logits[:, t]).argmax(-1) for t in range(L)], 1)  # [N, L]
-        return (tokens * 2 ** torch.arange(L - 1, -1, -1)).sum(1)  # [N] the index in RESPONSES
+        logits = self.thetas[k][states]  # [N, L, V]
+        if seed is None:  # the L tokens are independent given the state: L draws of V, not one of V ** L
+            probs = logits.softmax(-1).reshape(-1, V)  # [N * L, V]
+            tokens = torch.multinomial(probs, 1, generator=g).view(self.rows, L)  # [N, L]
+        else:
+            sampler = SeededSampler(response_seeds(seed, self.rows, k), 1.0)
+            tokens = torch.stack([sampler(None, logits[:, t]).argmax(-1) for t in range(L)], 1)  # [N, L]
+        return (tokens * V ** torch.arange(L - 1, -1, -1)).sum(1)  # [N] the index in RESPONSES
 
     def state(self, k: int, turns: list) -> torch.Tensor:
         return ANSWER[turns[k - 1]] if self.protocol == "chain" and k else torch.zeros(self.rows, dtype=torch.long)
