@@ -16,6 +16,7 @@ from harness.run import build_team, run_inputs
 from rollout import SamplingConfig, rollout
 from scale import memory
 from scale.rollout_hf import HF
+from scale.vllm_lora import lora_engines, make_team_backend
 
 CHATS = [[{"role": "system", "content": "You are a suspect."}, {"role": "user", "content": f"Where were you {i}?"}]
          for i in range(3)]
@@ -83,6 +84,24 @@ def test_with_lora_the_responder_is_the_agents_base_for_the_whole_run(folder):
     said = replies(responder)
     train_one_step(team.agents[0])
     assert pointers(responder.model) == pointers(base.model) and replies(responder) == said
+
+
+def test_with_lora_on_vllm_the_responder_of_the_base_needs_no_engine_of_its_own(folder):
+    """--lora --backend vllm: a responder of the agents' base is served by the base's engine (one engine in all, its
+    requests with no adapter); one of another model gets an engine of its own. No engine starts here."""
+    cfg = team_cfg(folder, "--lora", "4", "--backend", "vllm")
+    cfg.validate()  # the option check lets the responder through
+    team = build_team(run_inputs(cfg), "")
+    backend = make_team_backend("vllm", team, seed=0)
+    responder, base = team.config.responder, team.agents[0].base
+    assert lora_engines(team) == backend.n_engines == 1
+    assert backend.base_for(responder) is base and backend.base_for(team.agents[1]) is base
+    assert backend.request_kwargs(responder) == {}
+    backend.close()
+    other = build_team(run_inputs(team_cfg(folder, "--lora", "4", "--env-model", "tiny")), "")
+    backend = make_team_backend("vllm", other, seed=0)
+    assert lora_engines(other) == backend.n_engines == 2 and backend.base_for(other.config.responder) is None
+    backend.close()
 
 
 def team_cfg(folder: str, *extra: str):
