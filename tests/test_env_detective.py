@@ -80,6 +80,14 @@ def test_a_random_detective_scores_chance():
     assert all(abs(labels[i] / 1000 - 0.2) < 0.05 for i in range(5))  # a fixed letter scores chance too
 
 
+def test_the_probe_replays_a_model_responders_episodes_in_a_second_process():
+    """With a model responder the probe's second process asks and answers (scripted replies) as the first does."""
+    env = load_environment("env:detective-cases")
+    problem = game_problems("detective-cases", {"turns": "2", "responder": "SmolLM2-135M"}, 1, seed=0, split="train",
+                            rounds=2)[0]
+    probe_environment(env, [problem], n_agents=2)
+
+
 def test_an_episode_replays_exactly_and_cases_are_functions_of_the_seed():
     assert generate_case(7) == generate_case(7) and generate_case(7) != generate_case(8)
     replies = [["Suspect: B\nQuestion: where were you?", "Suspect: Z\nQuestion: hm", "nothing"]] * 4
