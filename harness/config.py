@@ -382,9 +382,6 @@ class Config:
         if self.upgrade and self.backend == "vllm":  # the adapter engines are sized for the bases at the start
             raise ValueError("--upgrade with --lora --backend vllm: the adapter engines serve the bases the team "
                              "started with; run the upgrade with --backend hf")
-        if self.env_model and self.backend == "vllm":  # the same line as scale.vllm_lora.make_team_backend
-            raise ValueError("an --env-model responder with --lora --backend vllm: the adapter engines do not serve "
-                             "it yet; use --backend hf (or drop --lora)")
 
 
 # With an environment each agent's own score is the team's (an episode cannot be split among its agents, and no

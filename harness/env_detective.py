@@ -33,6 +33,21 @@ def check_replies(responder: str, questions: int, replies: list[str] | None) -> 
     if responder != RULES and (replies is None or len(replies) != questions):
         raise ValueError(f"responder {responder}: step needs {questions} replies (one per chat of ask), got "
                          f"{'none' if replies is None else len(replies)}")
+
+
+def round_limit(rounds: int | None, turns: int) -> str:
+    """The opening's words on the episode's round limit T = ``rounds``: said only where it can stop the questions
+    before the budget of ``turns`` does (T - 1 < turns: every question round spends a turn at least, so a longer T
+    never binds, as the default T = 26 against 25 turns). The team's size is not known at reset, so the words give
+    the rule, true for any team: questions until round T - 1 ends or the budget is spent, then the answer."""
+    if not rounds or rounds - 1 >= turns:
+        return ""
+    if rounds <= 1:
+        return " You have 1 round: it is for the answer."
+    return (f" You have {rounds} rounds at most: questions until round {rounds - 1} ends or the budget is spent, "
+            "then one round for the answer.")
+
+
 LETTERS = "ABCDE"
 TURNS = 25  # AR-Bench's budget of questions
 OPENING = (
@@ -312,8 +327,8 @@ class DetectiveCases:
         self.answering = self.rounds_left <= 1 or self.turns_left <= 0
         suspects = "\n".join(f"{LETTERS[i]}. {s['name']}: {s.get('introduction', '')}"
                              for i, s in enumerate(case_row["initial_information"]["suspect"]))
-        limit = (f" You have {self.rounds_left} rounds; the last one is for the answer." if rounds else "")
-        text = OPENING.format(background=background(case_row), suspects=suspects, turns=turns, limit=limit)
+        text = OPENING.format(background=background(case_row), suspects=suspects, turns=turns,
+                              limit=round_limit(rounds, int(turns)))
         return text + ("\n\n" + self.final_prompt() if self.answering else "")
 
     def final_prompt(self) -> str:

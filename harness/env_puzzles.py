@@ -19,7 +19,7 @@ import re
 import string
 from collections import Counter
 
-from harness.env_detective import RULES, check_replies
+from harness.env_detective import RULES, check_replies, round_limit
 from harness.sp_puzzles import generate_puzzle
 
 TURNS = 25
@@ -165,7 +165,7 @@ class SituationPuzzles:
         self.rounds_left = int(rounds) if rounds else self.max_rounds
         self.asked, self.answer, self.record = 0, None, []
         self.answering = self.rounds_left <= 1 or self.turns_left <= 0
-        limit = f" You have {self.rounds_left} rounds; the last one is for the answer." if rounds else ""
+        limit = round_limit(rounds, self.turns_left)
         text = OPENING.format(surface=self.puzzle["surface"], turns=turns, limit=limit)
         return text + ("\n\n" + FINAL if self.answering else "")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.env_games import GAMES
 
 BUILTIN_PREFIX = "env:"  # harness.config.ENV_TASK_PREFIX (not imported: it would bring torch)
+PROBE_REPLY = "I cannot say."  # the scripted responder's reply to each question of a probe's episodes
 
 
 def environment_class(spec: str) -> type:
@@ -37,11 +38,16 @@ def environment_class(spec: str) -> type:
 
 
 def play_episode(cls: type, row: dict, replies: list[list[str]], rounds: int) -> tuple[list[str], float]:
-    """(observations, reward) of one scripted episode, as ``harness.environments.play`` records them."""
+    """(observations, reward) of one scripted episode, as ``harness.environments.play`` records them: a class that
+    asks a responder model (it defines ``ask``) gets PROBE_REPLY to each of a round's questions."""
     episode = cls()
+    asks = callable(getattr(cls, "ask", None))
     seen = [episode.reset(**row)]
     for responses in replies[:rounds]:
-        observation, done = episode.step(list(responses))
+        if asks:
+            observation, done = episode.step(list(responses), [PROBE_REPLY] * len(episode.ask(list(responses))))
+        else:
+            observation, done = episode.step(list(responses))
         seen.append(observation)
         if done:
             break

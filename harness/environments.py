@@ -31,6 +31,7 @@ from pathlib import Path
 
 from harness.config import ENV_TASK_PREFIX
 from harness.env_games import GAME_OPTIONS, GAMES, game_rows
+from harness.env_replay import PROBE_REPLY  # the scripted responder's reply to each question of a probe's episodes
 from harness.episodes import episode_rollout
 from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
@@ -41,7 +42,6 @@ PROBE_ROWS = 3  # data rows the environment is probed on before any model loads
 # numbers, the built-in games' moves and plain words.
 PROBE_RESPONSES = ("", "1234", "pick up the red block", "7", "stack the blue block on top of the red block",
                    "I do not know.")
-PROBE_REPLY = "I cannot say."  # the scripted responder's reply to each question of a probe's episodes
 PROBE_TIMEOUT = 120  # seconds the probe's second process may take
 
 

@@ -4,6 +4,7 @@ A responder is frozen and never trained, so a model the team already holds need 
 
 - With ``--lora`` the agents are adapters on shared bases; a responder of an agent's base model is that base itself
   (``Agent.base``, the plain model, no adapter in it), shared for the whole run: the adapters train, the base never.
+  On ``--backend vllm`` the base's engine serves it too, its requests with no adapter (``scale.vllm_lora``).
 - Otherwise a responder of the same model as an agent shares that agent's weight tensors for as long as the agent
   has not moved: at a run's start, until the agent first gets an optimizer (``Agent.before_training``), when the
   responder takes a frozen copy of the weights as they were, so its replies never change.
@@ -59,8 +60,16 @@ def shared_responder(team: Team, spec: AgentSpec, at_start: bool, one_process: b
     return share_until_trained(same) if same is not None else None
 
 
+def responder_base(team: Team) -> Agent | None:
+    """The --lora base (a whole, frozen agent) whose very model the team's responder is (``shared_responder``), None
+    where it holds weights of its own. On ``--backend vllm`` that base's engine serves it, with no adapter."""
+    responder = team.config.responder
+    if responder is None:
+        return None
+    return next((a.base for a in team.agents if a.base is not None and a.base.model is responder.model), None)
+
+
 def shares_weights(team: Team) -> bool:
     """Whether the team's responder holds no weights of its own (a --lora base: for the whole run); what the memory
     planner leaves out. A responder sharing a whole agent until it trains is counted: it takes a copy then."""
-    responder = team.config.responder
-    return responder is not None and any(a.base is not None and a.base.model is responder.model for a in team.agents)
+    return responder_base(team) is not None

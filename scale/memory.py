@@ -81,7 +81,7 @@ PHASE_NOTES = {
     "gathered": "--shard-frozen: units gathered whole at once",
     "gathered_rollout": "--shard-frozen: units gathered whole in the rollout",
     "responder_weights": "the environment's responder model (--env-model; none: a --lora base it shares)",
-    "responder_kv": "the responder's generate KV cache",
+    "responder_kv": "the responder's generate KV cache (none: on a --lora base's vLLM engine, in its kv_cache)",
 }
 
 
@@ -485,21 +485,29 @@ def responder_max_len(cfg, n_agents: int) -> int:
     return PROMPT_ALLOWANCE + (cfg.max_rounds or 1) * n_agents * (cfg.max_new_tokens + cfg.env_model_max_tokens)
 
 
+def responder_bytes(cfg, config, dtype_bytes: int, n_agents: int, shared: bool) -> tuple[int, int]:
+    """(weights, KV cache) bytes of a run's responder of model ``config``, counted once. Its weights: none where it is
+    ``shared`` (a --lora base the agents hold); its KV cache: one batched generate's, --token-budget tokens or its
+    longest chat (``responder_max_len``), at its own layers' bytes per token. With --backend vllm a shared responder
+    adds no KV either: its base's engine answers it from that engine's cache (``kv_cache``), between the agents'
+    generates, never beside them, as ``scale.vllm_lora`` serves it. This plan assumes one generate of the responder
+    at a time; a responder on an engine of its own is planned as on HF (its weights once, one generate's KV)."""
+    if shared and cfg.backend == "vllm":
+        return 0, 0
+    tokens = max(cfg.token_budget, responder_max_len(cfg, n_agents))
+    return (0 if shared else count_parameters(config) * dtype_bytes), tokens * kv_bytes_per_token(config, dtype_bytes)
+
+
 def responder_plan(cfg, team) -> tuple[int, int]:
-    """(weights, KV cache) bytes of the responder a run's environment asks (``team.config.responder``), counted
-    once: its weights (none while it is a --lora base the agents share, ``harness.responder.shares_weights``; a
-    responder sharing an agent's tensors is counted, since it takes its own copy when that agent first trains),
-    and its batched generate's KV cache, one chunk of --token-budget tokens or its longest chat
-    (``responder_max_len``), at its own layers' bytes per token; (0, 0) without one."""
+    """``responder_bytes`` of the responder a run's environment asks (``team.config.responder``): shared while it is a
+    --lora base the agents share (``harness.responder.shares_weights``; a responder sharing an agent's tensors is
+    counted, since it takes its own copy when that agent first trains); (0, 0) without one."""
     from harness.responder import shares_weights
 
     responder = team.config.responder
     if responder is None:
         return 0, 0
-    config, dtype_bytes = responder.model.config, responder.dtype.itemsize
-    weights = 0 if shares_weights(team) else count_parameters(config) * dtype_bytes
-    tokens = max(cfg.token_budget, responder_max_len(cfg, len(team)))
-    return weights, tokens * kv_bytes_per_token(config, dtype_bytes)
+    return responder_bytes(cfg, responder.model.config, responder.dtype.itemsize, len(team), shares_weights(team))
 
 
 def lora_plan(cfg) -> dict:
@@ -589,17 +597,18 @@ def ram_per_process() -> int | None:
 
 def cpu_plan(cfg, model_config, n_agents: int, responder: tuple[int, int] = (0, 0)
              ) -> tuple[dict[str, int], dict, dict, dict]:
-    """(estimate, peaks, notes, fixes) of a CPU run. With --backend vllm (the CPU build) each agent has an engine
-    whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the run's longest
-    sequence, ``run_max_len``, or the model's max_position_embeddings where that is shorter), and engines stay
-    resident in training (CPU_VLLM_PEAKS)."""
+    """(estimate, peaks, notes, fixes) of a CPU run. With --backend vllm (the CPU build) each agent (--lora: each
+    base) has an engine whose KV cache is sized in bytes as ``rollout_vllm`` sizes it (``cpu_kv_cache_bytes`` at the
+    run's longest sequence, ``run_max_len``, or the model's max_position_embeddings where that is shorter), and
+    engines stay resident in training (CPU_VLLM_PEAKS)."""
     est = run_estimate(cfg, model_config, n_agents, responder)
     if cfg.backend != "vllm":
         return est, PEAKS, PHASE_NOTES, CPU_FIXES
     max_len = (model_config.get("max_position_embeddings") if isinstance(model_config, dict)
                else getattr(model_config, "max_position_embeddings", None)) or 32768
     max_len = min(max_len, run_max_len(cfg, n_agents))
-    est["kv_cache"] = n_agents * cpu_kv_cache_bytes(model_config, 4 if cfg.dtype == "float32" else 2, max_len)
+    engines = lora_plan(cfg).get("n_bases", n_agents)  # one per agent, or with --lora one per base
+    est["kv_cache"] = engines * cpu_kv_cache_bytes(model_config, 4 if cfg.dtype == "float32" else 2, max_len)
     for peak, parts in CPU_VLLM_PEAKS.items():
         est[peak] = sum(est[p] for p in parts)
     return est, CPU_VLLM_PEAKS, CPU_VLLM_NOTES, CPU_VLLM_FIXES
@@ -654,18 +663,15 @@ def spec_model_config(spec):
 
 def spec_responder_bytes(cfg, spec, team_specs) -> tuple[int, int]:
     """``responder_plan`` before any weights load, from the responder's spec (``spec_model_config``): (0, 0) without
-    one or where its config cannot be read (the check after loading covers it); no weights where --lora makes it
-    the base of an agent (``harness.responder``)."""
+    one or where its config cannot be read (the check after loading covers it); shared where --lora makes it the base
+    of an agent (``harness.responder``)."""
     config = spec_model_config(spec) if spec is not None else None
     if config is None:
         return 0, 0
     from harness.lora import base_key
 
-    dtype_bytes = 4 if cfg.dtype == "float32" else 2
     shared = cfg.lora is not None and any(base_key(s) == base_key(spec) for s in team_specs)
-    tokens = max(cfg.token_budget, responder_max_len(cfg, len(team_specs)))
-    return (0 if shared else count_parameters(config) * dtype_bytes,
-            tokens * kv_bytes_per_token(config, dtype_bytes))
+    return responder_bytes(cfg, config, 4 if cfg.dtype == "float32" else 2, len(team_specs), shared)
 
 
 def check_team_ram(cfg, specs, responder=None) -> None:

@@ -314,7 +314,8 @@ class VLLMBackend:
                                "n_engines = the number of distinct agents, so their memory is sized for all of them")
         return self._create(agent)
 
-    def _create(self, agent) -> Engine:
+    def _create(self, agent, overrides: dict | None = None) -> Engine:
+        """Start the engine of ``agent``'s weights (``overrides``: more ``vllm.LLM`` arguments for this one)."""
         if agent.adapter is not None and type(self) is VLLMBackend:
             raise ValueError(f"agent {agent.spec.name} is a LoRA adapter on a shared base: serve its team with "
                              "vllm_lora.make_team_backend, one engine per base")
@@ -329,7 +330,7 @@ class VLLMBackend:
         kv_bytes = self.kv_cache_bytes or cpu_kv_cache_bytes(agent.model.config, dtype.itemsize, max_len)
         kwargs = engine_kwargs(path, self.fraction, dtype, self.seed + len(self.engines), max_len,
                                self.health_logprobs, self.device, self.sleep_mode, kv_bytes, self.tensor_parallel)
-        kwargs.update(sharded_engine_kwargs(agent.model), **self.engine_overrides)
+        kwargs.update(sharded_engine_kwargs(agent.model), **{**self.engine_overrides, **(overrides or {})})
         eng = Engine(start_llm(kwargs, self.device, self.tensor_parallel), path, agent.spec.name, weakref.ref(agent),
                      max_len)
         self.engines[id(agent)] = eng
@@ -471,8 +472,9 @@ class VLLMBackend:
 
 
 def team_engines(team) -> int:
-    """The engines a team's rollouts need: one per agent, and one for the environment's frozen responder model
-    (``TeamConfig.responder``), which answers every question of a round in one generate on its own engine."""
+    """The engines a team of whole models needs: one per agent, and one for the environment's frozen responder model
+    (``TeamConfig.responder``), which answers every question of a round in one generate on its own engine (a team of
+    adapters: ``vllm_lora.lora_engines``)."""
     return len(team) + (team.config.responder is not None)
 
 

@@ -17,6 +17,10 @@ agent's requests carry the agent's ``LoRARequest``:
   log-probabilities of given responses) is refused: vLLM 0.32's LoRA logits processor fails on prompt log-probs
   (an einsum over the sampled rows meets every prompt row; seen on the CPU build).
 - Seeds: per request, exactly as for whole agents (``rollout_vllm.request_seeds``).
+- The environment's responder (``--env-model``): a responder of a base's model is that base itself
+  (``harness.responder``), so the base's engine serves it, its requests with no ``LoRARequest``: no second engine,
+  no second copy of the weights, and its replies never change as the adapters train. A responder of another model
+  gets an engine of its own, without LoRA (``lora_engines`` counts it).
 
 vLLM is imported only inside the functions that drive an engine: the pure helpers run without it.
 """
@@ -72,21 +76,31 @@ def lora_bases(team) -> int | None:
     return len({id(agent.base) for agent in team.agents})
 
 
+def lora_engines(team) -> int:
+    """The engines of a team of adapters: one per base, the responder served by its base's engine where it is that
+    base (``harness.responder.responder_base``), else (a responder of another model) one engine of its own."""
+    from harness.responder import responder_base
+
+    own = team.config.responder is not None and responder_base(team) is None
+    return lora_bases(team) + own
+
+
 def make_team_backend(name: str, team, seed: int, train_fraction: float | None = None, tensor_parallel: int = 1,
                       health: bool = True, max_model_len: int | None = None):
     """The sampler of ``team`` (``rollout_vllm.make_backend``'s arguments): for a team of adapters on vLLM one engine
-    per base (``VLLMLoraBackend``), each serving up to len(team) adapters, its memory share sized for the bases."""
+    per base (``VLLMLoraBackend``), each serving up to len(team) adapters and the base itself (a responder of that
+    model), plus an engine for a responder of another model; their memory shares sized for all of them."""
     bases = lora_bases(team) if name == "vllm" else None
     if bases is None:
         return make_backend(name, team_engines(team), seed, train_fraction, tensor_parallel, health, max_model_len)
-    if team.config.responder is not None:
-        raise ValueError("an --env-model responder with --lora --backend vllm: the adapter engines do not serve "
-                         "it yet; use --backend hf (or drop --lora)")
     if tensor_parallel > 1:
         raise ValueError("--lora with --backend vllm serves a team from one process; drop --vllm-tensor-parallel")
     extra = {} if train_fraction is None else {"train_fraction": train_fraction}
-    return VLLMLoraBackend(n_engines=bases, max_adapters=len(team), seed=seed, health_logprobs=health,
-                           max_model_len=max_model_len, **extra)
+    backend = VLLMLoraBackend(n_engines=lora_engines(team), max_adapters=len(team),
+                              rank=max(a.adapter.settings.rank for a in team.agents), seed=seed,
+                              health_logprobs=health, max_model_len=max_model_len, **extra)
+    backend.serve_bases(agent.base for agent in team.agents)
+    return backend
 
 
 def base_of(agent):
@@ -126,17 +140,39 @@ class Served:
 
 
 class VLLMLoraBackend(VLLMBackend):
-    """``VLLMBackend`` for a team of adapter agents: engines keyed by base, requests carrying the agent's adapter."""
+    """``VLLMBackend`` for a team of adapter agents: engines keyed by base, requests carrying the agent's adapter. A
+    whole agent whose model is a served base (the responder on the agents' base, ``harness.responder``) is served
+    by that base's engine with no adapter; any other whole agent (a responder of another model) by an engine of its
+    own, without LoRA, as ``VLLMBackend`` serves it."""
 
-    def __init__(self, n_engines: int = 1, max_adapters: int = 3, **kwargs):
+    def __init__(self, n_engines: int = 1, max_adapters: int = 3, rank: int | None = None, **kwargs):
         super().__init__(n_engines=n_engines, **kwargs)
-        self.max_adapters = max_adapters
+        self.max_adapters, self.rank = max_adapters, rank  # rank: the adapters' (None: the first agent's)
         self.served: dict[int, Served] = {}  # id(agent) -> its adapter on its base's engine
+        self.bases: dict[int, weakref.ref] = {}  # id(base model) -> its base Agent (``serve_bases``)
         self.next_lora_id = 1  # vLLM's adapter ids: unique for the backend's life, never reused
 
     # -- engines ----------------------------------------------------------------
+    def serve_bases(self, bases) -> None:
+        """Know these bases (the team's), so that a whole agent on one of their models finds its engine even before
+        an adapter agent of that base first generates."""
+        for base in bases:
+            self.bases[id(base.model)] = weakref.ref(base)
+
+    def base_for(self, agent):
+        """The base whose engine serves ``agent``: an adapter agent's base; for a whole agent, the known base whose
+        model it is (the responder on the agents' base); None for a whole model of its own."""
+        if agent.adapter is not None:
+            return base_of(agent)
+        ref = self.bases.get(id(agent.model))
+        base = ref() if ref is not None else None
+        return base if base is not None and base.model is agent.model else None
+
     def engine(self, agent) -> Engine:
-        base = base_of(agent)
+        base = self.base_for(agent)
+        if base is None:
+            return super().engine(agent)  # a model of its own: an engine without adapters
+        self.bases[id(base.model)] = weakref.ref(base)
         eng = self.engines.get(id(base))
         if eng is not None and eng.agent_ref() is base:
             return eng
@@ -146,11 +182,15 @@ class VLLMLoraBackend(VLLMBackend):
             self._close(k)  # engines of bases no agent holds any more
         if len(self.engines) >= self.n_engines:
             raise RuntimeError(f"more than {self.n_engines} vLLM engines requested: create the backend with "
-                               "n_engines = the number of distinct bases, so their memory is sized for all of them")
+                               "n_engines = the number of distinct bases (+ 1 for a responder of another model), so "
+                               "their memory is sized for all of them")
         if distributed.is_sharded(base.model):
             raise ValueError("--lora with --backend vllm serves whole bases on one process; drop --shard-frozen")
-        self.engine_overrides.update(lora_engine_kwargs(self.max_adapters, agent.adapter.settings.rank))
-        return self._create(base)
+        rank = self.rank if self.rank is not None else (agent.adapter and agent.adapter.settings.rank)
+        if not rank:
+            raise ValueError(f"{agent.spec.name}: the engine of its base serves adapters of a rank not known yet; "
+                             "create the backend with rank = the adapters' (vllm_lora.make_team_backend)")
+        return self._create(base, lora_engine_kwargs(self.max_adapters, rank))
 
     def _close(self, key) -> None:
         closing = self.engines[key]
@@ -179,22 +219,28 @@ class VLLMLoraBackend(VLLMBackend):
 
     def release(self, agent) -> None:
         """Drop the agent's adapter from its base's engine (a plug-and-play swap replaced the agent); the engine
-        stays for the base's other agents."""
+        stays for the base's other agents. A whole model of its own: its engine closes."""
+        if self.base_for(agent) is None:
+            return super().release(agent)
         if self.served_for(agent) is not None:
             self._forget(id(agent), unload=True)
         self.logprobs.pop(id(agent), None)
 
     # -- versions ---------------------------------------------------------------
     def base_version(self, agent) -> int:
-        base = base_of(agent)
+        base = self.base_for(agent)
         return self.book.observe(id(base), weights_fingerprint(base.model.parameters()))
 
     def adapter_version(self, agent) -> int:
         return self.book.observe(("adapter", id(agent)), adapter_fingerprint(agent))
 
     def assert_in_sync(self, agent) -> None:
+        if self.base_for(agent) is None:
+            return super().assert_in_sync(agent)
         eng = self.engine(agent)
         check_in_sync(eng.version, self.base_version(agent), eng.name)
+        if agent.adapter is None:
+            return  # the base itself: no adapter to check
         served = self.served_for(agent)
         check_adapter_in_sync(None if served is None else served.version, self.adapter_version(agent),
                               agent.spec.name)
@@ -221,11 +267,15 @@ class VLLMLoraBackend(VLLMBackend):
     # -- actions ----------------------------------------------------------------
     def wake_for_rollout(self, agent) -> Engine:
         """Wake the base's engine (pushing the base if the engine is new or a push was deferred) and load the
-        agent's adapter if the engine has never served it or its load was deferred."""
+        agent's adapter if the engine has never served it or its load was deferred (the base itself: none)."""
+        base = self.base_for(agent)
+        if base is None:
+            return super().wake_for_rollout(agent)
         eng = self.engine(agent)
-        base = base_of(agent)
         load = eng.version < 0 or eng.pending
         self._run(eng, base, plan_wake(eng.awake, load), self.base_version(agent) if load else eng.version)
+        if agent.adapter is None:
+            return eng
         served = self.served_for(agent)
         if served is None or served.pending:
             self.load_adapter(eng, agent, self.adapter_version(agent))
@@ -234,13 +284,17 @@ class VLLMLoraBackend(VLLMBackend):
     def sync(self, agent) -> None:
         """After changing the agent's adapter (a promotion): the engine serves the new adapter from now on, or
         from its next wake if it sleeps (no base weights move); a changed base (never, once training starts) is
-        pushed as for whole agents."""
-        base = base_of(agent)
+        pushed as for whole agents. A whole model of its own: as ``VLLMBackend``."""
+        base = self.base_for(agent)
+        if base is None:
+            return super().sync(agent)
         if id(base) not in self.engines:
             return  # no engine yet: the base and the adapter load when it starts
         eng = self.engine(agent)
         version = self.base_version(agent)
         self._run(eng, base, plan_sync(eng.awake, eng.version != version), version)
+        if agent.adapter is None:
+            return
         served, adapter = self.served_for(agent), self.adapter_version(agent)
         if served is not None and served.version != adapter:
             if "weights" in eng.awake:
@@ -249,10 +303,13 @@ class VLLMLoraBackend(VLLMBackend):
                 served.pending = True
 
     def score(self, agent, contexts, responses, check: bool = True):
+        if self.base_for(agent) is None:
+            return super().score(agent, contexts, responses, check)
         raise NotImplementedError(f"agent {agent.spec.name}: an adapter engine cannot score given responses (vLLM "
                                   "0.32's LoRA logits processor fails on prompt log-probabilities); compare the "
                                   "sampled tokens' log-probabilities instead (health_logprobs, backend.health)")
 
     def request_kwargs(self, agent) -> dict:
-        """What every request of the agent carries: its adapter."""
-        return {"lora_request": self.served[id(agent)].request}
+        """What every request of the agent carries: its adapter (a whole agent: nothing, the base or its own
+        engine)."""
+        return {} if agent.adapter is None else {"lora_request": self.served[id(agent)].request}

@@ -80,6 +80,14 @@ def test_a_random_detective_scores_chance():
     assert all(abs(labels[i] / 1000 - 0.2) < 0.05 for i in range(5))  # a fixed letter scores chance too
 
 
+def test_the_probe_replays_a_model_responders_episodes_in_a_second_process():
+    """With a model responder the probe's second process asks and answers (scripted replies) as the first does."""
+    env = load_environment("env:detective-cases")
+    problem = game_problems("detective-cases", {"turns": "2", "responder": "SmolLM2-135M"}, 1, seed=0, split="train",
+                            rounds=2)[0]
+    probe_environment(env, [problem], n_agents=2)
+
+
 def test_an_episode_replays_exactly_and_cases_are_functions_of_the_seed():
     assert generate_case(7) == generate_case(7) and generate_case(7) != generate_case(8)
     replies = [["Suspect: B\nQuestion: where were you?", "Suspect: Z\nQuestion: hm", "nothing"]] * 4
@@ -119,6 +127,27 @@ def test_the_question_budget_maps_to_rounds_and_max_rounds_leaves_the_answer_rou
     obs, done = env.step(["Suspect: B\nQuestion: where?"])
     assert env.answering and obs.endswith(dc.FINAL.splitlines()[-1]) and not done
     assert env.step(["Answer: E"]) [1] and env.rounds_left == 0
+
+
+def test_the_opening_states_a_round_limit_only_where_it_can_stop_the_questions():
+    """The run gives every row T (26 by default): an opening says "26 rounds" nowhere when the 25 questions, or 2,
+    end the episode first; a T that can cut the questions short is said with the rule, for any team size."""
+    env = load_environment("env:detective-cases")
+    for turns in ("25", "2"):
+        problem = game_problems("detective-cases", {"turns": turns}, 1, seed=0, split="train",
+                                rounds=env.max_rounds)[0]
+        opening = env.start(problem)[1]
+        assert "26" not in opening and "rounds" not in opening.split("The team has")[1], opening
+    opening = dc.DetectiveCases().reset(seed=2, turns=4, rounds=3)
+    assert "You have 3 rounds at most: questions until round 2 ends or the budget is spent" in opening
+    assert dc.round_limit(3, 2) == "" and dc.round_limit(1, 5) == " You have 1 round: it is for the answer."
+    for agents in (1, 2, 3):  # the rule the words give is the episode's: T - 1 question rounds at most
+        episode = dc.DetectiveCases()
+        episode.reset(seed=2, turns=4, rounds=3)
+        played, done = 0, False
+        while not done:
+            done, played = episode.step(["Suspect: A\nQuestion: where?"] * agents)[1], played + 1
+        assert played == min(3, dc.rounds_needed(4, agents))
 
 
 def run_model_episode(row: dict, script: list[list[str]]) -> tuple[dc.DetectiveCases, list[list[list[dict]]]]:

@@ -84,6 +84,14 @@ def test_the_question_rounds_never_show_the_bottom_and_the_explanation_is_scored
     assert env.get_reward() == 1.0  # the last agent without an A: line defers to the one before
 
 
+def test_the_probe_replays_a_model_responders_episodes_in_a_second_process():
+    """With a model responder the probe's second process asks and answers (scripted replies) as the first does."""
+    env = load_environment("env:situation-puzzles")
+    problem = game_problems("situation-puzzles", {"turns": "2", "responder": "SmolLM2-135M"}, 1, seed=0, split="train",
+                            rounds=2)[0]
+    probe_environment(env, [problem], n_agents=3)
+
+
 def test_an_episode_replays_exactly_and_puzzles_are_functions_of_the_seed():
     assert generate_puzzle(3) == generate_puzzle(3)
     surfaces = {generate_puzzle(s)["surface"] for s in range(60)}

@@ -16,6 +16,7 @@ from harness.run import build_team, run_inputs
 from rollout import SamplingConfig, rollout
 from scale import memory
 from scale.rollout_hf import HF
+from scale.vllm_lora import lora_engines, make_team_backend
 
 CHATS = [[{"role": "system", "content": "You are a suspect."}, {"role": "user", "content": f"Where were you {i}?"}]
          for i in range(3)]
@@ -83,6 +84,36 @@ def test_with_lora_the_responder_is_the_agents_base_for_the_whole_run(folder):
     said = replies(responder)
     train_one_step(team.agents[0])
     assert pointers(responder.model) == pointers(base.model) and replies(responder) == said
+
+
+def test_with_lora_on_vllm_the_responder_of_the_base_needs_no_engine_of_its_own(folder):
+    """--lora --backend vllm: a responder of the agents' base is served by the base's engine (one engine in all, its
+    requests with no adapter); one of another model gets an engine of its own. No engine starts here."""
+    cfg = team_cfg(folder, "--lora", "4", "--backend", "vllm")
+    cfg.validate()  # the option check lets the responder through
+    team = build_team(run_inputs(cfg), "")
+    backend = make_team_backend("vllm", team, seed=0)
+    responder, base = team.config.responder, team.agents[0].base
+    assert lora_engines(team) == backend.n_engines == 1
+    assert backend.base_for(responder) is base and backend.base_for(team.agents[1]) is base
+    assert backend.request_kwargs(responder) == {}
+    assert memory.responder_plan(cfg, team) == (0, 0)  # no weights, its KV in the base's engine's
+    backend.close()
+    other = build_team(run_inputs(team_cfg(folder, "--lora", "4", "--env-model", "tiny")), "")
+    backend = make_team_backend("vllm", other, seed=0)
+    assert lora_engines(other) == backend.n_engines == 2 and backend.base_for(other.config.responder) is None
+    backend.close()
+
+
+def test_on_cpu_the_plan_counts_one_vllm_engine_per_base_under_lora():
+    dims = memory.QWEN3_DIMS["qwen3-0.6b"]
+
+    def kv_cache(*extra):
+        cfg = harness.cli.parse_args(["--agents", "Qwen3-0.6B x3", "--backend", "vllm", "--device", "cpu",
+                                      *extra]).apply_preset()
+        return memory.cpu_plan(cfg, dims, 3)[0]["kv_cache"]
+
+    assert kv_cache("--lora", "8") * 3 == kv_cache()  # three agents on one base: one engine, not three
 
 
 def team_cfg(folder: str, *extra: str):
@@ -182,4 +213,6 @@ def test_before_loading_a_responder_of_the_agents_base_under_lora_costs_no_weigh
     assert weights == memory.count_parameters(dims) * 4 and kv > 0  # float32 on CPU
     (weights, kv_lora), _ = plan("--lora", "8")
     assert weights == 0 and kv_lora == kv
+    assert plan("--backend", "vllm")[0] == (memory.count_parameters(dims) * 4, kv)  # an engine of its own
+    assert plan("--lora", "8", "--backend", "vllm")[0] == (0, 0)  # answered by the base's engine, from its KV cache
     assert memory.spec_responder_bytes(cfg, parse_agents("tiny")[0], parse_agents(cfg.agents)) == (0, 0)

@@ -5,7 +5,9 @@ Paper, Algorithm 1 (Section 5): rollouts sample pi_cur, and after a promotion (l
 sample its new adapter. Checked here: two agents of one base share one engine and each samples its own policy (vLLM's
 log-probabilities of the sampled tokens equal its HF forward, not the other agent's: the ``health`` metric); after a
 training step of an adapter the engine is refused until ``sync``, which loads the new adapter and pushes no base
-weights, and then follows it; draws are coupled by the requests' seeds; ``sat.py --lora --backend vllm`` trains.
+weights, and then follows it; draws are coupled by the requests' seeds; a responder of the agents' base is served
+by the base's engine with no adapter (its replies unchanged by a promotion), asked once a round in an episode;
+``sat.py --lora --backend vllm`` trains.
 
 One engine for the module (each start spawns vLLM's processes: minutes on two loaded CPU cores), one for the command
 line. Skipped where vLLM is not installed.
@@ -19,12 +21,18 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow  # every test here starts (or shares) a real vLLM engine
 
+import test_responder  # noqa: E402
+import test_vllm_rounds  # noqa: E402
+
 from adapter import LoraSettings, own_named_parameters  # noqa: E402
+from harness.environments import Environment  # noqa: E402
 from harness.loading import load_agents, resolve_agent_spec  # noqa: E402
+from harness.math_grading import math_team_config  # noqa: E402
 from logprobs import TurnTensors, batched_response_logprobs, left_pad, right_pad, turn_forward  # noqa: E402
-from rollout import SamplingConfig, response_seeds  # noqa: E402
+from rollout import SamplingConfig, response_seeds, rollout  # noqa: E402
 from scale import rollout_vllm as rv  # noqa: E402
 from scale import vllm_lora  # noqa: E402
+from team import Agent, Problem, Team  # noqa: E402
 
 BOUND = 1e-4  # fp32 engine + adapter vs fp32 HF forward: mean |log pi_vllm - log pi_train| per sampled token
 MAX_NEW = 24
@@ -159,6 +167,68 @@ def test_scoring_through_an_adapter_is_refused_in_one_line(team2):
     agents, reg = team2
     with pytest.raises(NotImplementedError, match="cannot score given responses"):
         reg.score(agents[0], [[1, 2]], [[3]])
+
+
+def responder_on_the_base(reg, agents):
+    """The responder of the agents' base model as ``harness.responder.shared_responder`` builds it under --lora (the
+    base itself, no adapter; a tiny spec is never shared there, so the test builds it the same way by hand), made
+    known to the backend as ``make_team_backend`` does."""
+    base = agents[0].base
+    reg.serve_bases([base])
+    return Agent(base.spec, base.model, base.tokenizer)
+
+
+def adapters_of_requests(eng, monkeypatch) -> list:
+    """Spy on the engine's generate: the LoRA request (None: the base) of every call, in order."""
+    seen, real = [], eng.llm.generate
+    monkeypatch.setattr(eng.llm, "generate", lambda *a, **k: (seen.append(k.get("lora_request")), real(*a, **k))[1])
+    return seen
+
+
+def test_the_responder_on_the_agents_base_is_its_engines_base_and_never_changes(team2, monkeypatch):
+    """The responder samples the base through the base's engine (no second engine, no adapter in its requests:
+    vLLM's log-probabilities of its tokens are the base's HF forward's, far from either adapter's), and after an
+    agent's adapter moves and is promoted (``sync``) its replies under the same seeds are the same tokens."""
+    agents, reg = team2
+    responder = responder_on_the_base(reg, agents)
+    eng = reg.engine(agents[0])
+    requests = adapters_of_requests(eng, monkeypatch)
+    ctx = contexts_of(responder)
+    said, lp = sample(reg, responder, ctx, seed=21, temperature=0.7)
+    to_base = gap(lp, responder, ctx, said, 0.7)
+    to_adapters = [gap(lp, agent, ctx, said, 0.7) for agent in agents]
+    move_adapter(agents[0], 0.5, seed=31)
+    reg.sync(agents[0])
+    sample(reg, agents[0], ctx, seed=21, temperature=0.7)  # the promoted adapter serves in between
+    again, _ = sample(reg, responder, ctx, seed=21, temperature=0.7)
+    print(f"\n[vllm-lora] responder on the base's engine: gap to the base {to_base:.1e}, to the adapters "
+          f"{[f'{g:.2f}' for g in to_adapters]}; replies after a promotion identical: {again == said}")
+    assert len(reg.engines) == 1 and requests[0] is None and requests[2] is None and requests[1] is not None
+    assert to_base < BOUND and all(g > 100 * BOUND for g in to_adapters)
+    assert again == said
+
+
+class TwoRounds(test_responder.Oracle):
+    max_rounds = 2
+
+
+def test_an_episode_asks_the_responder_on_the_base_once_a_round_on_one_engine(team2, monkeypatch):
+    """``rollout`` of an environment that asks the responder, a team of adapters on one base: one engine (the number
+    of bases, ``lora_engines``), the responder asked in one generate a round, its requests with no adapter."""
+    agents, reg = team2
+    config = math_team_config(protocol="chain", environment=Environment(TwoRounds, "oracle", 2, (0.0, 1.0)))
+    config.responder_max_tokens = 5
+    team = Team(list(agents), config)
+    config.responder = responder_on_the_base(reg, agents)
+    requests = adapters_of_requests(reg.engine(agents[0]), monkeypatch)
+    backend = test_vllm_rounds.Counting(reg)
+    rows = [Problem(f"row-{i}", "", "", None, {"seed": i}) for i in range(2)]
+    batch = rollout(team, rows, 2, SamplingConfig(temperature=1.0, max_new_tokens=6), backend, score=False, seed=4)
+    asked = [n for model, n in backend.calls if model is config.responder]
+    assert vllm_lora.lora_engines(team) == vllm_lora.lora_bases(team) == len(reg.engines) == 1
+    assert asked == [len(rows) * 2 * len(team)] * 2 and len(backend.calls) == 2 * (len(team) + 1)
+    assert [r is None for r in requests] == [model is config.responder for model, _ in backend.calls]
+    assert all(t.count("Oracle to agent") == 2 * 2 for t in batch.transcripts)
 
 
 def test_sat_with_lora_on_the_vllm_backend(team2, tmp_path):
