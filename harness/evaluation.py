@@ -22,7 +22,9 @@ the team's voted answer.
 Metrics per benchmark, for the team and each agent (its own answer inside the joint trajectory): avg@K,
 the unbiased pass@1 and pass@K, maj@K, each with a 95% percentile bootstrap over problems (2000 resamples,
 seed 0), the dominant uncertainty with 30 problems. --out holds predictions.jsonl (a row per benchmark,
-problem, sample and who), summary.json and run.json. Resumable: rows are appended (fsync) after every chunk,
+problem, sample and who), summary.json and run.json; an environment's episodes also add rounds.jsonl (each
+rollout call's rounds: the wall time of the agents' generates, the responder model's and the environment's steps,
+summed per benchmark as summary.json's ``round_seconds``). Resumable: rows are appended (fsync) after every chunk,
 each chunk is seeded from (seed, benchmark, first problem, chunk), and the summary is computed from
 predictions.jsonl alone, so an interrupted run gives the same summary; a rerun into the same --out with a
 different setting (run.json) is refused.
@@ -44,6 +46,7 @@ import torch
 from eval_aime import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, aggregate, length_stats, problem_metrics
 from harness.config import add_options, default_backend
 from harness.environments import BUILTIN_PREFIX
+from harness.episodes import ROUND_SECONDS
 from harness.eval_folder import (
     append_rows,
     check_identity,
@@ -164,6 +167,39 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
     return out
 
 
+ROUNDS_FILE = "rounds.jsonl"  # an environment's rollout calls: each round's episodes and its wall time split
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """rounds.jsonl's rows; a line a crash tore (or an append made invalid) is skipped: that call's time is
+    missing, never wrong."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def round_seconds(rows: list[dict]) -> dict[str, dict]:
+    """Per benchmark, the wall time of its episodes' rounds summed over rollout calls, split between the agents'
+    generates, the responder model's and the environment's steps (``harness.episodes.round_stats``); a call
+    generated again (a resumed, half-written chunk) counts once, its last time."""
+    last = {(r["bench"], r["first_problem"], r["chunk"], r["round"]): r for r in rows}
+    out: dict[str, dict] = {}
+    for (bench, *_), r in last.items():
+        mine = out.setdefault(bench, {"rounds": 0, **{key: 0.0 for key in ROUND_SECONDS}})
+        mine["rounds"] += 1
+        for key in ROUND_SECONDS:
+            mine[key] += r[key]
+    return out
+
+
 # -- The evaluation --------------------------------------------------------------------------------------
 def missing_chunks(benches: dict[str, list[Problem]], cfg: EvalConfig, whos: list[str], written: set) -> list[tuple]:
     """(bench, problem indices, samples, chunk index, how many of its samples lack a row) of every rollout
@@ -194,6 +230,8 @@ def generate(team: Team, sampler, sampling: SamplingConfig, benches: dict[str, l
             rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol, team.config.reward)
                     if row_key(r) not in written]
             append_rows(pred_path, rows)
+            append_rows(pred_path.parent / ROUNDS_FILE, [{"bench": bench, "first_problem": prob_idx[0], "chunk": chunk,
+                                                          **r} for r in batch.per_round or []])
             written.update(row_key(r) for r in rows)
             pbar.update(missing)
 
@@ -235,6 +273,11 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
         finally:
             sampler.close()
     per_bench = summarize(read_predictions(pred_path), benches, cfg.k)
+    for bench, seconds in round_seconds(read_rounds(out / ROUNDS_FILE)).items():
+        if bench in per_bench:
+            per_bench[bench]["round_seconds"] = seconds
+            log(f"{bench}: {seconds['rounds']} rounds of rollout calls, wall time "
+                + " / ".join(f"{seconds[key]:.1f} s" for key in ROUND_SECONDS) + " (agents / responder / steps)")
     summary = {"setting": {**identity, "k": cfg.k, "limit": cfg.limit, "batch_problems": cfg.batch_problems,
                            "sample_chunk": cfg.sample_chunk or cfg.k},
                "interval": f"95% percentile bootstrap over problems ({BOOTSTRAP_RESAMPLES} resamples, "

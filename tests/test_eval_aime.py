@@ -236,3 +236,16 @@ def test_a_composite_of_datasets_and_an_environment_is_their_mean(tmp_path):
     assert composite["composite"] == pytest.approx(sum(team.values()) / 3)
     assert json.loads((out / "composite.json").read_text()) == composite
     assert subs["env:detective-cases"]["rounds"]["max"] == 2  # the environment's episodes, over its rounds
+    seconds = subs["env:detective-cases"]["round_seconds"]  # one rollout call of 2 rounds: its time, split
+    assert seconds["rounds"] == 2 and 0 <= seconds["responder_seconds"] < seconds["agents_seconds"]  # rules: no model
+    assert "round_seconds" not in subs["aime24"]  # single-turn benchmarks have no rounds
+
+
+def test_round_seconds_count_a_call_generated_again_once_and_skip_a_torn_line(tmp_path):
+    def row(rnd, agents):
+        return json.dumps({"bench": "env:x", "first_problem": 0, "chunk": 0, "round": rnd, "episodes": 2,
+                           "agents_seconds": agents, "responder_seconds": 0.5, "step_seconds": 0.25}) + "\n"
+    path = tmp_path / evaluation.ROUNDS_FILE
+    path.write_text(row(1, 1.0) + row(2, 2.0) + row(1, 4.0) + row(3, 8.0)[:-9])  # the call again; a torn line
+    assert evaluation.round_seconds(evaluation.read_rounds(path)) == {
+        "env:x": {"rounds": 2, "agents_seconds": 6.0, "responder_seconds": 1.0, "step_seconds": 0.5}}
