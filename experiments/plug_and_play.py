@@ -24,15 +24,15 @@ the share of seeds whose first stage after the swap is a violation (a fall beyon
 accuracy after Stage-0), and the cost (Stage-0's seconds plus the k stages').
 
     python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp
-    python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp \
+    python experiments/plug_and_play.py --seeds 0,1,2 --stages 6 --more-stages 3 --out /tmp/pnp \\
         --branches continue,strong,strong-raw,strong-certified,weak-certified
 
 With --table3 BENCH, a third table (table3.md) holds the paper's own columns: the composite of the eval_aime.py
 benchmarks BENCH before the swap and after the k stages, the gain, each benchmark's change and Viol.% (the share
 of the stages after the swap flagged as violations); experiments/table3.py. The paper's Table 3 on a GPU node:
 
-    python experiments/plug_and_play.py --agents "Qwen3-4B x3" --strong Qwen3-8B --weak Qwen3-1.7B --seeds 0,1,2 \
-        --stages 10 --more-stages 3 --table3 aime24,aime25,env:detective-cases \
+    python experiments/plug_and_play.py --agents "Qwen3-4B x3" --strong Qwen3-8B --weak Qwen3-1.7B --seeds 0,1,2 \\
+        --stages 10 --more-stages 3 --table3 aime24,aime25,env:detective-cases \\
         --table3-options "--k 64 --env-model Qwen2.5-32B-Instruct" --out runs/table3
 
 A second table (acceptance.md) holds what the certified branches chose: the share of seeds swapped, the candidates

@@ -9,7 +9,7 @@ is the majority vote (independent) or the last agent's answer (chain).
     python eval_aime.py --agents "Qwen3-4B x3" --thinking --bench aime24,aime25 --k 64 --out runs/eval-base
     python eval_aime.py --ckpt runs/sat --bench aime24,aime25 --k 64 --out runs/eval-sat   # a sat.py run
     python eval_aime.py --agents "Qwen3-4B x3" --data data/aime24.jsonl --k 64             # offline copy
-    OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \
+    OMP_NUM_THREADS=1 python eval_aime.py --agents "tiny x3" --data data/aime24.jsonl --limit 5 --k 4 \\
         --max-new-tokens 16 --out /tmp/ev                                                 # CPU smoke run
     python eval_aime.py --ckpt runs/kk --bench reasoning-gym:knights_knaves --task-option n_people=2 --k 4
     python eval_aime.py --ckpt runs/mine --data mine.csv --reward my_reward.py:reward --k 8   # its own prompts
