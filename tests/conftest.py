@@ -17,6 +17,14 @@ import pytest
 import torch
 from hypothesis import settings
 
+# Every process the tests start (sat.py, torchrun ranks, vLLM engines) runs one torch thread unless told otherwise,
+# and a vLLM CPU engine is not pinned: by default the CPU build binds each engine's one thread to core 0 and reserves
+# the other, so two engines at once (two ranks, or both workers) share one core while the other waits. The suite runs
+# two workers on two cores; a second thread beside the other worker spins at OpenMP barriers (docs/results.md, "CI
+# on a fresh clone, two workers"). A value already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=300, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("SAT_HYPOTHESIS_PROFILE", "ci"))

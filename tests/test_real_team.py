@@ -22,8 +22,11 @@ needs_wheel = pytest.mark.skipif(WHEEL is None or not READERS,
 pytestmark = pytest.mark.slow  # real SmolLM2 agents through sat.py: minutes each
 # One joint sample per held-out problem (--eval-samples 1, not the preset's 4): each stage's evaluation decodes 4
 # rows, not 16, and was a third of the run's time; the run certificate's arithmetic is the same at any row count.
+# One torch thread: the suite runs two workers on two cores, and two threads beside the other worker spin at
+# OpenMP barriers (a run's first sat.py beside a busy core: 129.6 s wall and 152 s of CPU on 2 threads, 68.2 s and
+# 66 s on 1).
 SMALL = ["--agents", "SmolLM2-135M x2", "--batch-size", "4", "--group-size", "2", "--minibatch-size", "4",
-         "--max-new-tokens", "12", "--eval-size", "4", "--eval-samples", "1", "--samples", "2", "--threads", "2"]
+         "--max-new-tokens", "12", "--eval-size", "4", "--eval-samples", "1", "--samples", "2", "--threads", "1"]
 
 
 def run_and_resume(out, *extra) -> list[dict]:
