@@ -4,7 +4,9 @@ An evaluation folder holds
 
     run.json            the setting that decides the samples (``harness.eval_setting.eval_identity``)
     predictions.jsonl   one row per benchmark, problem, sample and who (each agent, the team)
-    summary.json        the metrics per benchmark and who, computed from predictions.jsonl alone
+    rounds.jsonl        an environment's rollout calls, round by round, with their wall time split
+    summary.json        the metrics per benchmark and who, computed from predictions.jsonl alone (and an
+                        environment's rounds' wall time from rounds.jsonl)
 
 predictions.jsonl is append-only and crash-safe: rows are written whole, newline-terminated and forced to disk
 after every chunk, a torn last line is cut off when the file is read, and a repeated row keeps its first copy.

@@ -25,9 +25,9 @@ seed 0), the dominant uncertainty with 30 problems. --out holds predictions.json
 problem, sample and who), summary.json and run.json; an environment's episodes also add rounds.jsonl (each
 rollout call's rounds: the wall time of the agents' generates, the responder model's and the environment's steps,
 summed per benchmark as summary.json's ``round_seconds``). Resumable: rows are appended (fsync) after every chunk,
-each chunk is seeded from (seed, benchmark, first problem, chunk), and the summary is computed from
-predictions.jsonl alone, so an interrupted run gives the same summary; a rerun into the same --out with a
-different setting (run.json) is refused.
+each chunk is seeded from (seed, benchmark, first problem, chunk), and the metrics are computed from
+predictions.jsonl alone, so an interrupted run gives the same metrics (the wall times are those of the calls that
+made the rows); a rerun into the same --out with a different setting (run.json) is refused.
 """
 from __future__ import annotations
 
@@ -171,33 +171,48 @@ ROUNDS_FILE = "rounds.jsonl"  # an environment's rollout calls: each round's epi
 
 
 def read_rounds(path: Path) -> list[dict]:
-    """rounds.jsonl's rows; a line a crash tore (or an append made invalid) is skipped: that call's time is
-    missing, never wrong."""
+    """rounds.jsonl's rows, in file order. A last line a crash tore is cut off the file (as predictions.jsonl's
+    is), so the next call's rows start on a line of their own."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        if not line.endswith("\n") or not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    data = path.read_bytes()
+    good_end = data.rfind(b"\n") + 1
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return [json.loads(line) for line in data[:good_end].decode("utf-8").splitlines() if line.strip()]
 
 
-def round_seconds(rows: list[dict]) -> dict[str, dict]:
-    """Per benchmark, the wall time of its episodes' rounds summed over rollout calls, split between the agents'
-    generates, the responder model's and the environment's steps (``harness.episodes.round_stats``); a call
-    generated again (a resumed, half-written chunk) counts once, its last time."""
-    last = {(r["bench"], r["first_problem"], r["chunk"], r["round"]): r for r in rows}
+def round_seconds(rows: list[dict], planned: set[tuple]) -> dict[str, dict]:
+    """Per benchmark, the wall time of the rollout calls that made its planned chunks ((bench, first problem,
+    chunk), as ``plan_chunks`` gives them), summed over their rounds and split between the agents' generates, the
+    responder model's and the environment's steps (``harness.episodes.round_stats``). A chunk generated again (a
+    resumed, half-written one) counts its last call only: a call's rows start at round 1."""
+    calls: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["bench"], r["first_problem"], r["chunk"])
+        if key in planned:
+            if r["round"] == 1:
+                calls[key] = []
+            calls.setdefault(key, []).append(r)
     out: dict[str, dict] = {}
-    for (bench, *_), r in last.items():
-        mine = out.setdefault(bench, {"rounds": 0, **{key: 0.0 for key in ROUND_SECONDS}})
-        mine["rounds"] += 1
+    for (bench, *_), call in calls.items():
+        mine = out.setdefault(bench, {"rounds": 0, **dict.fromkeys(ROUND_SECONDS, 0.0)})
+        mine["rounds"] += len(call)
         for key in ROUND_SECONDS:
-            mine[key] += r[key]
+            mine[key] += sum(r[key] for r in call)
     return out
+
+
+def report_round_seconds(per_bench: dict, path: Path, benches: dict[str, list[Problem]], cfg: EvalConfig,
+                         log) -> None:
+    """Add ``round_seconds`` to each environment benchmark of the summary, and log a line for each."""
+    planned = {(bench, prob_idx[0], chunk) for bench, problems in benches.items()
+               for prob_idx, _, chunk in plan_chunks(len(problems), cfg.k, cfg.batch_problems, cfg.sample_chunk)}
+    for bench, seconds in round_seconds(read_rounds(path), planned).items():
+        per_bench[bench]["round_seconds"] = seconds
+        log(f"{bench}: {seconds['rounds']} rounds over its rollout calls, wall time "
+            + " / ".join(f"{seconds[key]:.1f} s" for key in ROUND_SECONDS) + " (agents / responder / steps)")
 
 
 # -- The evaluation --------------------------------------------------------------------------------------
@@ -219,6 +234,8 @@ def generate(team: Team, sampler, sampling: SamplingConfig, benches: dict[str, l
     """Run the missing rollout calls, each seeded by ``chunk_seed`` alone, and append each call's rows."""
     from tqdm import tqdm
 
+    rounds_path = pred_path.parent / ROUNDS_FILE
+    read_rounds(rounds_path)  # cuts a line a crash tore before this run appends
     pending = sum(t[-1] for t in todo)
     with tqdm(total=total, initial=total - pending, unit="sample", dynamic_ncols=True,
               disable=None) as pbar:  # only on a terminal
@@ -229,9 +246,10 @@ def generate(team: Team, sampler, sampling: SamplingConfig, benches: dict[str, l
             # a half-written chunk is regenerated whole (same seed, same samples); its missing rows added
             rows = [r for r in batch_rows(batch, bench, prob_idx, samples, team.protocol, team.config.reward)
                     if row_key(r) not in written]
+            if batch.per_round:  # before the rows that make the chunk whole: a crash between the two reruns it
+                append_rows(rounds_path, [{"bench": bench, "first_problem": prob_idx[0], "chunk": chunk, **r}
+                                          for r in batch.per_round])
             append_rows(pred_path, rows)
-            append_rows(pred_path.parent / ROUNDS_FILE, [{"bench": bench, "first_problem": prob_idx[0], "chunk": chunk,
-                                                          **r} for r in batch.per_round or []])
             written.update(row_key(r) for r in rows)
             pbar.update(missing)
 
@@ -273,11 +291,7 @@ def evaluate_benchmarks(cfg: EvalConfig, log=print) -> dict:
         finally:
             sampler.close()
     per_bench = summarize(read_predictions(pred_path), benches, cfg.k)
-    for bench, seconds in round_seconds(read_rounds(out / ROUNDS_FILE)).items():
-        if bench in per_bench:
-            per_bench[bench]["round_seconds"] = seconds
-            log(f"{bench}: {seconds['rounds']} rounds of rollout calls, wall time "
-                + " / ".join(f"{seconds[key]:.1f} s" for key in ROUND_SECONDS) + " (agents / responder / steps)")
+    report_round_seconds(per_bench, out / ROUNDS_FILE, benches, cfg, log)
     summary = {"setting": {**identity, "k": cfg.k, "limit": cfg.limit, "batch_problems": cfg.batch_problems,
                            "sample_chunk": cfg.sample_chunk or cfg.k},
                "interval": f"95% percentile bootstrap over problems ({BOOTSTRAP_RESAMPLES} resamples, "

@@ -241,11 +241,16 @@ def test_a_composite_of_datasets_and_an_environment_is_their_mean(tmp_path):
     assert "round_seconds" not in subs["aime24"]  # single-turn benchmarks have no rounds
 
 
-def test_round_seconds_count_a_call_generated_again_once_and_skip_a_torn_line(tmp_path):
-    def row(rnd, agents):
-        return json.dumps({"bench": "env:x", "first_problem": 0, "chunk": 0, "round": rnd, "episodes": 2,
+def test_round_seconds_count_the_last_call_of_each_planned_chunk_and_cut_a_torn_line(tmp_path):
+    def row(chunk, rnd, agents, first=0):
+        return json.dumps({"bench": "env:x", "first_problem": first, "chunk": chunk, "round": rnd, "episodes": 2,
                            "agents_seconds": agents, "responder_seconds": 0.5, "step_seconds": 0.25}) + "\n"
     path = tmp_path / evaluation.ROUNDS_FILE
-    path.write_text(row(1, 1.0) + row(2, 2.0) + row(1, 4.0) + row(3, 8.0)[:-9])  # the call again; a torn line
-    assert evaluation.round_seconds(evaluation.read_rounds(path)) == {
-        "env:x": {"rounds": 2, "agents_seconds": 6.0, "responder_seconds": 1.0, "step_seconds": 0.5}}
+    first_call = row(0, 1, 1.0) + row(0, 2, 2.0) + row(0, 3, 8.0)  # its chunk generated again below, in 2 rounds
+    path.write_text(first_call + row(0, 1, 4.0) + row(0, 2, 16.0) + row(1, 1, 32.0) + row(0, 1, 64.0, first=4)
+                    + row(1, 2, 128.0)[:-9])  # chunk 1's second round torn by a crash
+    rows = evaluation.read_rounds(path)
+    assert path.read_text().endswith(row(0, 1, 64.0, first=4))  # the torn line is cut off the file
+    planned = {("env:x", 0, 0), ("env:x", 0, 1)}  # (env:x, 4, 0) is outside this plan (e.g. a smaller --limit)
+    assert evaluation.round_seconds(rows, planned) == {
+        "env:x": {"rounds": 3, "agents_seconds": 52.0, "responder_seconds": 1.5, "step_seconds": 0.75}}
