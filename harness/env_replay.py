@@ -37,11 +37,16 @@ def environment_class(spec: str) -> type:
     return getattr(module, name)
 
 
+def asks_responder(cls: type) -> bool:
+    """Whether an environment class can ask a responder model questions (it defines ``ask``)."""
+    return callable(getattr(cls, "ask", None))
+
+
 def play_episode(cls: type, row: dict, replies: list[list[str]], rounds: int) -> tuple[list[str], float]:
     """(observations, reward) of one scripted episode, as ``harness.environments.play`` records them: a class that
     asks a responder model (it defines ``ask``) gets PROBE_REPLY to each of a round's questions."""
     episode = cls()
-    asks = callable(getattr(cls, "ask", None))
+    asks = asks_responder(cls)
     seen = [episode.reset(**row)]
     for responses in replies[:rounds]:
         if asks:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from harness.config import ENV_TASK_PREFIX
 from harness.env_games import GAME_OPTIONS, GAMES, game_rows
-from harness.env_replay import PROBE_REPLY  # the scripted responder's reply to each question of a probe's episodes
+from harness.env_replay import PROBE_REPLY, asks_responder  # the probe's scripted reply; whether a class asks
 from harness.episodes import episode_rollout
 from harness.user_reward import CheckedReward, RewardError, describe, import_file, import_module, range_of, short
 from team import Problem
@@ -79,7 +79,7 @@ class Environment:
     @property
     def asks(self) -> bool:
         """Whether the class can ask a responder model questions (it defines ``ask``)."""
-        return callable(getattr(self.factory, "ask", None))
+        return asks_responder(self.factory)
 
     def ask(self, episode, problem, responses: list[str]) -> list[list[dict]]:
         """The chats this round's responses put to the responder model, checked: a list of chats, each a list of
