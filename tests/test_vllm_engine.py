@@ -5,14 +5,13 @@ Paper, Algorithm 1 (Section 5): rollouts sample pi_cur, and after a promotion
 well-formed, seeded generation; vLLM's log-probabilities of sampled tokens
 equal the training model's (fp32: mean |diff| below BOUND); after a training
 step the engine is refused until ``sync`` and then agrees again; two
-agents have two engines with separate weights; ``sat.py`` and
-``eval_aime.py`` run with ``--backend vllm``.
+agents have two engines with separate weights; ``eval_aime.py`` runs
+with ``--backend vllm`` (``sat.py`` does in tests/test_real_team.py).
 
 Engines are started once per module (each start spawns vLLM's processes:
 about half a minute on two CPU cores). Skipped where vLLM is not installed.
 """
 import json
-import math
 
 import pytest
 import torch
@@ -287,29 +286,25 @@ def test_engine_draws_are_coupled_by_their_seeds(team2):
     assert agree > 0.7 and chance < 0.3
 
 
-# -- the command lines ---------------------------------------------------------------------------
-def test_sat_and_eval_with_the_vllm_backend(team2, tmp_path):
-    """``sat.py --backend vllm`` (one tiny agent, one stage) runs end to end and
-    logs the sampler-vs-trainer health within BOUND; ``eval_aime.py --backend
-    vllm`` evaluates the trained checkpoint."""
-    import harness.cli
+# -- the command line ---------------------------------------------------------------------------
+def test_eval_with_the_vllm_backend_on_a_trained_team_folder(team2, tmp_path):
+    """``eval_aime.py --backend vllm`` evaluates a saved team folder (the agent trained above, written as a
+    checkpoint's team folder is, by ``save_team``). ``sat.py --backend vllm`` end to end, with a resume, is
+    tests/test_real_team.py's vLLM run; with adapters, tests/test_vllm_lora.py's."""
     from harness import evaluation
+    from harness.loading import save_team
+    from harness.math_grading import math_team_config
+    from team import Team
 
-    team2[1].close()  # the module's engines are no longer needed: a test using them after this one restarts them
-    device = engine_device()
-    out = tmp_path / "run"
-    assert harness.cli.main(["--agents", "tiny", "--backend", "vllm", "--device", device, "--stages", "1",
-                     "--batch-size", "16", "--group-size", "4", "--epochs", "1", "--minibatch-size", "16",
-                     "--max-new-tokens", "16", "--eval-size", "16", "--warmup-steps", "20", "--out", str(out)]) == 0
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in records] == [0, 1]
-    health = records[1]["vllm_logprob_abs_diff"]
-    assert len(health) == 1 and not math.isnan(health[0]) and health[0] < BOUND
+    agents, reg = team2
+    reg.close()  # the module's engines are no longer needed: a test using them after this one restarts them
+    save_team(Team([agents[0]], math_team_config(protocol="chain")), tmp_path / "team")
     data = tmp_path / "probs.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(4)))
     ev = tmp_path / "eval"
-    assert evaluation.main(["--ckpt", str(out), "--data", str(data), "--k", "2", "--max-new-tokens", "8",
-                           "--device", device, "--backend", "vllm", "--out", str(ev)]) == 0
+    assert evaluation.main(["--ckpt", str(tmp_path / "team"), "--data", str(data), "--k", "2", "--max-new-tokens",
+                            "8", "--device", engine_device(), "--backend", "vllm", "--out", str(ev)]) == 0
     rows = [json.loads(line) for line in (ev / "predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 4 * 2 * 2  # problems x samples x (1 agent + team)
+    assert sorted({r["who"] for r in rows}) == ["agent_1", "team"] and all(isinstance(r["text"], str) for r in rows)
