@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import harness.cli
 from harness.loading import load_agent
 from harness.math_grading import math_team_config
 from harness.processes import ONE_PROCESS
@@ -53,8 +54,6 @@ def test_torchrun_refusals_match_docs_errors():
     """docs/errors.md "Under torchrun": each row's flags, resolved as with 2 processes (``Torchrun.join`` applies
     ``check_config`` with the rank count), give its line; the options those refusals once covered pass."""
     import re
-
-    import harness.cli
 
     section = (ROOT / "docs" / "errors.md").read_text().split("## Under torchrun", 1)[1]
     rows = re.findall(r"^\| [^|]+ \| `(.*?)` \| `sat.py: error: (.*)` \|$", section, re.M)
@@ -98,8 +97,12 @@ def test_rollout_blocks_are_seeded_blocks_concatenated():
 
 # -- torchrun ----------------------------------------------------------------------------------
 def run_sat(nproc: int, *args: str) -> None:
+    """sat.py with ``args``: under ``torchrun --nproc-per-node nproc``, or (1) in this process, as the command line
+    (``harness.cli.main``), which spares a process start (its torch and transformers imports) per run."""
+    if nproc == 1:
+        assert harness.cli.main(list(args)) == 0, f"sat.py {' '.join(args)} failed"
+        return
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    launcher = launcher if nproc > 1 else [sys.executable]
     cmd = ["nice", "-n", "10", *launcher, str(ROOT / "sat.py"), *args]
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}"
