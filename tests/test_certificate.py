@@ -198,8 +198,12 @@ def tolerance(count: int) -> float:
 
 @pytest.fixture(scope="module")
 def steps():
-    """(protocol, agents, coupled) -> the steps of 240 stages of 2 agents or 120 of 3."""
-    return {(p, n, c): run_steps(p, n, stages=240 if n == 2 else 120, seed=11 * n + len(p) + c, coupled=c)
+    """(protocol, agents, coupled) -> the steps of 120 stages of 2 agents or 60 of 3: 1,680 steps in all, the first
+    half of a draw twice as long that gave the same verdicts (docs/results.md, "CI on a fresh clone, two workers"):
+    no logged bound above its exact change in either; the smallest power 1.31x the asserted floor (1.51x); the
+    coupled-to-independent ratio of changed rows at most 0.74 (0.71) against 0.85; the old bound's rate 0.169
+    against a tolerance of 0.122 (0.171 against 0.116)."""
+    return {(p, n, c): run_steps(p, n, stages=120 if n == 2 else 60, seed=11 * n + len(p) + c, coupled=c)
             for p in ("independent", "chain") for n in (2, 3) for c in (False, True)}
 
 
@@ -211,7 +215,7 @@ def test_step_bound_holds_at_its_confidence(steps, protocol, n_agents, coupled):
     """Both rules (Hoeffding alone, and the logged max of Hoeffding and Bernstein) lie above the exact
     change at most delta_conf of the time, with coupled and with independent before/after draws."""
     rows = steps[(protocol, n_agents, coupled)]
-    assert len(rows) >= 360 and all(r["accepted"] for r in rows)
+    assert len(rows) >= 180 and all(r["accepted"] for r in rows)
     assert sum(abs(r["change"]) > 0.01 for r in rows) > len(rows) / 4  # the steps move J: not a vacuous check
     for rule in ("bound", "hoeffding"):
         for target in ("on_contexts", "change"):  # what the bound states, and the population change itself
