@@ -1,13 +1,18 @@
-"""Every script in bench/ runs at its smallest size and prints its figures (one subprocess each)."""
+"""Every script in bench/ runs at its smallest size and prints its figures: run as ``python bench/SCRIPT``
+runs it (``runpy``, as ``__main__``, with its arguments in ``sys.argv``), in this process, which spares a process
+start per script (its torch and transformers imports); a script without its optional package, in a process of its
+own."""
 from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,12 +79,27 @@ def test_bench_script_without_its_optional_package(script, tmp_path):
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
 
 
-@pytest.mark.slow  # about 20 s each on two busy cores: a process importing torch and transformers
+def run_as_main(path: Path, args: list[str], monkeypatch) -> None:
+    """``python path *args`` in this process: ``sys.argv`` set, the script's folder first on ``sys.path``, run as
+    ``__main__``; the torch thread count and random state a script sets are put back, so the tests after it on this
+    worker are not changed by it."""
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    monkeypatch.syspath_prepend(str(path.parent))
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng():
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None), f"{path.name} exited with {done.code}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow  # whole small runs: seconds each
 @pytest.mark.parametrize("script", sorted(RUNS))
-def test_bench_script_prints_its_figures(script, tmp_path):
+def test_bench_script_prints_its_figures(script, tmp_path, monkeypatch, capsys):
     args, pattern = RUNS[script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert re.search(pattern, done.stdout), f"{script} did not print its figures:\n{done.stdout[-3000:]}"
+    monkeypatch.chdir(tmp_path)
+    run_as_main(ROOT / "bench" / script, args, monkeypatch)
+    out = capsys.readouterr().out
+    assert re.search(pattern, out), f"{script} did not print its figures:\n{out[-3000:]}"
