@@ -29,23 +29,24 @@ settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None
 settings.register_profile("dev", max_examples=300, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("SAT_HYPOTHESIS_PROFILE", "ci"))
 
-# The files that take longest on an idle two-core machine, longest first (each file's seconds, setup + call +
-# teardown, from `pytest -n 2 --dist loadfile --durations` on a fresh clone at 99ade34; docs/results.md, "The tests and
-# the code's layout"). A file not listed keeps xdist's order after them (most tests first). The order changes only
-# when a file starts, never what a test computes; a stale list costs time, not correctness.
+# The files that take longest on an idle two-core machine, longest first (each file's seconds: its entries among the
+# 80 slowest of `pytest -n 2 --dist loadfile --durations=80` on a fresh clone at 31d7aae, setup + call + teardown;
+# docs/results.md, "CI on a fresh clone, two workers"). A file not listed keeps xdist's order after them (most tests
+# first). The order changes only when a file starts, never what a test computes; a stale list costs time, not
+# correctness.
 LONGEST_FILES = (
-    "test_real_team.py",       # 254 s: the HF and the vLLM run of a real SmolLM2 team
-    "test_vllm_engine.py",     # ~220 s: real vLLM engines, two ranks
-    "test_distributed.py",     # ~210 s: ten sat.py processes and five torchrun launches
-    "test_certificate.py",     # ~150 s: the enumerable team's thousands of steps
-    "test_sat.py",             # whole tiny runs and their resumes
-    "test_run_records.py",     # a kill -9 at three points and the resumes
-    "test_vllm_lora.py",       # ~80 s: one vLLM engine serving LoRA adapters
-    "test_vllm_rounds.py",     # ~70 s: three vLLM engines over rounds
-    "test_experiments.py",     # the sequential-vs-joint and plug-and-play runs
-    "test_upgrade_accept.py",  # runs with a certified upgrade
-    "test_plug_and_play.py",   # Stage-0's memory profile and the closed-form fit
-    "test_trust_region.py",    # hypothesis over the exact tilt and projection
+    "test_real_team.py",       # 203 s: the HF and the vLLM run of a real SmolLM2 team
+    "test_distributed.py",     # 182 s: four torchrun sat.py runs, six in-process ones, seven torchrun workers
+    "test_vllm_engine.py",     # 163 s: real vLLM engines, two ranks, an evaluation
+    "test_vllm_rounds.py",     # 81 s: three vLLM engines over rounds
+    "test_vllm_lora.py",       # 75 s: one vLLM engine serving LoRA adapters, and a sat.py run on one
+    "test_experiments.py",     # 63 s: the sequential-vs-joint and plug-and-play runs
+    "test_sat.py",             # 57 s: whole tiny runs and their resumes
+    "test_real_model.py",      # 54 s: the GGUF conversion and its logits
+    "test_plug_and_play.py",   # 51 s: Stage-0's memory profile and the closed-form fit
+    "test_run_records.py",     # 48 s: a kill -9 at three points and the resumes
+    "test_upgrade_accept.py",  # 44 s: runs with a certified upgrade
+    "test_certificate.py",     # 36 s: the enumerable team's steps
 )
 
 
