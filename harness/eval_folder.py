@@ -28,32 +28,50 @@ def row_key(row: dict) -> tuple:
 
 
 # -- predictions.jsonl: append-only, crash-safe ----------------------------------------------------------
+def whole_lines(path: Path):
+    """(line number, line) of each whole line of ``path``, in order. Rows are written whole and newline-terminated,
+    so a last line without its newline was torn by a crash: once every whole line is read, it is cut off the file
+    and the next append starts a line of its own."""
+    good_end = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break
+            good_end += len(line)
+            yield lineno, line
+    if good_end < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+
+
 def read_predictions(path: Path) -> list[dict]:
     """The rows written so far, line by line, without their text (a thinking run writes gigabytes). A torn
     last line (a crash) is cut off the file; a repeated key keeps its first row."""
     if not path.exists():
         return []
-    rows, seen, good_end = [], set(), 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.endswith(b"\n"):  # rows are written whole and newline-terminated: this one is torn
-                break
-            good_end += len(line)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # cannot come from this program's appends; regenerate it rather than stop
-                print(f"eval_aime.py: warning: {path}:{lineno} is not valid JSON; it will be regenerated",
-                      file=sys.stderr)
-                continue
-            if row_key(row) not in seen:
-                seen.add(row_key(row))
-                rows.append({k: v for k, v in row.items() if k != "text"})
-    if good_end < path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
+    rows, seen = [], set()
+    for lineno, line in whole_lines(path):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # cannot come from this program's appends; regenerate it rather than stop
+            print(f"eval_aime.py: warning: {path}:{lineno} is not valid JSON; it will be regenerated", file=sys.stderr)
+            continue
+        if row_key(row) not in seen:
+            seen.add(row_key(row))
+            rows.append({k: v for k, v in row.items() if k != "text"})
     return rows
+
+
+ROUNDS_FILE = "rounds.jsonl"  # an environment's rollout calls: each round's episodes and its wall time split
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """rounds.jsonl's rows, in file order; a torn last line is cut off the file, as predictions.jsonl's is."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for _, line in whole_lines(path) if line.strip()]
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:

@@ -48,10 +48,12 @@ from harness.config import add_options, default_backend
 from harness.environments import BUILTIN_PREFIX
 from harness.episodes import ROUND_SECONDS
 from harness.eval_folder import (
+    ROUNDS_FILE,
     append_rows,
     check_identity,
     markdown_table,
     read_predictions,
+    read_rounds,
     row_key,
     truncation_warnings,
     write_summary,
@@ -165,22 +167,6 @@ def summarize(rows: list[dict], benches: dict[str, list[Problem]], k: int) -> di
             out[bench]["rounds"] = {"mean": float(np.mean(rounds)), "max": int(max(rounds))}
             out[bench]["success"] = metrics["team"]["pass@1"]
     return out
-
-
-ROUNDS_FILE = "rounds.jsonl"  # an environment's rollout calls: each round's episodes and its wall time split
-
-
-def read_rounds(path: Path) -> list[dict]:
-    """rounds.jsonl's rows, in file order. A last line a crash tore is cut off the file (as predictions.jsonl's
-    is), so the next call's rows start on a line of their own."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    good_end = data.rfind(b"\n") + 1
-    if good_end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-    return [json.loads(line) for line in data[:good_end].decode("utf-8").splitlines() if line.strip()]
 
 
 def round_seconds(rows: list[dict], planned: set[tuple]) -> dict[str, dict]:
