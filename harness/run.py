@@ -55,7 +55,7 @@ from harness.user_reward import check_reward, load_reward
 from reward import Reward
 from sat import RunState, evaluate, run_stages
 from sat_config import SatConfig
-from scale import distributed, memory  # the entry point picks the processes (scale.torchrun) and the backend
+from scale import distributed, memory, run_memory  # the entry point picks the processes (scale.torchrun), the backend
 from scale.rollout_hf import check_sampler
 from scale.torchrun import Torchrun
 from scale.vllm_lora import make_team_backend
@@ -172,8 +172,8 @@ def validate_run_inputs(inputs: Resolved) -> None:
     for item in cfg.upgrade:
         check_hub_available(resolve_agent_spec(parse_upgrade(item, inputs.n_agents)[1]))
     if not cfg.resume:
-        memory.check_team_ram(cfg, inputs.specs,  # CPU: a team too large for the RAM, before the hub
-                              parse_agents(inputs.responder)[0] if inputs.responder else None)
+        run_memory.check_team_ram(cfg, inputs.specs,  # CPU: a team too large for the RAM, before the hub
+                                  parse_agents(inputs.responder)[0] if inputs.responder else None)
         for spec in inputs.specs:
             check_hub_available(spec)
 
@@ -399,7 +399,7 @@ def run_resolved(inputs: Resolved, log=None) -> list[dict]:
         log(EPISODE_CREDIT_LINE.format(name=env.name, baseline=cfg.baseline))
     check_reward(inputs.reward, train, inputs.n_agents, cfg.protocol, episode_columns(env))
     start = start_team(inputs, train, instruction, log)
-    train_fraction = memory.check_run(cfg, start.team, log)  # a team that cannot fit: refused before any writing
+    train_fraction = run_memory.check_run(cfg, start.team, log)  # a team that cannot fit: refused before any writing
     if procs.main:
         run_folder.clear_run_files(replaced)  # --overwrite: only now that the input is valid
     out.mkdir(parents=True, exist_ok=True)

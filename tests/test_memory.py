@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scale import memory
+from scale import memory, run_memory
 
 
 def real_count(config) -> int:
@@ -273,7 +273,7 @@ RAM_FIX = "fix: put fewer or smaller agents in the team, or use --dtype bfloat16
 
 
 def fake_ram(monkeypatch, gib: float) -> None:
-    monkeypatch.setattr(memory, "ram_bytes", lambda meminfo="/proc/meminfo": int(gib * memory.GiB))
+    monkeypatch.setattr(run_memory, "ram_bytes", lambda meminfo="/proc/meminfo": int(gib * memory.GiB))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 
@@ -287,12 +287,12 @@ def sat_main(argv, capsys) -> tuple[int, list[str]]:
 def test_ram_bytes_reads_memtotal_or_says_none(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683584 kB\nMemFree:         1000 kB\n")
-    assert memory.ram_bytes(str(meminfo)) == 24683584 * 1024
-    assert memory.ram_bytes(str(tmp_path / "missing")) is None  # no /proc (macOS, Windows): no check
+    assert run_memory.ram_bytes(str(meminfo)) == 24683584 * 1024
+    assert run_memory.ram_bytes(str(tmp_path / "missing")) is None  # no /proc (macOS, Windows): no check
     meminfo.write_text("MemFree: 1000 kB\n")
-    assert memory.ram_bytes(str(meminfo)) is None
+    assert run_memory.ram_bytes(str(meminfo)) is None
     meminfo.write_text("MemTotal: lots\n")
-    assert memory.ram_bytes(str(meminfo)) is None
+    assert run_memory.ram_bytes(str(meminfo)) is None
 
 
 def test_the_memory_noun_of_a_refusal():
@@ -300,7 +300,7 @@ def test_the_memory_noun_of_a_refusal():
     with pytest.raises(ValueError, match=r"^not enough accelerator memory: training needs about "):
         memory.check_fits(est, available_bytes=est["weights"] // 2)  # the CUDA line, as before
     with pytest.raises(ValueError, match=r"^not enough memory \(RAM\): training needs about ") as err:
-        memory.check_fits(est, est["weights"] // 2, memory.RAM, fixes=memory.CPU_FIXES)
+        memory.check_fits(est, est["weights"] // 2, run_memory.RAM, fixes=run_memory.CPU_FIXES)
     assert "accelerator" not in str(err.value) and str(err.value).endswith(RAM_FIX)
 
 
@@ -312,9 +312,9 @@ def test_cpu_vllm_engines_stay_resident_in_training():
     dims = memory.QWEN3_DIMS["qwen3-0.6b"]
     hf_cfg = Config(agents="Qwen3-0.6B x3", device="cpu", backend="hf").apply_preset()
     vllm_cfg = Config(agents="Qwen3-0.6B x3", device="cpu", backend="vllm").apply_preset()
-    hf, peaks, _, _ = memory.cpu_plan(hf_cfg, dims, 3)
-    assert peaks is memory.PEAKS and hf == memory.run_estimate(hf_cfg, dims, 3)
-    est, peaks, notes, fixes = memory.cpu_plan(vllm_cfg, dims, 3)
+    hf, peaks, _, _ = run_memory.cpu_plan(hf_cfg, dims, 3)
+    assert peaks is memory.PEAKS and hf == run_memory.run_estimate(hf_cfg, dims, 3)
+    est, peaks, notes, fixes = run_memory.cpu_plan(vllm_cfg, dims, 3)
     assert est["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(dims, 4, memory.run_max_len(vllm_cfg, 3))
     assert est["engine_weights"] == est["weights"] > 0
     for peak, parts in peaks.items():
@@ -339,12 +339,12 @@ def test_cpu_vllm_engines_are_sized_to_what_the_run_reaches():
     chain = replace(cfg, protocol="chain")
     assert memory.run_max_len(chain, 3) == memory.PROMPT_ALLOWANCE + 3 * cfg.max_new_tokens
     per_token = 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, bf16
-    est, _, _, _ = memory.cpu_plan(cfg, smollm2, 3)
+    est, _, _, _ = run_memory.cpu_plan(cfg, smollm2, 3)
     assert est["kv_cache"] == 3 * 16 * (memory.PROMPT_ALLOWANCE + cfg.max_new_tokens) * per_token
     assert est["kv_cache"] < 3 * 16 * 8192 * per_token / 4
-    assert memory.cpu_plan(chain, smollm2, 3)[0]["kv_cache"] > est["kv_cache"]
+    assert run_memory.cpu_plan(chain, smollm2, 3)[0]["kv_cache"] > est["kv_cache"]
     long = replace(cfg, max_new_tokens=16384)  # past the model's context: the model's limit holds
-    assert memory.cpu_plan(long, smollm2, 3)[0]["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(smollm2, 2, 8192)
+    assert run_memory.cpu_plan(long, smollm2, 3)[0]["kv_cache"] == 3 * memory.cpu_kv_cache_bytes(smollm2, 2, 8192)
 
 
 def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
@@ -353,25 +353,25 @@ def test_spec_model_config_reads_configs_without_weights(tmp_path, monkeypatch):
 
     from harness.config import AgentSpec, resolve_agent_spec
 
-    assert memory.spec_model_config(resolve_agent_spec("Qwen3-8B")) is memory.QWEN3_DIMS["qwen3-8b"]
-    assert memory.spec_model_config(resolve_agent_spec("Qwen/Qwen3-32B")) is memory.QWEN3_DIMS["qwen3-32b"]
-    assert memory.spec_model_config(resolve_agent_spec("tiny")) is None
-    assert memory.spec_model_config(AgentSpec(name="m.gguf", kind="gguf", source="m.gguf")) is None
+    assert run_memory.spec_model_config(resolve_agent_spec("Qwen3-8B")) is memory.QWEN3_DIMS["qwen3-8b"]
+    assert run_memory.spec_model_config(resolve_agent_spec("Qwen/Qwen3-32B")) is memory.QWEN3_DIMS["qwen3-32b"]
+    assert run_memory.spec_model_config(resolve_agent_spec("tiny")) is None
+    assert run_memory.spec_model_config(AgentSpec(name="m.gguf", kind="gguf", source="m.gguf")) is None
     folder = tmp_path / "big"
     LlamaConfig(**QWEN3_8B_SHAPED).save_pretrained(folder)  # config.json only: no weights
-    read = memory.spec_model_config(resolve_agent_spec(str(folder)))
+    read = run_memory.spec_model_config(resolve_agent_spec(str(folder)))
     assert memory.count_parameters(read) == memory.count_parameters(QWEN3_8B_SHAPED)
     (folder / "config.json").write_text("{}")  # no dimensions: left to the check after loading
-    assert memory.spec_model_config(resolve_agent_spec(str(folder))) is None
+    assert run_memory.spec_model_config(resolve_agent_spec(str(folder))) is None
     # a hub id whose config.json is in the local Hugging Face cache (and one that is not)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     repo = tmp_path / "hub" / "models--someorg--cached-model"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("abc123")
     LlamaConfig(**{**QWEN3_8B_SHAPED, "num_hidden_layers": 2}).save_pretrained(repo / "snapshots" / "abc123")
-    cached = memory.spec_model_config(resolve_agent_spec("someorg/cached-model"))
+    cached = run_memory.spec_model_config(resolve_agent_spec("someorg/cached-model"))
     assert cached.num_hidden_layers == 2
-    assert memory.spec_model_config(resolve_agent_spec("someorg/not-cached")) is None
+    assert run_memory.spec_model_config(resolve_agent_spec("someorg/not-cached")) is None
 
 
 def test_cpu_team_that_cannot_load_is_refused_before_the_weights_and_the_hub(tmp_path, monkeypatch, capsys):
@@ -409,9 +409,9 @@ def test_cpu_local_folder_too_large_is_refused_from_its_config_json(tmp_path, mo
 
     cfg = Config(agents=f"{folder} x3", device="cpu").apply_preset()
     with pytest.raises(ValueError, match=r"^not enough memory \(RAM\)"):
-        memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
-    monkeypatch.setattr(memory, "ram_bytes", lambda meminfo="/proc/meminfo": None)  # RAM unknown: nothing checked
-    memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
+        run_memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
+    monkeypatch.setattr(run_memory, "ram_bytes", lambda meminfo="/proc/meminfo": None)  # RAM unknown: nothing checked
+    run_memory.check_team_ram(cfg, [resolve_agent_spec(str(folder))] * 3)
 
 
 def test_cpu_team_refused_after_loading_writes_nothing(tmp_path, monkeypatch, capsys):

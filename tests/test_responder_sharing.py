@@ -14,7 +14,7 @@ from harness.loading import load_agent, save_agent
 from harness.responder import shared_responder, shares_weights
 from harness.run import build_team, run_inputs
 from rollout import SamplingConfig, rollout
-from scale import memory
+from scale import memory, run_memory
 from scale.rollout_hf import HF
 from scale.vllm_lora import lora_engines, make_team_backend
 
@@ -80,7 +80,7 @@ def test_with_lora_the_responder_is_the_agents_base_for_the_whole_run(folder):
     base = team.agents[0].base
     assert base is team.agents[1].base and pointers(responder.model) == pointers(base.model)
     assert not any("lora_" in n for n, _ in responder.model.named_parameters())  # the base, no adapter in it
-    assert shares_weights(team) and memory.responder_plan(team_cfg(folder, "--lora", "4"), team)[0] == 0
+    assert shares_weights(team) and run_memory.responder_plan(team_cfg(folder, "--lora", "4"), team)[0] == 0
     said = replies(responder)
     train_one_step(team.agents[0])
     assert pointers(responder.model) == pointers(base.model) and replies(responder) == said
@@ -97,7 +97,7 @@ def test_with_lora_on_vllm_the_responder_of_the_base_needs_no_engine_of_its_own(
     assert lora_engines(team) == backend.n_engines == 1
     assert backend.base_for(responder) is base and backend.base_for(team.agents[1]) is base
     assert backend.request_kwargs(responder) == {}
-    assert memory.responder_plan(cfg, team) == (0, 0)  # no weights, its KV in the base's engine's
+    assert run_memory.responder_plan(cfg, team) == (0, 0)  # no weights, its KV in the base's engine's
     backend.close()
     other = build_team(run_inputs(team_cfg(folder, "--lora", "4", "--env-model", "tiny")), "")
     backend = make_team_backend("vllm", other, seed=0)
@@ -111,7 +111,7 @@ def test_on_cpu_the_plan_counts_one_vllm_engine_per_base_under_lora():
     def kv_cache(*extra):
         cfg = harness.cli.parse_args(["--agents", "Qwen3-0.6B x3", "--backend", "vllm", "--device", "cpu",
                                       *extra]).apply_preset()
-        return memory.cpu_plan(cfg, dims, 3)[0]["kv_cache"]
+        return run_memory.cpu_plan(cfg, dims, 3)[0]["kv_cache"]
 
     assert kv_cache("--lora", "8") * 3 == kv_cache()  # three agents on one base: one engine, not three
 
@@ -141,13 +141,13 @@ def test_the_plan_counts_the_responder_once_in_both_peaks():
     dims = memory.QWEN3_DIMS["qwen3-4b"]
     cfg = harness.cli.parse_args(["--agents", "Qwen3-4B x3", "--task", "env:detective-cases", "--max-rounds", "10",
                                   "--device", "cpu"]).apply_preset()
-    plain = memory.run_estimate(cfg, dims, 3)
+    plain = run_memory.run_estimate(cfg, dims, 3)
     weights, kv = 123 << 20, 45 << 20
-    est = memory.run_estimate(cfg, dims, 3, (weights, kv))
+    est = run_memory.run_estimate(cfg, dims, 3, (weights, kv))
     assert est["responder_weights"] == weights and est["responder_kv"] == kv
     assert est["peak_training"] - plain["peak_training"] == weights  # resident through training
     assert est["peak_rollout"] - plain["peak_rollout"] == weights + kv
-    assert memory.responder_max_len(cfg, 3) == 1024 + 10 * 3 * (cfg.max_new_tokens + cfg.env_model_max_tokens)
+    assert run_memory.responder_max_len(cfg, 3) == 1024 + 10 * 3 * (cfg.max_new_tokens + cfg.env_model_max_tokens)
     huge = {**est, "responder_weights": 10 * est["peak_rollout"]}
     huge["peak_rollout"] = sum(huge[p] for p in memory.PEAKS["peak_rollout"])
     huge["peak_training"] = sum(huge[p] for p in memory.PEAKS["peak_training"])
@@ -158,9 +158,9 @@ def test_the_plan_counts_the_responder_once_in_both_peaks():
 def test_the_plan_of_a_loaded_responder_is_its_weights_and_its_kv(folder):
     team, cfg = team_of(folder), team_cfg(folder)
     config = team.config.responder.model.config
-    weights, kv = memory.responder_plan(cfg, team)
+    weights, kv = run_memory.responder_plan(cfg, team)
     assert weights == memory.count_parameters(config) * 4  # float32 on CPU, counted although shared at the start
-    tokens = max(cfg.token_budget, memory.responder_max_len(cfg, 2))
+    tokens = max(cfg.token_budget, run_memory.responder_max_len(cfg, 2))
     assert kv == tokens * memory.kv_bytes_per_token(config, 4)
 
 
@@ -206,7 +206,7 @@ def test_before_loading_a_responder_of_the_agents_base_under_lora_costs_no_weigh
         cfg = harness.cli.parse_args(["--agents", "Qwen3-4B x3", "--task", "env:detective-cases", "--device", "cpu",
                                       *extra]).apply_preset()
         specs = parse_agents(cfg.agents)
-        return memory.spec_responder_bytes(cfg, parse_agents("Qwen3-4B")[0], specs), cfg
+        return run_memory.spec_responder_bytes(cfg, parse_agents("Qwen3-4B")[0], specs), cfg
 
     (weights, kv), cfg = plan()
     dims = memory.QWEN3_DIMS["qwen3-4b"]
@@ -215,4 +215,4 @@ def test_before_loading_a_responder_of_the_agents_base_under_lora_costs_no_weigh
     assert weights == 0 and kv_lora == kv
     assert plan("--backend", "vllm")[0] == (memory.count_parameters(dims) * 4, kv)  # an engine of its own
     assert plan("--lora", "8", "--backend", "vllm")[0] == (0, 0)  # answered by the base's engine, from its KV cache
-    assert memory.spec_responder_bytes(cfg, parse_agents("tiny")[0], parse_agents(cfg.agents)) == (0, 0)
+    assert run_memory.spec_responder_bytes(cfg, parse_agents("tiny")[0], parse_agents(cfg.agents)) == (0, 0)
